@@ -1,0 +1,3 @@
+from gpudecode.cli import main
+
+main()

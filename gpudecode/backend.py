@@ -1,0 +1,92 @@
+"""Array backend: numpy on the host, CuPy on the GPU, and the CUDA stream shared with ONNX Runtime.
+
+CuPy is imported lazily so that ``import gpudecode`` works on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import numpy as np
+
+
+class GpuUnavailableError(RuntimeError):
+    """The GPU path was asked for where CuPy or a CUDA device is missing."""
+
+
+@functools.cache
+def _import_cupy() -> tuple[ModuleType | None, str]:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        return None, f"CuPy cannot be imported ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return None, f"CuPy sees no CUDA device ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return None, "CuPy sees no CUDA device"
+    return cupy, ""
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    return _import_cupy()[0] is not None
+
+
+def require_cupy() -> ModuleType:
+    """The cupy module, or one clear error saying why the GPU cannot be used."""
+    cupy, reason = _import_cupy()
+    if cupy is None:
+        raise GpuUnavailableError(
+            f"the GPU was requested but cannot be used: {reason}. "
+            "Install the 'cuda12' or 'cuda13' extra on a machine with an NVIDIA GPU, "
+            "or set the device to 'cpu'."
+        )
+    return cupy
+
+
+def is_device_array(array) -> bool:
+    """True for CuPy arrays (checked without importing CuPy)."""
+    return type(array).__module__.startswith("cupy")
+
+
+def array_module(device: str) -> ModuleType:
+    """numpy for ``"cpu"``, cupy for ``"cuda"``."""
+    if device == "cpu":
+        return np
+    if device == "cuda":
+        return require_cupy()
+    raise ValueError(f"unknown device {device!r}; valid: 'cpu', 'cuda'")
+
+
+def get_array_module(*arrays) -> ModuleType:
+    """cupy if any argument is a CuPy array, else numpy."""
+    if any(is_device_array(a) for a in arrays):
+        return require_cupy()
+    return np
+
+
+def to_host(array) -> np.ndarray:
+    """A numpy copy of a CuPy array (ordered on the shared stream); numpy arrays pass through."""
+    if is_device_array(array):
+        return array.get(stream=shared_stream(array.device.id))
+    return np.asarray(array)
+
+
+def to_device(array, device_id: int = 0):
+    """A CuPy array on ``device_id`` (uploaded on the shared stream); CuPy arrays pass through."""
+    cupy = require_cupy()
+    if is_device_array(array):
+        return array
+    with cupy.cuda.Device(device_id), shared_stream(device_id):
+        return cupy.asarray(array)
+
+
+@functools.cache
+def shared_stream(device_id: int = 0):
+    """The one non-blocking CUDA stream per device on which CuPy and ONNX Runtime both run."""
+    cupy = require_cupy()
+    with cupy.cuda.Device(device_id):
+        return cupy.cuda.Stream(non_blocking=True)

@@ -1,0 +1,46 @@
+"""Finds the CUDA sources of ``kernels/`` and compiles them lazily with ``cupy.RawModule``.
+
+From a source checkout the sources are the top-level ``kernels/`` folder; in an installed wheel
+they are package data at ``gpudecode/kernels/``.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+
+from gpudecode.backend import require_cupy
+
+
+def kernel_dir() -> Path:
+    """The folder holding the ``.cu`` files."""
+    packaged = Path(str(resources.files("gpudecode"))) / "kernels"
+    if packaged.is_dir():
+        return packaged
+    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError(f"CUDA kernel sources not found in {packaged} or {checkout}")
+
+
+def kernel_source(family: str) -> str:
+    """The source text of ``kernels/<family>.cu``."""
+    path = kernel_dir() / f"{family}.cu"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel family {family!r}: {path} does not exist")
+    return path.read_text()
+
+
+@functools.cache
+def load_module(family: str, name_expressions: tuple[str, ...], device_id: int = 0):
+    """The compiled ``RawModule`` of one kernel family, memoised per device."""
+    cupy = require_cupy()
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(
+            code=kernel_source(family),
+            options=("--std=c++17",),
+            name_expressions=list(name_expressions),
+        )
+        module.compile()
+    return module

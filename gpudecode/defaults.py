@@ -1,0 +1,103 @@
+"""Every default value and every set of valid choices, in one place.
+
+The YAML schema (`gpudecode.config`) and the command line (`gpudecode.cli`) both read these
+names, so a default changes here and nowhere else. Units are in the names (``*_ms``, ``*_hz``,
+``*_bytes``).
+"""
+
+from __future__ import annotations
+
+# --- runtime -------------------------------------------------------------------------------
+DEVICES = ("cpu", "cuda")
+DEVICE = "cpu"
+DEVICE_ID = 0
+TF32 = False  # TF32 off by default: DESIGN §8 exactness is defined with TF32 off
+CUDA_GRAPHS = False
+SHARE_STREAM = True  # ONNX Runtime runs on CuPy's stream (user_compute_stream)
+ORT_ARENA_LIMIT_BYTES: int | None = None  # None: no limit
+CUPY_POOL_LIMIT_BYTES: int | None = None  # None: no limit
+CUDNN_CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+# HEURISTIC, not ONNX Runtime's EXHAUSTIVE: decoding sees many shapes, and an exhaustive search
+# per new shape costs more than it saves.
+CUDNN_CONV_ALGO_SEARCH = "HEURISTIC"
+
+# --- models: front end (log-mel features from audio) ---------------------------------------
+SAMPLE_RATE_HZ = 16000
+WINDOW_MS = 25.0
+HOP_MS = 10.0
+FFT_SIZE: int | None = None  # None: the next power of two >= the window length in samples
+NUM_MEL_BINS = 80
+LOW_FREQ_HZ = 20.0
+HIGH_FREQ_HZ: float | None = None  # None: the Nyquist frequency
+LOG_FLOOR = 1e-10
+WINDOW_TYPES = ("hann", "hamming", "povey", "rectangular")
+WINDOW_TYPE = "hann"
+PREEMPHASIS = 0.0  # 0: off
+NORMALISATIONS = ("none", "utterance", "global")
+NORMALISATION = "none"
+
+# --- scorers ---------------------------------------------------------------------------------
+# Built-in scorer types; any other type must be a ``module:Class`` import path.
+BUILTIN_SCORER_TYPES = (
+    "onnx-decoder",
+    "prefix-lm",
+    "recurrent-lm",
+    "ctc",
+    "ctc-prefix",
+    "transducer",
+    "length-reward",
+)
+SCORER_SCALE = 1.0
+SCORES_KINDS = ("log-probs", "neg-log-probs", "logits")
+SCORES_KIND = "log-probs"
+STATE_MANAGER_TYPES = (
+    "transformer",
+    "transformer-cpu",
+    "transformer-cuda",
+    "transformer-16bit",
+    "transformer-8bit",
+    "lstm",
+    "lstm-cpu",
+    "lstm-cuda",
+)
+STATE_MANAGER_TYPE = "transformer"
+MAX_HISTORY: int | None = None  # None: keep every token state
+ALWAYS_INCLUDE_FIRST_TOKEN_STATE = False
+SLOTS_PER_CHUNK = 1024
+STORAGE_DTYPES = ("model", "float32", "float16")
+STORAGE_DTYPE = "model"  # "model": store states in the model's own dtype
+STATE_COMPRESSIONS = ("none", "fixed-quantisation", "reduced-precision")
+STATE_COMPRESSION = "none"
+
+# --- search ----------------------------------------------------------------------------------
+SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy", "transducer")
+SEARCH_TYPE = "label-sync"
+BEAM_SIZE = 8
+NBEST: int | None = None  # None: every hypothesis of the final beam
+SCORE_THRESHOLD: float | None = None  # None: no threshold pruning
+LENGTH_NORM_SCALE = 1.0  # ranking by score / length**scale; 0 turns it off
+MAX_LABELS_PER_INPUT = 1.0  # labels per encoder frame (label-synchronous search)
+MAX_LABELS = 1024  # absolute cap per utterance
+SEARCH_BATCH_SIZE = 16  # utterances in flight
+MAX_CACHED_SCORE_VECTORS = 10_000
+PRE_BEAM_SIZE: int | None = None  # None: no pre-pruning, every label is a candidate
+MAX_SYMBOLS_PER_FRAME = 10  # transducer (NeMo's default)
+
+# --- io --------------------------------------------------------------------------------------
+FEATURE_FORMATS = ("auto", "npy-dir", "npz", "hdf5", "kaldi-ark", "kaldi-scp", "audio")
+FEATURE_FORMAT = "auto"
+AUDIO_EXTENSIONS = (".wav", ".flac")
+OUTPUT_FOLDER = "output"
+OUTPUT_FORMAT_CHOICES = ("text", "jsonl", "ctm")
+OUTPUT_FORMATS = ("text", "jsonl")
+WORD_MERGINGS = ("none", "sentencepiece", "bpe")
+WORD_MERGING = "none"
+ON_BAD_INPUT_CHOICES = ("stop", "skip")
+ON_BAD_INPUT = "stop"
+
+# File names inside the output folder.
+TEXT_FILE = "text"
+JSONL_FILE = "nbest.jsonl"
+CTM_FILE = "hyp.ctm"
+WER_FILE = "wer.json"
+RESOLVED_CONFIG_FILE = "config.resolved.yaml"

@@ -1,0 +1,67 @@
+"""A readable summary of an ONNX model's interface, as `gpudecode inspect` prints it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import onnx
+
+from gpudecode.session.discovery import ModelError, discover_encoder, discover_step_model
+from gpudecode.session.tensors import ModelTensors, from_onnx_model
+
+
+def _table(rows: list[tuple[str, str]], indent: str = "  ") -> list[str]:
+    width = max((len(a) for a, _ in rows), default=0)
+    return [f"{indent}{a:<{width}}  {b}" for a, b in rows]
+
+
+def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) -> str:
+    """Inputs, outputs, state variables with time axes, per-utterance inputs, metadata, convention."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file {path} does not exist")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise ModelError(f"{path}: not a readable ONNX file ({exc})") from exc
+    tensors: ModelTensors = from_onnx_model(model, str(path))
+    lines = [f"model: {path}"]
+    lines.append("inputs:")
+    lines += _table([(t.name, t.describe()) for t in tensors.inputs])
+    lines.append("outputs:")
+    lines += _table([(t.name, t.describe()) for t in tensors.outputs])
+
+    if tensors.input((io_map or {}).get("features", "features")) is not None:
+        try:
+            encoder = discover_encoder(tensors, io_map=io_map)
+            lines.append("convention: encoder (features -> encoder-states)")
+            if encoder.extra_outputs:
+                lines.append("further outputs (per-utterance inputs of a decoder): " + ", ".join(encoder.extra_outputs))
+        except ModelError as exc:
+            lines.append(f"convention: not recognised ({exc})")
+    else:
+        try:
+            spec = discover_step_model(tensors, io_map=io_map)
+        except ModelError as exc:
+            lines.append(f"convention: not recognised ({exc})")
+        else:
+            kind = {"rasr": "RASR stateful step model", "huggingface": "Hugging Face decoder with past"}
+            lines.append(f"convention: {spec.convention} ({kind[spec.convention]})")
+            lines.append("per-hypothesis inputs: " + ", ".join(f"{k}='{v}'" for k, v in spec.hypothesis_inputs.items()))
+            lines.append(f"scores output: '{spec.scores_output}'")
+            lines.append(f"state variables ({len(spec.state_variables)}):")
+            rows = []
+            for v in spec.state_variables:
+                info = tensors.input(v.input_name)
+                axis = "none (one state per hypothesis)" if v.time_axis is None else str(v.time_axis)
+                rows.append((f"{v.input_name} -> {v.output_name}", f"{info.describe()}  batch axis {v.batch_axis}  time axis {axis}"))
+            lines += _table(rows)
+            lines.append(f"per-utterance inputs ({len(spec.utterance_inputs)}):")
+            lines += _table([
+                (u.name, f"{tensors.input(u.name).describe()}" + (f"  from '{u.source}'" if u.source else ""))
+                for u in spec.utterance_inputs
+            ])
+    lines.append("metadata:" if tensors.metadata else "metadata: none")
+    lines += _table(sorted(tensors.metadata.items()))
+    return "\n".join(lines)

@@ -1,0 +1,20 @@
+"""ONNX Runtime sessions on host or device tensors, and discovery of a model's conventions."""
+
+from gpudecode.session.discovery import (
+    EncoderSpec,
+    ModelError,
+    ModelSpec,
+    UtteranceInput,
+    discover_encoder,
+    discover_step_model,
+)
+from gpudecode.session.hf import hf_attention_inputs
+from gpudecode.session.options import SessionOptions
+from gpudecode.session.runner import OnnxSession, SessionError
+from gpudecode.session.tensors import ModelTensors, TensorInfo, from_onnx_model, from_ort_session
+
+__all__ = [
+    "EncoderSpec", "ModelError", "ModelSpec", "ModelTensors", "OnnxSession", "SessionError",
+    "SessionOptions", "TensorInfo", "UtteranceInput", "discover_encoder", "discover_step_model",
+    "from_onnx_model", "from_ort_session", "hf_attention_inputs",
+]

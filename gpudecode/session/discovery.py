@@ -1,0 +1,314 @@
+"""Recognises a model's convention, state variables and per-utterance inputs, and validates them.
+
+Logical names (DESIGN §5) are mapped to a model's own names by ``io_map`` (logical -> model).
+Every problem is a :class:`ModelError` naming the model file, the tensor, expected vs actual.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpudecode.session.tensors import ModelTensors, TensorInfo
+from gpudecode.spec import StateVariable
+
+STATE_PREFIX = "STATE_"
+UTTERANCE_PREFIX = "UTTERANCE_"
+
+# (input regex, output template): the Hugging Face / Optimum decoder-with-past names.
+DEFAULT_STATE_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"past_key_values\.(\d+)\.decoder\.(key|value)", r"present.\1.decoder.\2"),
+    (r"past_key_values\.(\d+)\.(key|value)", r"present.\1.\2"),
+)
+DEFAULT_UTTERANCE_PATTERNS: tuple[str, ...] = (
+    r"past_key_values\.\d+\.encoder\.(key|value)",
+    r"encoder_attention_mask",
+    r"encoder_hidden_states",
+    r"encoder-states",
+    r"encoder-states-size",
+)
+
+RASR_INPUTS = ("token", "token-length", "prefix-length")
+HF_INPUTS = ("input_ids", "attention_mask", "position_ids")
+SCORE_OUTPUTS = {"rasr": "scores", "huggingface": "logits"}
+INT_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("V2"))
+
+
+class ModelError(ValueError):
+    """A model does not match what the configuration or the conventions expect."""
+
+
+@dataclass(frozen=True)
+class UtteranceInput:
+    """A per-utterance input: written once when an utterance is admitted, constant during search.
+
+    ``source`` names the encoder (or initializer) output it comes from, when the model says so.
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    source: str | None
+    time_axis: int | None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a stateful step model takes and gives, in logical terms."""
+
+    source: str
+    convention: str  # "rasr" or "huggingface"
+    tensors: ModelTensors
+    hypothesis_inputs: dict[str, str]  # logical name -> model input name
+    state_variables: tuple[StateVariable, ...]
+    utterance_inputs: tuple[UtteranceInput, ...]
+    scores_output: str
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The static last dimension of the score output, if declared."""
+        last = self.tensors.output(self.scores_output).shape[-1]
+        return last if isinstance(last, int) else None
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """An encoder: ``features`` [U,T,F] + ``features-size`` [U] -> ``encoder-states`` + sizes."""
+
+    source: str
+    tensors: ModelTensors
+    names: dict[str, str]  # logical -> model name
+    extra_outputs: tuple[str, ...]  # e.g. precomputed cross-attention keys/values
+
+    @property
+    def num_features(self) -> int | None:
+        last = self.tensors.input(self.names["features"]).shape[-1]
+        return last if isinstance(last, int) else None
+
+
+def _fail(tensors: ModelTensors, message: str) -> ModelError:
+    return ModelError(f"{tensors.source}: {message}")
+
+
+def _names(items: Sequence[TensorInfo]) -> str:
+    return ", ".join(f"'{t.name}' {t.describe()}" for t in items)
+
+
+def _require(tensors: ModelTensors, kind: str, name: str, logical: str) -> TensorInfo:
+    found = tensors.input(name) if kind == "input" else tensors.output(name)
+    if found is None:
+        declared = tensors.inputs if kind == "input" else tensors.outputs
+        mapped = "" if name == logical else f" (io_map: {logical} -> {name})"
+        raise _fail(tensors, f"no {kind} '{name}'{mapped}; the model's {kind}s are {_names(declared)}")
+    return found
+
+
+def _check(tensors: ModelTensors, info: TensorInfo, *, dtypes, ranks, what: str) -> None:
+    if info.dtype not in dtypes:
+        expected = " or ".join(d.name if d.kind != "V" else "bfloat16" for d in dtypes)
+        raise _fail(tensors, f"{what} '{info.name}': expected dtype {expected}, got {info.dtype.name}")
+    if info.rank not in ranks:
+        expected = " or ".join(str(r) for r in ranks)
+        raise _fail(
+            tensors, f"{what} '{info.name}': expected rank {expected}, got rank {info.rank} {info.describe()}"
+        )
+
+
+def _state_pairs(
+    tensors: ModelTensors, patterns: Sequence[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    pairs = [
+        (key[len(STATE_PREFIX):], value)
+        for key, value in tensors.metadata.items()
+        if key.startswith(STATE_PREFIX)
+    ]
+    claimed = {i for i, _ in pairs}
+    for info in tensors.inputs:
+        if info.name in claimed:
+            continue
+        for regex, template in patterns:
+            match = re.fullmatch(regex, info.name)
+            if match:
+                pairs.append((info.name, match.expand(template)))
+                claimed.add(info.name)
+                break
+    return pairs
+
+
+def _batch_symbol(label_input: TensorInfo) -> object:
+    return label_input.shape[0] if label_input.rank else None
+
+
+def _state_variable(
+    tensors: ModelTensors, input_name: str, output_name: str, batch_symbol: object
+) -> StateVariable:
+    info = tensors.input(input_name)
+    if info is None:
+        raise _fail(tensors, f"state variable '{input_name}' -> '{output_name}' names no input of the model")
+    out = tensors.output(output_name)
+    if out is None:
+        raise _fail(
+            tensors,
+            f"state input '{input_name}' has no output '{output_name}'; "
+            f"the model's outputs are {_names(tensors.outputs)}",
+        )
+    if out.dtype != info.dtype:
+        raise _fail(
+            tensors,
+            f"state output '{output_name}': expected dtype {info.dtype.name} (as input '{input_name}'), "
+            f"got {out.dtype.name}",
+        )
+    if out.rank != info.rank:
+        raise _fail(
+            tensors,
+            f"state output '{output_name}': expected rank {info.rank} (as input '{input_name}'), "
+            f"got rank {out.rank} {out.describe()}",
+        )
+    if info.dtype not in FLOAT_TYPES + (np.dtype(np.int16), np.dtype(np.int8)):
+        raise _fail(tensors, f"state input '{input_name}': expected a float or int16/int8 dtype, got {info.dtype.name}")
+    batch_axis = info.shape.index(batch_symbol) if batch_symbol in info.shape and isinstance(batch_symbol, str) else 0
+    dynamic = [a for a, d in enumerate(info.shape) if a != batch_axis and not isinstance(d, int)]
+    if len(dynamic) > 1:
+        raise _fail(
+            tensors,
+            f"state input '{input_name}' {info.describe()}: expected at most one dynamic axis besides "
+            f"the batch axis {batch_axis} (the time axis), got axes {dynamic}",
+        )
+    return StateVariable(
+        input_name=input_name,
+        output_name=output_name,
+        dtype=info.dtype,
+        shape=tuple(d if isinstance(d, int) else None for d in info.shape),
+        batch_axis=batch_axis,
+        time_axis=dynamic[0] if dynamic else None,
+    )
+
+
+def _utterance_input(tensors: ModelTensors, info: TensorInfo, source: str | None, batch_symbol) -> UtteranceInput:
+    batch_axis = info.shape.index(batch_symbol) if isinstance(batch_symbol, str) and batch_symbol in info.shape else 0
+    dynamic = [a for a, d in enumerate(info.shape) if a != batch_axis and not isinstance(d, int)]
+    return UtteranceInput(info.name, info.dtype, info.shape, source, dynamic[0] if dynamic else None)
+
+
+def discover_step_model(
+    tensors: ModelTensors,
+    *,
+    io_map: Mapping[str, str] | None = None,
+    state_patterns: Sequence[tuple[str, str]] = (),
+    utterance_patterns: Sequence[str] = (),
+    vocab_size: int | None = None,
+) -> ModelSpec:
+    """Recognise and validate a stateful step model (RASR or Hugging Face convention).
+
+    ``state_patterns`` (input regex, output template) and ``utterance_patterns`` (input regex)
+    add to the metadata (``STATE_*``, ``UTTERANCE_*``) and the Hugging Face defaults.
+    """
+    io_map = dict(io_map or {})
+    name = lambda logical: io_map.get(logical, logical)  # noqa: E731
+    if tensors.input(name("token")) is not None:
+        convention, logical_inputs = "rasr", RASR_INPUTS
+    elif tensors.input(name("input_ids")) is not None:
+        convention, logical_inputs = "huggingface", HF_INPUTS
+    else:
+        raise _fail(
+            tensors,
+            f"no label input: expected '{name('token')}' (RASR convention) or '{name('input_ids')}' "
+            f"(Hugging Face convention); the model's inputs are {_names(tensors.inputs)}; "
+            "map yours with io_map",
+        )
+    label_input = tensors.input(name(logical_inputs[0]))
+    _check(tensors, label_input, dtypes=INT_TYPES, ranks=(2,), what="label input")
+    hypothesis_inputs = {logical_inputs[0]: label_input.name}
+    for logical in logical_inputs[1:]:
+        info = tensors.input(name(logical))
+        if info is None:
+            if logical == "prefix-length":
+                _require(tensors, "input", name(logical), logical)
+            continue  # token-length is optional; HF masks/positions are optional in some exports
+        rank = (2,) if logical in ("attention_mask", "position_ids") else (1,)
+        _check(tensors, info, dtypes=INT_TYPES, ranks=rank, what="input")
+        hypothesis_inputs[logical] = info.name
+
+    scores = _require(tensors, "output", name(SCORE_OUTPUTS[convention]), SCORE_OUTPUTS[convention])
+    _check(tensors, scores, dtypes=FLOAT_TYPES, ranks=(2, 3), what="score output")
+
+    batch_symbol = _batch_symbol(label_input)
+    pairs = _state_pairs(tensors, list(state_patterns) + list(DEFAULT_STATE_PATTERNS))
+    state_variables = tuple(_state_variable(tensors, i, o, batch_symbol) for i, o in pairs)
+
+    sources = {
+        key[len(UTTERANCE_PREFIX):]: value
+        for key, value in tensors.metadata.items()
+        if key.startswith(UTTERANCE_PREFIX)
+    }
+    patterns = list(utterance_patterns) + list(DEFAULT_UTTERANCE_PATTERNS) + [
+        re.escape(name("encoder-states")), re.escape(name("encoder-states-size"))
+    ]
+    taken = set(hypothesis_inputs.values()) | {v.input_name for v in state_variables}
+    utterance_inputs = []
+    for info in tensors.inputs:
+        if info.name in taken:
+            continue
+        if info.name in sources or any(re.fullmatch(p, info.name) for p in patterns):
+            utterance_inputs.append(_utterance_input(tensors, info, sources.get(info.name), batch_symbol))
+            continue
+        raise _fail(
+            tensors,
+            f"input '{info.name}' {info.describe()} is provided by nothing: it is not a "
+            f"{convention} input ({', '.join(logical_inputs)}), not a state variable (no "
+            f"{STATE_PREFIX}{info.name} metadata or state name pattern) and not a per-utterance "
+            f"input ({UTTERANCE_PREFIX}{info.name} metadata or pattern); map it with io_map or the patterns",
+        )
+    utterance_names = {u.name for u in utterance_inputs}
+    masked = any(n in utterance_names for n in (name("encoder-states-size"), "encoder_attention_mask"))
+    if utterance_inputs and not masked:
+        raise _fail(
+            tensors,
+            f"per-utterance inputs {sorted(utterance_names)} come without '{name('encoder-states-size')}' "
+            "(or 'encoder_attention_mask'), so padded encoder frames could not be masked",
+        )
+
+    spec = ModelSpec(
+        source=tensors.source,
+        convention=convention,
+        tensors=tensors,
+        hypothesis_inputs=hypothesis_inputs,
+        state_variables=state_variables,
+        utterance_inputs=tuple(utterance_inputs),
+        scores_output=scores.name,
+    )
+    if vocab_size is not None and spec.vocab_size is not None and spec.vocab_size != vocab_size:
+        raise _fail(
+            tensors,
+            f"score output '{scores.name}' {scores.describe()}: expected vocabulary size {vocab_size} "
+            f"(from the vocabulary), got {spec.vocab_size}",
+        )
+    return spec
+
+
+def discover_encoder(tensors: ModelTensors, *, io_map: Mapping[str, str] | None = None) -> EncoderSpec:
+    """Recognise and validate an encoder model."""
+    io_map = dict(io_map or {})
+    names = {k: io_map.get(k, k) for k in ("features", "features-size", "encoder-states", "encoder-states-size")}
+    features = _require(tensors, "input", names["features"], "features")
+    _check(tensors, features, dtypes=FLOAT_TYPES, ranks=(3,), what="input")
+    _check(tensors, _require(tensors, "input", names["features-size"], "features-size"),
+           dtypes=INT_TYPES, ranks=(1,), what="input")
+    _check(tensors, _require(tensors, "output", names["encoder-states"], "encoder-states"),
+           dtypes=FLOAT_TYPES, ranks=(3,), what="output")
+    _check(tensors, _require(tensors, "output", names["encoder-states-size"], "encoder-states-size"),
+           dtypes=INT_TYPES, ranks=(1,), what="output")
+    known = set(names.values())
+    extra_inputs = [t for t in tensors.inputs if t.name not in known]
+    if extra_inputs:
+        raise _fail(tensors, f"encoder input(s) {_names(extra_inputs)} are provided by nothing")
+    return EncoderSpec(
+        source=tensors.source,
+        tensors=tensors,
+        names=names,
+        extra_outputs=tuple(t.name for t in tensors.outputs if t.name not in known),
+    )

@@ -1,0 +1,216 @@
+"""ONNX Runtime session on host or device tensors.
+
+On the CUDA provider, ONNX Runtime runs on the CUDA stream CuPy uses (``user_compute_stream``)
+and does not synchronise after a run, so CuPy kernels before and after a call are ordered by the
+stream alone. CuPy inputs are bound by pointer; outputs stay on the device as CuPy arrays, either
+caller-preallocated buffers or zero-copy views of ONNX-Runtime-owned memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from gpudecode import backend
+from gpudecode.session.options import SessionOptions
+from gpudecode.session.placement import data_copies
+from gpudecode.session.tensors import ModelTensors, from_ort_session
+
+log = logging.getLogger(__name__)
+
+
+class SessionError(RuntimeError):
+    """A session cannot run where it was asked to."""
+
+
+def _import_ort():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise SessionError(
+            "onnxruntime is not installed: install one runtime extra, 'cpu', 'cuda12' or 'cuda13'"
+        ) from exc
+    return onnxruntime
+
+
+class OnnxSession:
+    """One ONNX model, loaded once, run on numpy (CPU provider) or CuPy (CUDA provider) tensors."""
+
+    def __init__(self, model: str | os.PathLike | bytes, options: SessionOptions = SessionOptions()):
+        ort = _import_ort()
+        self.options = options
+        self.source = "<bytes>" if isinstance(model, bytes) else str(model)
+        self.name = "model" if isinstance(model, bytes) else Path(model).stem
+        if not isinstance(model, bytes) and not Path(model).is_file():
+            raise FileNotFoundError(f"model file {self.source} does not exist")
+        self._calls = itertools.count()
+        ort_options = ort.SessionOptions()
+        ort_options.log_severity_level = 3
+        if options.intra_op_threads:
+            ort_options.intra_op_num_threads = options.intra_op_threads
+        optimised_path = None
+        if options.device == "cuda":
+            cupy = backend.require_cupy()
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise SessionError(
+                    f"{self.source}: CUDA was requested but onnxruntime {ort.__version__} has no CUDA "
+                    f"execution provider (available: {', '.join(ort.get_available_providers())}); install "
+                    "onnxruntime-gpu through the 'cuda12' or 'cuda13' extra, without the CPU onnxruntime"
+                )
+            if not 0 <= options.device_id < cupy.cuda.runtime.getDeviceCount():
+                raise SessionError(
+                    f"{self.source}: CUDA device {options.device_id} was requested but this machine has "
+                    f"{cupy.cuda.runtime.getDeviceCount()} device(s)"
+                )
+            self.stream = backend.shared_stream(options.device_id)
+            providers = [("CUDAExecutionProvider", self._cuda_provider_options()), "CPUExecutionProvider"]
+            if options.check_placement:
+                handle, optimised_path = tempfile.mkstemp(suffix=".onnx")
+                os.close(handle)
+                ort_options.optimized_model_filepath = optimised_path
+        else:
+            self.stream = None
+            providers = ["CPUExecutionProvider"]
+        try:
+            self.session = ort.InferenceSession(model, sess_options=ort_options, providers=providers)
+        except Exception as exc:
+            raise SessionError(f"{self.source}: ONNX Runtime cannot load the model: {exc}") from exc
+        try:
+            if options.device == "cuda":
+                self._check_cuda(optimised_path)
+        finally:
+            if optimised_path:
+                Path(optimised_path).unlink(missing_ok=True)
+        self.tensors: ModelTensors = from_ort_session(self.session, self.source)
+        self._run_options = ort.RunOptions()
+        if options.device == "cuda":
+            self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+            self._empty = backend.require_cupy().empty(64, np.uint8)  # bound for zero-size tensors
+
+    def _cuda_provider_options(self) -> dict[str, str]:
+        o = self.options
+        provider = {
+            "device_id": str(o.device_id),
+            "use_tf32": "1" if o.use_tf32 else "0",
+            "cudnn_conv_algo_search": o.cudnn_conv_algo_search,
+            "arena_extend_strategy": o.arena_extend_strategy,
+            "user_compute_stream": str(self.stream.ptr),
+            "has_user_compute_stream": "1",
+        }
+        if o.arena_limit_bytes:
+            provider["gpu_mem_limit"] = str(o.arena_limit_bytes)
+        return provider
+
+    def _check_cuda(self, optimised_path: str | None) -> None:
+        active = self.session.get_providers()
+        if not active or active[0] != "CUDAExecutionProvider":
+            raise SessionError(
+                f"{self.source}: CUDA was requested but ONNX Runtime runs the model on {active}: the CUDA "
+                "execution provider failed to load (check the CUDA/cuDNN libraries of onnxruntime-gpu)"
+            )
+        if optimised_path and Path(optimised_path).stat().st_size:
+            copies = data_copies(onnx.load(optimised_path, load_external_data=False))
+            if copies:
+                raise SessionError(
+                    f"{self.source}: nodes were placed on the CPU and data is copied between providers "
+                    f"every call: {'; '.join(copies)}"
+                )
+
+    @property
+    def provider(self) -> str:
+        """``"cpu"`` or ``"cuda"``: where the model really runs."""
+        return self.options.device
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.tensors.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.tensors.outputs]
+
+    def run(
+        self,
+        inputs: Mapping[str, object],
+        output_names: Sequence[str] | None = None,
+        *,
+        outputs: Mapping[str, object] | None = None,
+        upload_outputs: bool = False,
+    ) -> dict[str, object]:
+        """Run the model once.
+
+        ``inputs`` are numpy or CuPy arrays. ``outputs`` optionally gives preallocated CuPy buffers
+        (CUDA only) that the model writes in place. On CUDA every output is a CuPy array; on the CPU
+        a numpy array, or a CuPy array when ``upload_outputs`` is set (host outputs uploaded).
+        """
+        names = list(output_names) if output_names is not None else self.output_names
+        if self.options.dump_inputs is not None:
+            self._dump(inputs)
+        if self.options.device == "cpu":
+            feeds = {k: backend.to_host(v) for k, v in inputs.items()}
+            results = dict(zip(names, self.session.run(names, feeds)))
+            if upload_outputs:
+                results = {k: backend.to_device(v, self.options.device_id) for k, v in results.items()}
+            return results
+        return self._run_cuda(inputs, names, dict(outputs or {}))
+
+    def _run_cuda(self, inputs: Mapping[str, object], names: list[str], outputs: dict) -> dict:
+        cupy = backend.require_cupy()
+        device_id = self.options.device_id
+        binding = self.session.io_binding()
+        for name, value in inputs.items():
+            if backend.is_device_array(value):
+                value = cupy.ascontiguousarray(value)
+                pointer = value.data.ptr if value.size else self._empty.data.ptr
+                binding.bind_input(name, "cuda", device_id, value.dtype, list(value.shape), pointer)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in names:
+            buffer = outputs.get(name)
+            if buffer is None:
+                binding.bind_output(name, "cuda", device_id)
+            else:
+                if not (backend.is_device_array(buffer) and buffer.flags.c_contiguous):
+                    raise ValueError(f"{self.source}: output buffer for '{name}' must be a contiguous CuPy array")
+                binding.bind_output(name, "cuda", device_id, buffer.dtype, list(buffer.shape), buffer.data.ptr)
+        self.session.run_with_iobinding(binding, self._run_options)
+        results = {}
+        for name, value in zip(names, binding.get_outputs()):
+            if name in outputs:
+                results[name] = outputs[name]
+            else:
+                results[name] = _wrap_device_output(cupy, value, device_id)
+        return results
+
+    def _dump(self, inputs: Mapping[str, object]) -> None:
+        folder = Path(self.options.dump_inputs)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{self.name}-{next(self._calls):06d}.npz"
+        np.savez(path, **{k: backend.to_host(v) for k, v in inputs.items()})
+
+
+_NP_TYPES = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_,
+}
+
+
+def _wrap_device_output(cupy, value, device_id: int):
+    """A CuPy view of an ONNX-Runtime-owned device tensor; the OrtValue stays alive with it."""
+    dtype = np.dtype(_NP_TYPES[value.data_type()])
+    shape = tuple(value.shape())
+    if value.device_name().lower() != "cuda":
+        return cupy.asarray(value.numpy())
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size == 0:
+        return cupy.empty(shape, dtype)
+    memory = cupy.cuda.UnownedMemory(value.data_ptr(), size, value, device_id)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))

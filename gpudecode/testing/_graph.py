@@ -1,0 +1,136 @@
+"""A small helper for writing ONNX graphs node by node, plus the numpy building blocks of the oracles."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+IR_VERSION = 9  # what onnxruntime >= 1.17 loads
+
+Dim = int | str
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; every helper returns the name of its (first) output."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = itertools.count()
+
+    def fresh(self, hint: str) -> str:
+        return f"{hint}_{next(self._count)}"
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, value, dtype) -> str:
+        return self.weight(self.fresh("const"), np.asarray(value, dtype=dtype))
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        return self.ops(op_type, inputs, 1, out=[out] if out else None, **attrs)[0]
+
+    def ops(
+        self, op_type: str, inputs: Sequence[str], num_outputs: int, out=None, **attrs
+    ) -> list[str]:
+        outputs = list(out) if out else [self.fresh(op_type) for _ in range(num_outputs)]
+        self.nodes.append(
+            helper.make_node(op_type, list(inputs), outputs, name=self.fresh(f"{op_type}_node"), **attrs)
+        )
+        return outputs
+
+    # -- composite helpers ------------------------------------------------------------------
+
+    def linear(self, x: str, weights: dict[str, np.ndarray], key: str, out: str | None = None) -> str:
+        """x @ weights[key.w] + weights[key.b] (each key used once per graph)."""
+        w, b = self.weight(f"{key}.w", weights[f"{key}.w"]), self.weight(f"{key}.b", weights[f"{key}.b"])
+        return self.op("Add", self.op("MatMul", x, w), b, out=out)
+
+    def layer_norm(self, x: str, weights: dict[str, np.ndarray], key: str) -> str:
+        g, b = self.weight(f"{key}.g", weights[f"{key}.g"]), self.weight(f"{key}.b", weights[f"{key}.b"])
+        return self.op("LayerNormalization", x, g, b, axis=-1, epsilon=LN_EPSILON)
+
+    def dim(self, x: str, axis: int) -> str:
+        """Scalar int64: the size of ``x`` along ``axis``."""
+        return self.op("Squeeze", self.op("Shape", x, start=axis, end=axis + 1))
+
+    def unsqueeze(self, x: str, axes: Sequence[int]) -> str:
+        return self.op("Unsqueeze", x, self.const(list(axes), np.int64))
+
+    def reshape(self, x: str, shape: Sequence[int]) -> str:
+        return self.op("Reshape", x, self.const(list(shape), np.int64))
+
+    def build(
+        self,
+        inputs: Sequence[tuple[str, np.dtype, Sequence[Dim]]],
+        outputs: Sequence[tuple[str, np.dtype, Sequence[Dim]]],
+        name: str,
+        metadata: dict[str, str] | None = None,
+    ) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            self.nodes,
+            name,
+            [_value_info(*spec) for spec in inputs],
+            [_value_info(*spec) for spec in outputs],
+            initializer=self.initializers,
+        )
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET)],
+            ir_version=IR_VERSION,
+            producer_name="gpudecode.testing",
+        )
+        if metadata:
+            helper.set_model_props(model, metadata)
+        return model
+
+
+def _value_info(name: str, dtype, shape: Sequence[Dim]) -> onnx.ValueInfoProto:
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype)) if dtype is not bool else TensorProto.BOOL
+    return helper.make_tensor_value_info(name, elem, list(shape))
+
+
+# -- numpy building blocks (float32 compute) -----------------------------------------------------
+
+LN_EPSILON = 1e-5
+
+
+def layer_norm(x: np.ndarray, weights: dict[str, np.ndarray], key: str) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    g, b = weights[f"{key}.g"].astype(np.float32), weights[f"{key}.b"].astype(np.float32)
+    return (x - mean) / np.sqrt(var + LN_EPSILON) * g + b
+
+
+def linear(x: np.ndarray, weights: dict[str, np.ndarray], key: str) -> np.ndarray:
+    return x @ weights[f"{key}.w"].astype(np.float32) + weights[f"{key}.b"].astype(np.float32)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def random_linear(rng: np.random.Generator, weights: dict, key: str, fan_in: int, fan_out: int) -> None:
+    """Draws ``key.w`` [fan_in, fan_out] and ``key.b`` [fan_out] (float64; cast by the caller)."""
+    weights[f"{key}.w"] = rng.normal(size=(fan_in, fan_out)) / np.sqrt(fan_in)
+    weights[f"{key}.b"] = 0.1 * rng.normal(size=fan_out)
+
+
+def random_layer_norm(rng: np.random.Generator, weights: dict, key: str, dim: int) -> None:
+    weights[f"{key}.g"] = 1.0 + 0.1 * rng.normal(size=dim)
+    weights[f"{key}.b"] = 0.1 * rng.normal(size=dim)
+
+
+def cast_all(weights: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, dtype=dtype) for k, v in weights.items()}

@@ -1,0 +1,119 @@
+"""Reference encoder: frame stacking, Linear+tanh, one residual feed-forward, cross-attention K/V."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpudecode.testing._graph import GraphBuilder, cast_all, linear, random_linear
+from gpudecode.testing.reference import Feeds, ReferenceModel
+from gpudecode.testing.transformer import cross_projection_weights
+
+
+def build_encoder(
+    seed: int = 0,
+    *,
+    num_features: int = 16,
+    model_dim: int = 32,
+    subsampling: int = 2,
+    num_decoder_layers: int = 2,
+    num_heads: int = 2,
+    decoder_dim: int | None = None,
+    dtype=np.float32,
+) -> ReferenceModel:
+    """Encoder with the decoder's cross-attention keys/values bundled.
+
+    Inputs: ``features`` [U, T, F] float, ``features-size`` [U] int32.
+    Outputs: ``encoder-states`` [U, T', E] with T' = ceil(T / s) (zero rows at and beyond the
+    size), ``encoder-states-size`` [U] int32 = ceil(features-size / s), and per decoder layer i
+    ``cross-key-{i}``, ``cross-value-{i}`` [U, H, T', Dh] with H * Dh = ``decoder_dim``
+    (default ``model_dim``). Features at and beyond ``features-size`` are ignored.
+
+    The cross projections are drawn like those of ``build_transformer_decoder`` with the same seed,
+    so this encoder + a "precomputed" decoder == an "encoder-states" decoder fed ``encoder-states``.
+    """
+    dtype = np.dtype(dtype)
+    s, num_f, dim = subsampling, num_features, model_dim
+    decoder_dim = model_dim if decoder_dim is None else decoder_dim
+    if subsampling < 1 or decoder_dim % num_heads:
+        raise ValueError(f"need subsampling >= 1 and decoder_dim % num_heads == 0, got "
+                         f"{subsampling=}, {decoder_dim=}, {num_heads=}")
+    head_dim = decoder_dim // num_heads
+
+    rng = np.random.default_rng(seed)
+    weights: dict[str, np.ndarray] = {}
+    random_linear(rng, weights, "in", s * num_f, dim)
+    random_linear(rng, weights, "ff1", dim, 2 * dim)
+    random_linear(rng, weights, "ff2", 2 * dim, dim)
+    weights.update(cross_projection_weights(seed, num_decoder_layers, dim, decoder_dim))
+    weights = cast_all(weights, dtype)
+
+    g = GraphBuilder()
+    i64 = np.int64
+    num_t = g.dim("features", 1)
+    frames = g.op("Range", g.const(0, i64), num_t, g.const(1, i64))
+    size64 = g.op("Cast", "features-size", to=7)  # int64
+    valid = g.op("Less", g.unsqueeze(frames, [0]), g.unsqueeze(size64, [1]))  # [U, T]
+    mask = g.unsqueeze(g.op("Cast", valid, to=_onnx_type(dtype)), [2])
+    x = g.op("Mul", "features", mask)
+    pad = g.op("Mod", g.op("Sub", g.const(s, i64), g.op("Mod", num_t, g.const(s, i64))), g.const(s, i64))
+    pads = g.op("Concat", g.const([0, 0, 0, 0], i64), g.unsqueeze(pad, [0]), g.const([0], i64), axis=0)
+    x = g.reshape(g.op("Pad", x, pads), [0, -1, s * num_f])  # [U, T', s*F]
+    h = g.op("Tanh", g.linear(x, weights, "in"))
+    h = g.op("Add", h, g.linear(g.op("Relu", g.linear(h, weights, "ff1")), weights, "ff2"))
+    out_size = g.op("Div", g.op("Add", "features-size", g.const(s - 1, np.int32)), g.const(s, np.int32),
+                    out="encoder-states-size")
+    out_frames = g.op("Range", g.const(0, i64), g.dim(h, 1), g.const(1, i64))
+    out_valid = g.op("Less", g.unsqueeze(out_frames, [0]), g.unsqueeze(g.op("Cast", out_size, to=7), [1]))
+    out_mask = g.unsqueeze(g.op("Cast", out_valid, to=_onnx_type(dtype)), [2])
+    states = g.op("Mul", h, out_mask, out="encoder-states")
+    outputs = [
+        ("encoder-states", dtype, ["batch", "encoder-time", dim]),
+        ("encoder-states-size", np.int32, ["batch"]),
+    ]
+    for i in range(num_decoder_layers):
+        for kind in ("key", "value"):
+            proj = g.reshape(g.linear(states, weights, f"cross_{kind}_{i}"), [0, 0, num_heads, head_dim])
+            g.op("Transpose", proj, perm=[0, 2, 1, 3], out=f"cross-{kind}-{i}")
+            outputs.append((f"cross-{kind}-{i}", dtype, ["batch", num_heads, "encoder-time", head_dim]))
+    model = g.build(
+        [("features", dtype, ["batch", "time", num_f]), ("features-size", np.int32, ["batch"])],
+        outputs,
+        name="reference-encoder",
+    )
+
+    w32 = cast_all(weights, np.float32)
+
+    def oracle(feeds: Feeds) -> Feeds:
+        features = feeds["features"].astype(np.float32)
+        size = feeds["features-size"].astype(np.int64)
+        num_u, num_t, _ = features.shape
+        features = features * (np.arange(num_t)[None, :] < size[:, None])[:, :, None]
+        num_out = -(-num_t // s)
+        features = np.pad(features, [(0, 0), (0, num_out * s - num_t), (0, 0)])
+        x = features.reshape(num_u, num_out, s * num_f)
+        h = np.tanh(linear(x, w32, "in"))
+        h = h + linear(np.maximum(linear(h, w32, "ff1"), 0), w32, "ff2")
+        out_size = (size + s - 1) // s
+        h = h * (np.arange(num_out)[None, :] < out_size[:, None])[:, :, None]
+        h = h.astype(dtype).astype(np.float32)  # the model hands fp16 states to its projections
+        result = {"encoder-states": h.astype(dtype), "encoder-states-size": out_size.astype(np.int32)}
+        for i in range(num_decoder_layers):
+            for kind in ("key", "value"):
+                proj = linear(h, w32, f"cross_{kind}_{i}").reshape(num_u, num_out, num_heads, head_dim)
+                result[f"cross-{kind}-{i}"] = proj.transpose(0, 2, 1, 3).astype(dtype)
+        return result
+
+    return ReferenceModel(
+        model=model,
+        oracle=oracle,
+        dtype=dtype,
+        num_layers=num_decoder_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+    )
+
+
+def _onnx_type(dtype: np.dtype) -> int:
+    from onnx import helper
+
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 OPSET = 17
 IR_VERSION = 9  # what onnxruntime >= 1.17 loads
@@ -91,9 +91,13 @@ class GraphBuilder:
         return model
 
 
+def onnx_type(dtype) -> int:
+    """The ONNX element type (``TensorProto.FLOAT`` ...) of a numpy dtype."""
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
 def _value_info(name: str, dtype, shape: Sequence[Dim]) -> onnx.ValueInfoProto:
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype)) if dtype is not bool else TensorProto.BOOL
-    return helper.make_tensor_value_info(name, elem, list(shape))
+    return helper.make_tensor_value_info(name, onnx_type(dtype), list(shape))
 
 
 # -- numpy building blocks (float32 compute) -----------------------------------------------------

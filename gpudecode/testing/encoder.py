@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpudecode.testing._graph import GraphBuilder, cast_all, linear, random_linear
+from gpudecode.testing._graph import GraphBuilder, cast_all, linear, onnx_type, random_linear
 from gpudecode.testing.reference import Feeds, ReferenceModel
 from gpudecode.testing.transformer import cross_projection_weights
 
@@ -51,9 +51,9 @@ def build_encoder(
     i64 = np.int64
     num_t = g.dim("features", 1)
     frames = g.op("Range", g.const(0, i64), num_t, g.const(1, i64))
-    size64 = g.op("Cast", "features-size", to=7)  # int64
+    size64 = g.op("Cast", "features-size", to=onnx_type(np.int64))  # int64
     valid = g.op("Less", g.unsqueeze(frames, [0]), g.unsqueeze(size64, [1]))  # [U, T]
-    mask = g.unsqueeze(g.op("Cast", valid, to=_onnx_type(dtype)), [2])
+    mask = g.unsqueeze(g.op("Cast", valid, to=onnx_type(dtype)), [2])
     x = g.op("Mul", "features", mask)
     pad = g.op("Mod", g.op("Sub", g.const(s, i64), g.op("Mod", num_t, g.const(s, i64))), g.const(s, i64))
     pads = g.op("Concat", g.const([0, 0, 0, 0], i64), g.unsqueeze(pad, [0]), g.const([0], i64), axis=0)
@@ -63,8 +63,8 @@ def build_encoder(
     out_size = g.op("Div", g.op("Add", "features-size", g.const(s - 1, np.int32)), g.const(s, np.int32),
                     out="encoder-states-size")
     out_frames = g.op("Range", g.const(0, i64), g.dim(h, 1), g.const(1, i64))
-    out_valid = g.op("Less", g.unsqueeze(out_frames, [0]), g.unsqueeze(g.op("Cast", out_size, to=7), [1]))
-    out_mask = g.unsqueeze(g.op("Cast", out_valid, to=_onnx_type(dtype)), [2])
+    out_valid = g.op("Less", g.unsqueeze(out_frames, [0]), g.unsqueeze(g.op("Cast", out_size, to=onnx_type(np.int64)), [1]))
+    out_mask = g.unsqueeze(g.op("Cast", out_valid, to=onnx_type(dtype)), [2])
     states = g.op("Mul", h, out_mask, out="encoder-states")
     outputs = [
         ("encoder-states", dtype, ["batch", "encoder-time", dim]),
@@ -112,8 +112,3 @@ def build_encoder(
         head_dim=head_dim,
     )
 
-
-def _onnx_type(dtype: np.dtype) -> int:
-    from onnx import helper
-
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

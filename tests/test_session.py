@@ -1,0 +1,77 @@
+"""The ONNX Runtime session layer on the CPU provider."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from gpudecode import backend
+from gpudecode.session import OnnxSession, SessionError, SessionOptions, hf_attention_inputs
+
+
+def double_model():
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"]), helper.make_node("Shape", ["x"], ["shape"])],
+        "double",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "t"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "t"]),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        initializer=[helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_cpu_run_returns_named_outputs(tmp_path):
+    path = tmp_path / "double.onnx"
+    path.write_bytes(double_model().SerializeToString())
+    session = OnnxSession(path)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = session.run({"x": x})
+    assert set(out) == {"y", "shape"}
+    np.testing.assert_array_equal(out["y"], 2 * x)
+    np.testing.assert_array_equal(out["shape"], [2, 3])
+    only = session.run({"x": x}, ["shape"])
+    assert list(only) == ["shape"]
+    assert session.provider == "cpu" and session.input_names == ["x"]
+
+
+def test_dump_inputs_round_trip(tmp_path):
+    session = OnnxSession(double_model().SerializeToString(), SessionOptions(dump_inputs=tmp_path / "dump"))
+    first = np.random.default_rng(0).standard_normal((2, 5)).astype(np.float32)
+    second = np.zeros((0, 4), np.float32)
+    session.run({"x": first})
+    session.run({"x": second})
+    files = sorted((tmp_path / "dump").glob("*.npz"))
+    assert [f.name for f in files] == ["model-000000.npz", "model-000001.npz"]
+    np.testing.assert_array_equal(np.load(files[0])["x"], first)
+    assert np.load(files[1])["x"].shape == (0, 4)
+
+
+def test_missing_and_corrupt_model_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model file .*nothere\.onnx does not exist"):
+        OnnxSession(tmp_path / "nothere.onnx")
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"this is not a protobuf")
+    with pytest.raises(SessionError, match=r"corrupt\.onnx: ONNX Runtime cannot load the model"):
+        OnnxSession(corrupt)
+
+
+def test_cuda_without_gpu_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(backend, "_import_cupy", lambda: (None, "CuPy cannot be imported (ImportError: no cupy)"))
+    with pytest.raises(backend.GpuUnavailableError, match=r"the GPU was requested but cannot be used: CuPy cannot be imported"):
+        OnnxSession(double_model().SerializeToString(), SessionOptions(device="cuda"))
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(ValueError, match=r"device: expected 'cpu' or 'cuda', got 'tpu'"):
+        SessionOptions(device="tpu")
+    with pytest.raises(ValueError, match=r"cudnn_conv_algo_search: expected one of EXHAUSTIVE"):
+        SessionOptions(cudnn_conv_algo_search="FAST")
+
+
+def test_hf_attention_inputs_from_prefix_lengths():
+    mask, positions = hf_attention_inputs(np.array([0, 2, 3], np.int32), past_time=3)
+    np.testing.assert_array_equal(mask, [[0, 0, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(positions, [[0], [2], [3]])
+    assert mask.dtype == np.int64 and positions.dtype == np.int64

@@ -1,0 +1,200 @@
+"""Utterances, the feature-source interface shared by every reader, and length bucketing."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from gpudecode import defaults
+from gpudecode.io.errors import FeatureError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Utterance:
+    """One input: ``features`` is ``(T, F)`` float32 with ``T >= 1``."""
+
+    id: str
+    features: np.ndarray
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.features.shape[0])
+
+
+def check_features(features: np.ndarray, *, path: str | Path, utterance_id: str,
+                   num_features: int | None, expected_from: str = "num_features") -> np.ndarray:
+    """Return ``features`` as C-contiguous float32 ``(T, F)`` or raise ``FeatureError``.
+
+    Checks: a numeric 2-D array, at least one frame, ``F == num_features`` (when given), every
+    value finite (the message names the first bad frame).
+    """
+    def fail(problem: str) -> FeatureError:
+        return FeatureError(problem, path=path, utterance_id=utterance_id)
+
+    arr = np.asarray(features)
+    if arr.dtype.kind not in "fiu":
+        raise fail(f"features have dtype {arr.dtype}; expected a float array")
+    if arr.ndim != 2:
+        raise fail(f"features have shape {arr.shape}; expected (frames, features)")
+    if arr.shape[0] == 0:
+        raise fail("empty utterance: zero frames")
+    if arr.shape[1] == 0:
+        raise fail("features have zero dimensions per frame")
+    if num_features is not None and arr.shape[1] != num_features:
+        raise fail(f"features have dimension {arr.shape[1]}; expected {num_features} "
+                   f"({expected_from})")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    finite = np.isfinite(arr)
+    if not finite.all():
+        bad_frames = np.flatnonzero(~finite.all(axis=1))
+        kind = "NaN" if np.isnan(arr[bad_frames[0]]).any() else "Inf"
+        raise fail(f"{kind} in frame {int(bad_frames[0])} of {arr.shape[0]} "
+                   f"({bad_frames.size} frame(s) with NaN/Inf)")
+    return arr
+
+
+def bucket_by_length(utterance_lengths: Mapping[str, int] | Iterable[tuple[str, int]],
+                     batch_size: int, *, longest_first: bool = True) -> list[list[str]]:
+    """Group utterance ids into batches of similar length.
+
+    Ids are sorted by length (longest first by default, so an out-of-memory error shows up in
+    the first batch; ties keep the input order) and cut into consecutive batches of at most
+    ``batch_size`` ids.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    items = list(utterance_lengths.items() if isinstance(utterance_lengths, Mapping)
+                 else utterance_lengths)
+    order = sorted(range(len(items)),
+                   key=lambda i: (-items[i][1] if longest_first else items[i][1], i))
+    ids = [items[i][0] for i in order]
+    return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
+
+
+class FeatureSource:
+    """Utterances of one feature file or folder, read lazily and checked as they are read.
+
+    Subclasses implement ``_keys()`` (ids in file order), ``_load(id)`` (raw array) and, where
+    cheaper than loading, ``_num_frames(id)``. Iterating yields validated ``Utterance``s in
+    file order; ``read(id)`` gives random access; ``batches(batch_size)`` yields length-bucketed
+    batches. With ``on_error="skip"`` a bad utterance is logged, kept in ``skipped`` and left
+    out instead of raising.
+    """
+
+    format = "?"
+
+    def __init__(self, path: str | Path, *, num_features: int | None = None,
+                 on_error: str = defaults.ON_BAD_INPUT):
+        if on_error not in defaults.ON_BAD_INPUT_CHOICES:
+            raise ValueError(f"on_error must be one of {defaults.ON_BAD_INPUT_CHOICES}, "
+                             f"got {on_error!r}")
+        self.path = Path(path)
+        self.num_features = num_features
+        self._features_from = "num_features"
+        self.on_error = on_error
+        self.skipped: list[FeatureError] = []
+        self._ids: list[str] | None = None
+
+    # --- to implement ---------------------------------------------------------------------
+    def _keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def _load(self, utt_id: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _num_frames(self, utt_id: str) -> int:
+        return int(np.shape(self._load(utt_id))[0])
+
+    def _source_of(self, utt_id: str) -> Path:
+        """The file an utterance comes from (for error messages)."""
+        return self.path
+
+    # --- public ---------------------------------------------------------------------------
+    def ids(self) -> list[str]:
+        """Utterance ids in file order."""
+        if self._ids is None:
+            ids = list(self._keys())
+            seen: set[str] = set()
+            for utt_id in ids:
+                if utt_id in seen:
+                    raise FeatureError("duplicate utterance id", path=self.path,
+                                       utterance_id=utt_id)
+                seen.add(utt_id)
+            if not ids:
+                raise FeatureError(f"no utterances found (format {self.format})", path=self.path)
+            self._ids = ids
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self.ids())
+
+    def lengths(self) -> dict[str, int]:
+        """Frames per utterance id (read from headers where the format allows)."""
+        return {utt_id: self._num_frames(utt_id) for utt_id in self.ids()}
+
+    def read(self, utt_id: str) -> Utterance:
+        """One validated utterance; raises ``FeatureError`` whatever ``on_error`` says."""
+        if utt_id not in set(self.ids()):
+            raise FeatureError("no such utterance", path=self.path, utterance_id=utt_id)
+        source = self._source_of(utt_id)
+        try:
+            raw = self._load(utt_id)
+        except FeatureError:
+            raise
+        except Exception as exc:  # unreadable file: name it, keep the cause
+            raise FeatureError(f"cannot read: {type(exc).__name__}: {exc}", path=source,
+                               utterance_id=utt_id) from exc
+        features = check_features(raw, path=source, utterance_id=utt_id,
+                                  num_features=self.num_features,
+                                  expected_from=self._features_from)
+        if self.num_features is None:
+            self.num_features = features.shape[1]
+            self._features_from = f"as in utterance {utt_id!r}"
+        return Utterance(utt_id, features)
+
+    def _read_or_skip(self, utt_id: str) -> Utterance | None:
+        try:
+            return self.read(utt_id)
+        except FeatureError as exc:
+            if self.on_error == "stop":
+                raise
+            log.warning("skipping: %s", exc)
+            self.skipped.append(exc)
+            return None
+
+    def __iter__(self) -> Iterator[Utterance]:
+        for utt_id in self.ids():
+            utt = self._read_or_skip(utt_id)
+            if utt is not None:
+                yield utt
+
+    def batches(self, batch_size: int, *, exclude: Iterable[str] = (),
+                longest_first: bool = True) -> Iterator[list[Utterance]]:
+        """Length-bucketed batches of validated utterances, leaving out ``exclude`` (e.g. the
+        ids already decoded when resuming). Features are read one batch at a time."""
+        excluded = set(exclude)
+        lengths = [(u, n) for u, n in self.lengths().items() if u not in excluded]
+        for batch_ids in bucket_by_length(lengths, batch_size, longest_first=longest_first):
+            batch = [u for u in map(self._read_or_skip, batch_ids) if u is not None]
+            if batch:
+                yield batch
+
+    def close(self) -> None:
+        """Release open files (a no-op for formats that keep none open)."""
+
+    def __enter__(self) -> "FeatureSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def sorted_files(folder: Path, suffixes: Sequence[str]) -> list[Path]:
+    """Files directly in ``folder`` whose suffix (lower-cased) is in ``suffixes``, by name."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes)

@@ -1,0 +1,425 @@
+"""Reference transformer decoder step models (RASR and Hugging Face conventions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpudecode.testing._graph import (
+    GraphBuilder,
+    cast_all,
+    layer_norm,
+    linear,
+    log_softmax,
+    onnx_type,
+    random_layer_norm,
+    random_linear,
+)
+from gpudecode.testing.reference import Feeds, ReferenceModel
+
+CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
+KV_LAYOUTS = ("bhtd", "btd")
+
+
+def cross_projection_weights(seed: int, num_layers: int, encoder_dim: int, model_dim: int) -> dict:
+    """Per layer ``cross_key_{i}`` / ``cross_value_{i}`` .w [E, D] and .b [D] (float64).
+
+    Drawn from their own stream so the encoder and the decoder of one seed share them.
+    """
+    rng = np.random.default_rng([seed, 1])
+    weights: dict[str, np.ndarray] = {}
+    for i in range(num_layers):
+        random_linear(rng, weights, f"cross_key_{i}", encoder_dim, model_dim)
+        random_linear(rng, weights, f"cross_value_{i}", encoder_dim, model_dim)
+    return weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Config:
+    vocab_size: int
+    model_dim: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    encoder_dim: int
+    max_positions: int
+    dtype: np.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.model_dim // self.num_heads
+
+    @property
+    def masked_logit(self) -> float:
+        """Attention logit of a masked key: exp() of it is 0 and it fits in float16."""
+        return -1e4 if self.dtype == np.float16 else -1e9
+
+
+def _decoder_weights(seed: int, cfg: _Config) -> dict[str, np.ndarray]:
+    """All decoder weights in the model dtype; cross-attention weights are drawn in every mode."""
+    rng = np.random.default_rng(seed)
+    dim, weights = cfg.model_dim, {}
+    weights["tok_emb"] = rng.normal(size=(cfg.vocab_size, dim))
+    weights["pos_emb"] = 0.5 * rng.normal(size=(cfg.max_positions, dim))
+    for i in range(cfg.num_layers):
+        random_layer_norm(rng, weights, f"self_ln_{i}", dim)
+        for name in ("q", "k", "v", "o"):
+            random_linear(rng, weights, f"self_{name}_{i}", dim, dim)
+        random_layer_norm(rng, weights, f"cross_ln_{i}", dim)
+        random_linear(rng, weights, f"cross_query_{i}", dim, dim)
+        random_linear(rng, weights, f"cross_out_{i}", dim, dim)
+        random_layer_norm(rng, weights, f"ffn_ln_{i}", dim)
+        random_linear(rng, weights, f"ffn1_{i}", dim, cfg.ffn_dim)
+        random_linear(rng, weights, f"ffn2_{i}", cfg.ffn_dim, dim)
+    random_layer_norm(rng, weights, "final_ln", dim)
+    random_linear(rng, weights, "out", dim, cfg.vocab_size)
+    weights.update(cross_projection_weights(seed, cfg.num_layers, cfg.encoder_dim, dim))
+    return cast_all(weights, cfg.dtype)
+
+
+# -- numpy forward (float32) ----------------------------------------------------------------------
+
+
+def _heads(x: np.ndarray, cfg: _Config) -> np.ndarray:
+    """[N, Q, H*Dh] -> [N, H, Q, Dh]."""
+    n, q, _ = x.shape
+    return x.reshape(n, q, cfg.num_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+
+
+def _merge_heads(x: np.ndarray) -> np.ndarray:
+    """[N, H, Q, Dh] -> [N, Q, H*Dh]."""
+    n, h, q, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(n, q, h * d)
+
+
+def _attend(q, k, v, valid, cfg: _Config) -> np.ndarray:
+    """q [N,H,Q,Dh], k/v [N,H,K,Dh], valid broadcastable to [N,H,Q,K] -> [N,H,Q,Dh]."""
+    logits = (q / np.sqrt(cfg.head_dim)) @ k.transpose(0, 1, 3, 2)
+    logits = np.where(valid, logits, np.float32(cfg.masked_logit))
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    return (probs / probs.sum(-1, keepdims=True)) @ v
+
+
+def _forward(w, cfg: _Config, x, past, self_valid, cross=None, cross_valid=None):
+    """x [N,Q,D]; past: per layer (k, v) [N,H,T,Dh]; self_valid [N,Q,T+Q] bool;
+    cross: per layer (k, v) [N,H,S,Dh] or None; cross_valid [N,S] bool.
+    -> logits [N,Q,V], per layer new (k, v) [N,H,Q,Dh]. All float32."""
+    new = []
+    for i, (past_k, past_v) in enumerate(past):
+        h = layer_norm(x, w, f"self_ln_{i}")
+        q, k, v = (_heads(linear(h, w, f"self_{n}_{i}"), cfg) for n in ("q", "k", "v"))
+        new.append((k, v))
+        keys, values = np.concatenate([past_k, k], 2), np.concatenate([past_v, v], 2)
+        att = _attend(q, keys, values, self_valid[:, None], cfg)
+        x = x + linear(_merge_heads(att), w, f"self_o_{i}")
+        if cross is not None:
+            h = layer_norm(x, w, f"cross_ln_{i}")
+            q = _heads(linear(h, w, f"cross_query_{i}"), cfg)
+            att = _attend(q, cross[i][0], cross[i][1], cross_valid[:, None, None, :], cfg)
+            x = x + linear(_merge_heads(att), w, f"cross_out_{i}")
+        h = layer_norm(x, w, f"ffn_ln_{i}")
+        x = x + linear(np.maximum(linear(h, w, f"ffn1_{i}"), 0), w, f"ffn2_{i}")
+    return linear(layer_norm(x, w, "final_ln"), w, "out"), new
+
+
+def _cross_inputs(w, cfg: _Config, mode, feeds: Feeds):
+    """Per layer cross (k, v) [N,H,S,Dh] float32 and valid [N,S] from the per-utterance feeds."""
+    if mode is None:
+        return None, None
+    if mode == "precomputed":
+        cross = [
+            (feeds[f"cross-key-{i}"].astype(np.float32), feeds[f"cross-value-{i}"].astype(np.float32))
+            for i in range(cfg.num_layers)
+        ]
+    else:
+        states = feeds["encoder-states"].astype(np.float32)
+        cross = [
+            tuple(
+                _heads(linear(states, w, f"cross_{kind}_{i}").astype(cfg.dtype).astype(np.float32), cfg)
+                for kind in ("key", "value")
+            )
+            for i in range(cfg.num_layers)
+        ]
+    num_s = cross[0][0].shape[2]
+    valid = np.arange(num_s)[None, :] < feeds["encoder-states-size"].astype(np.int64)[:, None]
+    return cross, valid
+
+
+def _sequence_oracle(w, cfg: _Config, mode):
+    def sequence_log_probs(tokens: list[int], encoder_inputs: Feeds | None) -> np.ndarray:
+        num_tokens = len(tokens)
+        if num_tokens > cfg.max_positions:
+            raise ValueError(f"{num_tokens} tokens exceed max_positions={cfg.max_positions}")
+        x = (w["tok_emb"][tokens].astype(np.float32) + w["pos_emb"][:num_tokens].astype(np.float32))[None]
+        empty = np.zeros((1, cfg.num_heads, 0, cfg.head_dim), np.float32)
+        causal = np.tril(np.ones((num_tokens, num_tokens), bool))[None]
+        cross = valid = None
+        if mode is not None:
+            if encoder_inputs is None:
+                raise ValueError("this decoder needs encoder_inputs (its per-utterance inputs)")
+            size = int(encoder_inputs["encoder-states-size"][0])
+            cut = {
+                k: (v[:, :, :size] if k.startswith("cross-") else v[:, :size])
+                for k, v in encoder_inputs.items()
+                if k != "encoder-states-size"
+            }
+            cut["encoder-states-size"] = np.array([size])
+            cross, valid = _cross_inputs(w, cfg, mode, cut)
+        logits, _ = _forward(w, cfg, x, [(empty, empty)] * cfg.num_layers, causal, cross, valid)
+        return log_softmax(logits[0])
+
+    return sequence_log_probs
+
+
+# -- ONNX graph ------------------------------------------------------------------------------------
+
+
+def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode) -> str:
+    """Adds the decoder layers to ``g``; returns the name of the logits [N, 1, V].
+
+    ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
+    present-key, present-value) names.
+    """
+    heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
+    masked = g.const(cfg.masked_logit, dtype)
+    scale = g.const(1 / np.sqrt(head_dim), dtype)
+
+    def split(t: str, perm) -> str:
+        return g.op("Transpose", g.reshape(t, [0, 0, heads, head_dim]), perm=perm)
+
+    def attend(q: str, keys_t: str, values: str, valid: str) -> str:
+        logits = g.op("Where", valid, g.op("MatMul", g.op("Mul", q, scale), keys_t), masked)
+        att = g.op("MatMul", g.op("Softmax", logits, axis=-1), values)
+        return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+
+    if mode is not None:
+        if mode == "precomputed":
+            num_s = g.dim("cross-key-0", 2)
+        else:
+            num_s = g.dim("encoder-states", 1)
+        positions = g.op("Range", g.const(0, np.int64), num_s, g.const(1, np.int64))
+        size = g.op("Cast", "encoder-states-size", to=onnx_type(np.int64))
+        cross_valid = g.op("Less", g.unsqueeze(positions, [0]), g.unsqueeze(size, [1]))
+        cross_valid = g.unsqueeze(cross_valid, [1, 2])  # [N, 1, 1, S]
+
+    for i, (past_k, past_v, present_k, present_v) in enumerate(states):
+        h = g.layer_norm(x, w, f"self_ln_{i}")
+        q = split(g.linear(h, w, f"self_q_{i}"), [0, 2, 1, 3])
+        k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
+        if layout == "bhtd":
+            g.op("Concat", past_k, split(k, [0, 2, 1, 3]), axis=2, out=present_k)
+            g.op("Concat", past_v, split(v, [0, 2, 1, 3]), axis=2, out=present_v)
+            keys_t, values = g.op("Transpose", present_k, perm=[0, 1, 3, 2]), present_v
+        else:
+            g.op("Concat", past_k, k, axis=1, out=present_k)
+            g.op("Concat", past_v, v, axis=1, out=present_v)
+            keys_t, values = split(present_k, [0, 2, 3, 1]), split(present_v, [0, 2, 1, 3])
+        x = g.op("Add", x, g.linear(attend(q, keys_t, values, self_valid), w, f"self_o_{i}"))
+        if mode is not None:
+            h = g.layer_norm(x, w, f"cross_ln_{i}")
+            q = split(g.linear(h, w, f"cross_query_{i}"), [0, 2, 1, 3])
+            if mode == "precomputed":
+                keys_t, values = g.op("Transpose", f"cross-key-{i}", perm=[0, 1, 3, 2]), f"cross-value-{i}"
+            else:
+                keys_t = split(g.linear("encoder-states", w, f"cross_key_{i}"), [0, 2, 3, 1])
+                values = split(g.linear("encoder-states", w, f"cross_value_{i}"), [0, 2, 1, 3])
+            x = g.op("Add", x, g.linear(attend(q, keys_t, values, cross_valid), w, f"cross_out_{i}"))
+        h = g.op("Relu", g.linear(g.layer_norm(x, w, f"ffn_ln_{i}"), w, f"ffn1_{i}"))
+        x = g.op("Add", x, g.linear(h, w, f"ffn2_{i}"))
+    return g.linear(g.layer_norm(x, w, "final_ln"), w, "out")
+
+
+def build_transformer_decoder(
+    seed: int = 0,
+    *,
+    vocab_size: int = 12,
+    model_dim: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    ffn_dim: int = 64,
+    encoder_dim: int = 32,
+    cross_attention: str | None = "precomputed",
+    kv_layout: str = "bhtd",
+    max_positions: int = 256,
+    dtype=np.float32,
+) -> ReferenceModel:
+    """Transformer decoder step model, RASR convention (pre-LayerNorm, learned positions).
+
+    Inputs: ``token`` [N,1] int32, ``token-length`` [N] int32 (unused), ``prefix-length`` [N]
+    int32; per layer i ``past-key-{i}``, ``past-value-{i}`` [N,H,T,Dh] (kv_layout "bhtd") or
+    [N,T,H*Dh] ("btd"), right-aligned: only the last prefix-length[n] of the T positions are
+    valid. Per utterance: "precomputed" -> ``cross-key-{i}``, ``cross-value-{i}`` [N,H,S,Dh];
+    "encoder-states" -> ``encoder-states`` [N,S,E]; both with ``encoder-states-size`` [N] int32
+    (keys s < size are valid); None -> a decoder-only LM.
+    Outputs: ``scores`` [N,1,V] log-softmax; ``present-key-{i}``, ``present-value-{i}`` = past
+    with the new token appended on the time axis (T+1 positions).
+    The new token sits at position prefix-length[n].
+    """
+    if cross_attention not in CROSS_ATTENTION_MODES:
+        raise ValueError(f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if model_dim % num_heads:
+        raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")
+    cfg = _Config(
+        vocab_size=vocab_size, model_dim=model_dim, num_layers=num_layers, num_heads=num_heads,
+        ffn_dim=ffn_dim, encoder_dim=encoder_dim, max_positions=max_positions, dtype=np.dtype(dtype),
+    )
+    dtype, mode = cfg.dtype, cross_attention
+    w = _decoder_weights(seed, cfg)
+    state_shape = (
+        ["batch", num_heads, "time", cfg.head_dim] if kv_layout == "bhtd" else ["batch", "time", model_dim]
+    )
+    present_shape = [d if d != "time" else "present-time" for d in state_shape]
+    time_axis = state_shape.index("time")
+
+    g = GraphBuilder()
+    x = g.op("Gather", g.weight("tok_emb", w["tok_emb"]), "token")  # [N, 1, D]
+    pos = g.op("Gather", g.weight("pos_emb", w["pos_emb"]), "prefix-length")  # [N, D]
+    x = g.op("Add", x, g.unsqueeze(pos, [1]))
+    num_t = g.dim("past-key-0", time_axis)
+    positions = g.op("Range", g.const(0, np.int64), g.op("Add", num_t, g.const(1, np.int64)), g.const(1, np.int64))
+    first_valid = g.op("Sub", num_t, g.op("Cast", "prefix-length", to=onnx_type(np.int64)))
+    self_valid = g.op("GreaterOrEqual", g.unsqueeze(positions, [0]), g.unsqueeze(first_valid, [1]))
+    self_valid = g.unsqueeze(self_valid, [1, 2])  # [N, 1, 1, T+1]
+    names = [(f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}") for i in range(num_layers)]
+    logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode)
+    g.op("LogSoftmax", logits, axis=-1, out="scores")
+
+    inputs = [
+        ("token", np.int32, ["batch", 1]),
+        ("token-length", np.int32, ["batch"]),
+        ("prefix-length", np.int32, ["batch"]),
+    ]
+    outputs = [("scores", dtype, ["batch", 1, vocab_size])]
+    metadata, states = {}, {}
+    for past_k, past_v, present_k, present_v in names:
+        inputs += [(past_k, dtype, state_shape), (past_v, dtype, state_shape)]
+        outputs += [(present_k, dtype, present_shape), (present_v, dtype, present_shape)]
+        states.update({past_k: present_k, past_v: present_v})
+    metadata.update({f"STATE_{k}": v for k, v in states.items()})
+    if mode == "precomputed":
+        for i in range(num_layers):
+            for kind in ("key", "value"):
+                inputs.append((f"cross-{kind}-{i}", dtype, ["batch", num_heads, "encoder-time", cfg.head_dim]))
+                metadata[f"UTTERANCE_cross-{kind}-{i}"] = f"cross-{kind}-{i}"
+    elif mode == "encoder-states":
+        inputs.append(("encoder-states", dtype, ["batch", "encoder-time", encoder_dim]))
+    if mode is not None:
+        inputs.append(("encoder-states-size", np.int32, ["batch"]))
+    model = g.build(inputs, outputs, name="reference-transformer-decoder", metadata=metadata)
+
+    w32 = cast_all(w, np.float32)
+
+    def to_bhtd(state: np.ndarray) -> np.ndarray:
+        state = state.astype(np.float32)
+        return state if kv_layout == "bhtd" else _heads(state, cfg)
+
+    def from_bhtd(state: np.ndarray) -> np.ndarray:
+        return (state if kv_layout == "bhtd" else _merge_heads(state)).astype(dtype)
+
+    def oracle(feeds: Feeds) -> Feeds:
+        token, prefix = feeds["token"][:, 0], feeds["prefix-length"].astype(np.int64)
+        x = (w32["tok_emb"][token] + w32["pos_emb"][prefix])[:, None]
+        past = [(to_bhtd(feeds[k]), to_bhtd(feeds[v])) for k, v, _, _ in names]
+        num_t = past[0][0].shape[2]
+        self_valid = (np.arange(num_t + 1)[None, :] >= (num_t - prefix)[:, None])[:, None]
+        cross, cross_valid = _cross_inputs(w32, cfg, mode, feeds)
+        logits, new = _forward(w32, cfg, x, past, self_valid, cross, cross_valid)
+        result = {"scores": log_softmax(logits).astype(dtype)}
+        for (past_k, past_v, present_k, present_v), (k, v) in zip(names, new):
+            result[present_k] = np.concatenate([feeds[past_k], from_bhtd(k)], time_axis)
+            result[present_v] = np.concatenate([feeds[past_v], from_bhtd(v)], time_axis)
+        return result
+
+    return ReferenceModel(
+        model=model, oracle=oracle, dtype=dtype, vocab_size=vocab_size, num_layers=num_layers,
+        num_heads=num_heads, head_dim=cfg.head_dim, states=states, time_axis=time_axis,
+        sequence_oracle=_sequence_oracle(w32, cfg, mode),
+    )
+
+
+def build_transformer_lm(
+    seed: int = 0,
+    *,
+    convention: str = "rasr",
+    vocab_size: int = 12,
+    model_dim: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    ffn_dim: int = 64,
+    kv_layout: str = "bhtd",
+    max_positions: int = 256,
+    dtype=np.float32,
+) -> ReferenceModel:
+    """Decoder-only transformer LM step model; one seed gives the same weights in both conventions.
+
+    "rasr": ``build_transformer_decoder(cross_attention=None)``.
+    "huggingface": inputs ``input_ids`` [N,1] int64, ``attention_mask`` [N,T+1] int64 (1 = valid,
+    the new token last), ``position_ids`` [N,1] int64, per layer ``past_key_values.{i}.key`` /
+    ``.value`` [N,H,T,Dh] -> ``logits`` [N,1,V] (raw), ``present.{i}.key`` / ``.value``
+    [N,H,T+1,Dh]; no metadata (states are found by name). Feed it ``hf_attention_inputs``.
+    """
+    if convention == "rasr":
+        return build_transformer_decoder(
+            seed, vocab_size=vocab_size, model_dim=model_dim, num_layers=num_layers, num_heads=num_heads,
+            ffn_dim=ffn_dim, cross_attention=None, kv_layout=kv_layout, max_positions=max_positions, dtype=dtype,
+        )
+    if convention != "huggingface":
+        raise ValueError(f"convention: expected 'rasr' or 'huggingface', got {convention!r}")
+    if kv_layout != "bhtd":
+        raise ValueError(f"the huggingface convention has kv_layout 'bhtd', got {kv_layout!r}")
+    if model_dim % num_heads:
+        raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")
+    cfg = _Config(
+        vocab_size=vocab_size, model_dim=model_dim, num_layers=num_layers, num_heads=num_heads,
+        ffn_dim=ffn_dim, encoder_dim=model_dim, max_positions=max_positions, dtype=np.dtype(dtype),
+    )
+    dtype = cfg.dtype
+    w = _decoder_weights(seed, cfg)
+
+    g = GraphBuilder()
+    x = g.op("Gather", g.weight("tok_emb", w["tok_emb"]), "input_ids")  # [N, 1, D]
+    x = g.op("Add", x, g.op("Gather", g.weight("pos_emb", w["pos_emb"]), "position_ids"))
+    self_valid = g.unsqueeze(g.op("Cast", "attention_mask", to=onnx_type(bool)), [1, 2])
+    names = [
+        (f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value")
+        for i in range(num_layers)
+    ]
+    _graph_layers(g, w, cfg, x, self_valid, names, "bhtd", None)
+    g.nodes[-1].output[0] = "logits"  # the output projection's Add
+
+    state_shape = ["batch_size", num_heads, "past_sequence_length", cfg.head_dim]
+    present_shape = ["batch_size", num_heads, "past_sequence_length + 1", cfg.head_dim]
+    inputs = [
+        ("input_ids", np.int64, ["batch_size", 1]),
+        ("attention_mask", np.int64, ["batch_size", "past_sequence_length + 1"]),
+        ("position_ids", np.int64, ["batch_size", 1]),
+    ]
+    outputs = [("logits", dtype, ["batch_size", 1, vocab_size])]
+    states = {}
+    for past_k, past_v, present_k, present_v in names:
+        inputs += [(past_k, dtype, state_shape), (past_v, dtype, state_shape)]
+        outputs += [(present_k, dtype, present_shape), (present_v, dtype, present_shape)]
+        states.update({past_k: present_k, past_v: present_v})
+    model = g.build(inputs, outputs, name="reference-transformer-lm-hf")
+
+    w32 = cast_all(w, np.float32)
+
+    def oracle(feeds: Feeds) -> Feeds:
+        x = (w32["tok_emb"][feeds["input_ids"][:, 0]] + w32["pos_emb"][feeds["position_ids"][:, 0]])[:, None]
+        past = [(feeds[k].astype(np.float32), feeds[v].astype(np.float32)) for k, v, _, _ in names]
+        self_valid = feeds["attention_mask"].astype(bool)[:, None]
+        logits, new = _forward(w32, cfg, x, past, self_valid)
+        result = {"logits": logits.astype(dtype)}
+        for (past_k, past_v, present_k, present_v), (k, v) in zip(names, new):
+            result[present_k] = np.concatenate([feeds[past_k], k.astype(dtype)], 2)
+            result[present_v] = np.concatenate([feeds[past_v], v.astype(dtype)], 2)
+        return result
+
+    return ReferenceModel(
+        model=model, oracle=oracle, dtype=dtype, vocab_size=vocab_size, num_layers=num_layers,
+        num_heads=num_heads, head_dim=cfg.head_dim, states=states, time_axis=2,
+        sequence_oracle=_sequence_oracle(w32, cfg, None),
+    )

@@ -75,3 +75,5 @@ def test_hf_attention_inputs_from_prefix_lengths():
     np.testing.assert_array_equal(mask, [[0, 0, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
     np.testing.assert_array_equal(positions, [[0], [2], [3]])
     assert mask.dtype == np.int64 and positions.dtype == np.int64
+    mask, positions = hf_attention_inputs(np.array([0, 0]), past_time=0)
+    np.testing.assert_array_equal(mask, [[1], [1]])

@@ -226,9 +226,7 @@ def discover_step_model(
     for logical in logical_inputs[1:]:
         info = tensors.input(name(logical))
         if info is None:
-            if logical == "prefix-length":
-                _require(tensors, "input", name(logical), logical)
-            continue  # token-length is optional; HF masks/positions are optional in some exports
+            continue  # checked below once the state variables are known
         rank = (2,) if logical in ("attention_mask", "position_ids") else (1,)
         _check(tensors, info, dtypes=INT_TYPES, ranks=rank, what="input")
         hypothesis_inputs[logical] = info.name
@@ -239,6 +237,11 @@ def discover_step_model(
     batch_symbol = _batch_symbol(label_input)
     pairs = _state_pairs(tensors, list(state_patterns) + list(DEFAULT_STATE_PATTERNS))
     state_variables = tuple(_state_variable(tensors, i, o, batch_symbol) for i, o in pairs)
+
+    if convention == "rasr" and "prefix-length" not in hypothesis_inputs and any(
+        v.time_axis is not None for v in state_variables
+    ):
+        _require(tensors, "input", name("prefix-length"), "prefix-length")  # raises
 
     sources = {
         key[len(UTTERANCE_PREFIX):]: value

@@ -27,7 +27,7 @@ class GraphBuilder:
         return f"{hint}_{next(self._count)}"
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.initializers.append(numpy_helper.from_array(np.array(array, order="C"), name))
         return name
 
     def const(self, value, dtype) -> str:

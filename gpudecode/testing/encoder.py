@@ -55,7 +55,8 @@ def build_encoder(
     valid = g.op("Less", g.unsqueeze(frames, [0]), g.unsqueeze(size64, [1]))  # [U, T]
     mask = g.unsqueeze(g.op("Cast", valid, to=onnx_type(dtype)), [2])
     x = g.op("Mul", "features", mask)
-    pad = g.op("Mod", g.op("Sub", g.const(s, i64), g.op("Mod", num_t, g.const(s, i64))), g.const(s, i64))
+    step = g.const(s, i64)
+    pad = g.op("Mod", g.op("Sub", step, g.op("Mod", num_t, step)), step)  # (s - T % s) % s
     pads = g.op("Concat", g.const([0, 0, 0, 0], i64), g.unsqueeze(pad, [0]), g.const([0], i64), axis=0)
     x = g.reshape(g.op("Pad", x, pads), [0, -1, s * num_f])  # [U, T', s*F]
     h = g.op("Tanh", g.linear(x, weights, "in"))
@@ -63,7 +64,8 @@ def build_encoder(
     out_size = g.op("Div", g.op("Add", "features-size", g.const(s - 1, np.int32)), g.const(s, np.int32),
                     out="encoder-states-size")
     out_frames = g.op("Range", g.const(0, i64), g.dim(h, 1), g.const(1, i64))
-    out_valid = g.op("Less", g.unsqueeze(out_frames, [0]), g.unsqueeze(g.op("Cast", out_size, to=onnx_type(np.int64)), [1]))
+    out_size64 = g.op("Cast", out_size, to=onnx_type(np.int64))
+    out_valid = g.op("Less", g.unsqueeze(out_frames, [0]), g.unsqueeze(out_size64, [1]))
     out_mask = g.unsqueeze(g.op("Cast", out_valid, to=onnx_type(dtype)), [2])
     states = g.op("Mul", h, out_mask, out="encoder-states")
     outputs = [
@@ -107,6 +109,7 @@ def build_encoder(
         model=model,
         oracle=oracle,
         dtype=dtype,
+        hidden_dim=dim,
         num_layers=num_decoder_layers,
         num_heads=num_heads,
         head_dim=head_dim,

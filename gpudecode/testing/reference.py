@@ -19,12 +19,14 @@ class ReferenceModel:
     ``oracle(feeds)`` takes the feeds the ONNX model takes and returns every graph output by name.
     ``states`` maps each state input to its output (``past-key-0`` -> ``present-key-0``);
     ``time_axis`` is the time axis of the transformer state inputs (``None`` for LSTM states).
+    ``hidden_dim`` is the model width (transformer model_dim, encoder E, LSTM hidden size).
     """
 
     model: onnx.ModelProto
     oracle: Callable[[Feeds], Feeds]
     dtype: np.dtype = np.dtype(np.float32)
     vocab_size: int = 0
+    hidden_dim: int = 0
     num_layers: int = 0
     num_heads: int = 0
     head_dim: int = 0
@@ -61,20 +63,3 @@ class ReferenceModel:
     @property
     def output_names(self) -> list[str]:
         return [o.name for o in self.model.graph.output]
-
-
-def hf_attention_inputs(prefix_length: np.ndarray, past_time: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hugging Face step inputs for right-aligned (left-padded) histories.
-
-    prefix_length [N] (valid past positions per row, the last ones of ``past_time``) ->
-    (attention_mask [N, past_time + 1] int64, 1 = attend, the new token last; position_ids [N, 1]
-    int64 = prefix_length).
-    """
-    prefix_length = np.asarray(prefix_length, dtype=np.int64)
-    if prefix_length.ndim != 1:
-        raise ValueError(f"prefix_length: expected shape [N], got {prefix_length.shape}")
-    if np.any(prefix_length < 0) or np.any(prefix_length > past_time):
-        raise ValueError(f"prefix_length: expected values in [0, {past_time}], got {prefix_length}")
-    positions = np.arange(past_time + 1, dtype=np.int64)
-    attention_mask = (positions[None, :] >= past_time - prefix_length[:, None]).astype(np.int64)
-    return attention_mask, prefix_length[:, None].copy()

@@ -151,7 +151,7 @@ def _sequence_oracle(w, cfg: _Config, mode):
         num_tokens = len(tokens)
         if num_tokens > cfg.max_positions:
             raise ValueError(f"{num_tokens} tokens exceed max_positions={cfg.max_positions}")
-        x = (w["tok_emb"][tokens].astype(np.float32) + w["pos_emb"][:num_tokens].astype(np.float32))[None]
+        x = (w["tok_emb"][tokens] + w["pos_emb"][:num_tokens])[None]  # [1, L, D]
         empty = np.zeros((1, cfg.num_heads, 0, cfg.head_dim), np.float32)
         causal = np.tril(np.ones((num_tokens, num_tokens), bool))[None]
         cross = valid = None
@@ -175,8 +175,9 @@ def _sequence_oracle(w, cfg: _Config, mode):
 # -- ONNX graph ------------------------------------------------------------------------------------
 
 
-def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode) -> str:
-    """Adds the decoder layers to ``g``; returns the name of the logits [N, 1, V].
+def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode,
+                  out: str | None = None) -> str:
+    """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
     ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
     present-key, present-value) names.
@@ -220,14 +221,15 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             h = g.layer_norm(x, w, f"cross_ln_{i}")
             q = split(g.linear(h, w, f"cross_query_{i}"), [0, 2, 1, 3])
             if mode == "precomputed":
-                keys_t, values = g.op("Transpose", f"cross-key-{i}", perm=[0, 1, 3, 2]), f"cross-value-{i}"
+                keys_t = g.op("Transpose", f"cross-key-{i}", perm=[0, 1, 3, 2])
+                values = f"cross-value-{i}"
             else:
                 keys_t = split(g.linear("encoder-states", w, f"cross_key_{i}"), [0, 2, 3, 1])
                 values = split(g.linear("encoder-states", w, f"cross_value_{i}"), [0, 2, 1, 3])
             x = g.op("Add", x, g.linear(attend(q, keys_t, values, cross_valid), w, f"cross_out_{i}"))
         h = g.op("Relu", g.linear(g.layer_norm(x, w, f"ffn_ln_{i}"), w, f"ffn1_{i}"))
         x = g.op("Add", x, g.linear(h, w, f"ffn2_{i}"))
-    return g.linear(g.layer_norm(x, w, "final_ln"), w, "out")
+    return g.linear(g.layer_norm(x, w, "final_ln"), w, "out", out=out)
 
 
 def build_transformer_decoder(
@@ -257,7 +259,9 @@ def build_transformer_decoder(
     The new token sits at position prefix-length[n].
     """
     if cross_attention not in CROSS_ATTENTION_MODES:
-        raise ValueError(f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}")
+        raise ValueError(
+            f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
+        )
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
     if model_dim % num_heads:
@@ -268,9 +272,10 @@ def build_transformer_decoder(
     )
     dtype, mode = cfg.dtype, cross_attention
     w = _decoder_weights(seed, cfg)
-    state_shape = (
-        ["batch", num_heads, "time", cfg.head_dim] if kv_layout == "bhtd" else ["batch", "time", model_dim]
-    )
+    if kv_layout == "bhtd":
+        state_shape = ["batch", num_heads, "time", cfg.head_dim]
+    else:
+        state_shape = ["batch", "time", model_dim]
     present_shape = [d if d != "time" else "present-time" for d in state_shape]
     time_axis = state_shape.index("time")
 
@@ -279,11 +284,15 @@ def build_transformer_decoder(
     pos = g.op("Gather", g.weight("pos_emb", w["pos_emb"]), "prefix-length")  # [N, D]
     x = g.op("Add", x, g.unsqueeze(pos, [1]))
     num_t = g.dim("past-key-0", time_axis)
-    positions = g.op("Range", g.const(0, np.int64), g.op("Add", num_t, g.const(1, np.int64)), g.const(1, np.int64))
+    one = g.const(1, np.int64)
+    positions = g.op("Range", g.const(0, np.int64), g.op("Add", num_t, one), one)  # [T+1]
     first_valid = g.op("Sub", num_t, g.op("Cast", "prefix-length", to=onnx_type(np.int64)))
     self_valid = g.op("GreaterOrEqual", g.unsqueeze(positions, [0]), g.unsqueeze(first_valid, [1]))
     self_valid = g.unsqueeze(self_valid, [1, 2])  # [N, 1, 1, T+1]
-    names = [(f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}") for i in range(num_layers)]
+    names = [
+        (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")
+        for i in range(num_layers)
+    ]
     logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
 
@@ -302,7 +311,8 @@ def build_transformer_decoder(
     if mode == "precomputed":
         for i in range(num_layers):
             for kind in ("key", "value"):
-                inputs.append((f"cross-{kind}-{i}", dtype, ["batch", num_heads, "encoder-time", cfg.head_dim]))
+                shape = ["batch", num_heads, "encoder-time", cfg.head_dim]
+                inputs.append((f"cross-{kind}-{i}", dtype, shape))
                 metadata[f"UTTERANCE_cross-{kind}-{i}"] = f"cross-{kind}-{i}"
     elif mode == "encoder-states":
         inputs.append(("encoder-states", dtype, ["batch", "encoder-time", encoder_dim]))
@@ -334,8 +344,9 @@ def build_transformer_decoder(
         return result
 
     return ReferenceModel(
-        model=model, oracle=oracle, dtype=dtype, vocab_size=vocab_size, num_layers=num_layers,
-        num_heads=num_heads, head_dim=cfg.head_dim, states=states, time_axis=time_axis,
+        model=model, oracle=oracle, dtype=dtype, vocab_size=vocab_size, hidden_dim=model_dim,
+        num_layers=num_layers, num_heads=num_heads, head_dim=cfg.head_dim, states=states,
+        time_axis=time_axis,
         sequence_oracle=_sequence_oracle(w32, cfg, mode),
     )
 
@@ -360,11 +371,13 @@ def build_transformer_lm(
     the new token last), ``position_ids`` [N,1] int64, per layer ``past_key_values.{i}.key`` /
     ``.value`` [N,H,T,Dh] -> ``logits`` [N,1,V] (raw), ``present.{i}.key`` / ``.value``
     [N,H,T+1,Dh]; no metadata (states are found by name). Feed it ``hf_attention_inputs``.
+    ``sequence_log_probs`` gives log-probabilities in both conventions.
     """
     if convention == "rasr":
         return build_transformer_decoder(
-            seed, vocab_size=vocab_size, model_dim=model_dim, num_layers=num_layers, num_heads=num_heads,
-            ffn_dim=ffn_dim, cross_attention=None, kv_layout=kv_layout, max_positions=max_positions, dtype=dtype,
+            seed, vocab_size=vocab_size, model_dim=model_dim, num_layers=num_layers,
+            num_heads=num_heads, ffn_dim=ffn_dim, cross_attention=None, kv_layout=kv_layout,
+            max_positions=max_positions, dtype=dtype,
         )
     if convention != "huggingface":
         raise ValueError(f"convention: expected 'rasr' or 'huggingface', got {convention!r}")
@@ -384,11 +397,11 @@ def build_transformer_lm(
     x = g.op("Add", x, g.op("Gather", g.weight("pos_emb", w["pos_emb"]), "position_ids"))
     self_valid = g.unsqueeze(g.op("Cast", "attention_mask", to=onnx_type(bool)), [1, 2])
     names = [
-        (f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value")
+        (f"past_key_values.{i}.key", f"past_key_values.{i}.value",
+         f"present.{i}.key", f"present.{i}.value")
         for i in range(num_layers)
     ]
-    _graph_layers(g, w, cfg, x, self_valid, names, "bhtd", None)
-    g.nodes[-1].output[0] = "logits"  # the output projection's Add
+    _graph_layers(g, w, cfg, x, self_valid, names, "bhtd", None, out="logits")
 
     state_shape = ["batch_size", num_heads, "past_sequence_length", cfg.head_dim]
     present_shape = ["batch_size", num_heads, "past_sequence_length + 1", cfg.head_dim]
@@ -408,7 +421,8 @@ def build_transformer_lm(
     w32 = cast_all(w, np.float32)
 
     def oracle(feeds: Feeds) -> Feeds:
-        x = (w32["tok_emb"][feeds["input_ids"][:, 0]] + w32["pos_emb"][feeds["position_ids"][:, 0]])[:, None]
+        token, position = feeds["input_ids"][:, 0], feeds["position_ids"][:, 0]
+        x = (w32["tok_emb"][token] + w32["pos_emb"][position])[:, None]
         past = [(feeds[k].astype(np.float32), feeds[v].astype(np.float32)) for k, v, _, _ in names]
         self_valid = feeds["attention_mask"].astype(bool)[:, None]
         logits, new = _forward(w32, cfg, x, past, self_valid)
@@ -419,7 +433,7 @@ def build_transformer_lm(
         return result
 
     return ReferenceModel(
-        model=model, oracle=oracle, dtype=dtype, vocab_size=vocab_size, num_layers=num_layers,
-        num_heads=num_heads, head_dim=cfg.head_dim, states=states, time_axis=2,
+        model=model, oracle=oracle, dtype=dtype, vocab_size=vocab_size, hidden_dim=model_dim,
+        num_layers=num_layers, num_heads=num_heads, head_dim=cfg.head_dim, states=states, time_axis=2,
         sequence_oracle=_sequence_oracle(w32, cfg, None),
     )

@@ -1,0 +1,21 @@
+"""The example models shipped in ``examples/models/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpudecode.testing.encoder import build_encoder
+from gpudecode.testing.lstm import build_lstm_lm
+from gpudecode.testing.transformer import build_transformer_decoder
+
+
+def write_examples(folder: str | Path) -> list[Path]:
+    """Writes ``encoder.onnx``, ``decoder.onnx`` (precomputed cross-attention) and ``lstm-lm.onnx``
+    (seed 0, default sizes) into ``folder``; returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return [
+        build_encoder(0).save(folder / "encoder.onnx"),
+        build_transformer_decoder(0, cross_attention="precomputed").save(folder / "decoder.onnx"),
+        build_lstm_lm(0).save(folder / "lstm-lm.onnx"),
+    ]

@@ -1,0 +1,54 @@
+"""`gpudecode inspect` on the reference models."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from gpudecode.cli import main
+from gpudecode.testing import build_encoder, build_lstm_lm, build_transformer_decoder, build_transformer_lm
+
+
+@pytest.mark.parametrize("kv_layout, time_axis", [("bhtd", 2), ("btd", 1)])
+def test_inspect_lists_every_kv_pair_with_its_time_axis(tmp_path, kv_layout, time_axis):
+    path = build_transformer_decoder(seed=1, num_layers=3, kv_layout=kv_layout).save(tmp_path / "decoder.onnx")
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "convention: rasr" in result.output
+    for layer in range(3):
+        for kind in ("key", "value"):
+            line = re.search(rf"^\s*past-{kind}-{layer} -> present-{kind}-{layer}\s.*$", result.output, re.M)
+            assert line, result.output
+            assert f"time axis {time_axis}" in line.group(0)
+    assert "state variables (6)" in result.output
+    assert re.search(r"^\s*cross-key-2 .* from 'cross-key-2'", result.output, re.M)
+
+
+def test_inspect_huggingface_lstm_and_encoder(tmp_path):
+    hf = build_transformer_lm(seed=1, convention="huggingface").save(tmp_path / "hf.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(hf)]).output
+    assert "convention: huggingface" in out
+    assert re.search(r"past_key_values\.0\.key -> present\.0\.key .*time axis 2", out)
+    lstm = build_lstm_lm(seed=1).save(tmp_path / "lstm.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(lstm)]).output
+    assert re.search(r"lstm-h-0 -> new-lstm-h-0 .*time axis none", out), out
+    encoder = build_encoder(seed=1).save(tmp_path / "enc.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(encoder)]).output
+    assert "convention: encoder" in out and "cross-key-0" in out
+
+
+def test_inspect_errors_are_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "missing.onnx")])
+    assert result.exit_code == 1 and "missing.onnx does not exist" in result.output
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00garbage")
+    result = CliRunner().invoke(main, ["inspect", str(bad)])
+    assert result.exit_code == 1 and "bad.onnx: not a readable ONNX file" in result.output
+
+
+def test_python_dash_m_runs_the_cli(tmp_path):
+    path = build_transformer_decoder(seed=1).save(tmp_path / "decoder.onnx")
+    result = subprocess.run([sys.executable, "-m", "gpudecode", "inspect", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0 and "past-key-1 -> present-key-1" in result.stdout

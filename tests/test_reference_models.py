@@ -1,0 +1,469 @@
+"""The reference ONNX models of gpudecode.testing agree with their numpy oracles (ONNX Runtime, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from gpudecode.testing import (
+    ReferenceModel,
+    build_encoder,
+    build_lstm_lm,
+    build_transformer_decoder,
+    build_transformer_lm,
+    hf_attention_inputs,
+    write_examples,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"
+MODES = ["precomputed", "encoder-states", None]
+LAYOUTS = ["bhtd", "btd"]
+DTYPES = [np.float32, np.float16]
+GARBAGE = 5.0  # scale of the random values written into padded positions
+
+
+def _tolerance(dtype) -> dict:
+    return dict(atol=2e-2, rtol=1e-2) if np.dtype(dtype) == np.float16 else dict(atol=1e-5, rtol=1e-6)
+
+
+def _run(ref: ReferenceModel, feeds: dict) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(ref.serialized(), providers=["CPUExecutionProvider"])
+    return dict(zip(ref.output_names, session.run(None, feeds)))
+
+
+def _assert_outputs_close(got: dict, expected: dict, dtype) -> None:
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype, name
+        assert got[name].shape == value.shape, name
+        np.testing.assert_allclose(
+            got[name].astype(np.float64), value.astype(np.float64), err_msg=name, **_tolerance(dtype)
+        )
+
+
+def _padded(valid: np.ndarray, rng, garbage: bool) -> np.ndarray:
+    """Draws [*valid.shape] values; where ``valid`` is False: zeros, or garbage if asked."""
+    values = rng.normal(size=valid.shape)
+    filler = GARBAGE * rng.normal(size=valid.shape)  # drawn either way: same valid values
+    return np.where(valid, values, filler if garbage else 0.0)
+
+
+def _past_states(ref: ReferenceModel, prefix_length, past_time: int, rng, garbage=False) -> dict:
+    """Right-aligned past states: row n is valid in its last prefix_length[n] time positions."""
+    first_valid = past_time - np.asarray(prefix_length)[:, None]
+    valid_time = np.arange(past_time)[None, :] >= first_valid  # [N, T]
+    num = len(prefix_length)
+    feeds = {}
+    for name in ref.states:
+        if ref.time_axis == 2:  # [N, H, T, Dh]
+            shape = (num, ref.num_heads, past_time, ref.head_dim)
+            valid = np.broadcast_to(valid_time[:, None, :, None], shape)
+        else:  # [N, T, D]
+            valid = np.broadcast_to(valid_time[:, :, None], (num, past_time, ref.hidden_dim))
+        feeds[name] = _padded(valid, rng, garbage).astype(ref.dtype)
+    return feeds
+
+
+def _utterance_inputs(ref: ReferenceModel, mode, sizes, num_s: int, rng, garbage=False) -> dict:
+    """Per-utterance decoder inputs with keys s >= sizes[n] padded."""
+    sizes = np.asarray(sizes, dtype=np.int32)
+    valid_s = np.arange(num_s)[None, :] < sizes[:, None]  # [N, S]
+    num = len(sizes)
+    feeds = {}
+    if mode == "precomputed":
+        shape = (num, ref.num_heads, num_s, ref.head_dim)
+        for i in range(ref.num_layers):
+            for kind in ("key", "value"):
+                valid = np.broadcast_to(valid_s[:, None, :, None], shape)
+                feeds[f"cross-{kind}-{i}"] = _padded(valid, rng, garbage).astype(ref.dtype)
+    elif mode == "encoder-states":
+        valid = np.broadcast_to(valid_s[:, :, None], (num, num_s, 32))
+        feeds["encoder-states"] = _padded(valid, rng, garbage).astype(ref.dtype)
+    if mode is not None:
+        feeds["encoder-states-size"] = sizes
+    return feeds
+
+
+def _step_feeds(tokens, prefix_length) -> dict:
+    return {
+        "token": np.asarray(tokens, dtype=np.int32)[:, None],
+        "token-length": np.ones(len(tokens), dtype=np.int32),
+        "prefix-length": np.asarray(prefix_length, dtype=np.int32),
+    }
+
+
+def _decoder_feeds(ref, mode, prefix_length, past_time, sizes, num_s, seed, garbage=False) -> dict:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, ref.vocab_size, size=len(prefix_length))
+    feeds = _step_feeds(tokens, prefix_length)
+    feeds.update(_past_states(ref, prefix_length, past_time, rng, garbage))
+    feeds.update(_utterance_inputs(ref, mode, sizes, num_s, rng, garbage))
+    return feeds
+
+
+def _features(sizes, num_t: int, seed: int, dtype, garbage=False) -> dict:
+    rng = np.random.default_rng(seed)
+    valid = np.broadcast_to((np.arange(num_t)[None, :] < np.asarray(sizes)[:, None])[:, :, None],
+                            (len(sizes), num_t, 16))
+    features = _padded(valid, rng, garbage).astype(dtype)
+    return {"features": features, "features-size": np.asarray(sizes, np.int32)}
+
+
+# -- encoder ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("subsampling", [2, 4])
+def test_encoder_matches_oracle(subsampling, dtype):
+    ref = build_encoder(subsampling=subsampling, dtype=dtype)
+    session = ort.InferenceSession(ref.serialized(), providers=["CPUExecutionProvider"])
+    for sizes, num_t in [([11, 5, 1], 11), ([8, 3], 8), ([2], 3)]:  # dynamic U and T
+        feeds = _features(sizes, num_t, seed=num_t, dtype=dtype)
+        got = dict(zip(ref.output_names, session.run(None, feeds)))
+        _assert_outputs_close(got, ref.oracle(feeds), dtype)
+        num_out = -(-num_t // subsampling)
+        assert got["encoder-states"].shape == (len(sizes), num_out, 32)
+        assert got["cross-key-1"].shape == (len(sizes), 2, num_out, 16)
+        expected_sizes = [int(np.ceil(s / subsampling)) for s in sizes]
+        assert got["encoder-states-size"].tolist() == expected_sizes
+        for n, size in enumerate(expected_sizes):
+            assert np.all(got["encoder-states"][n, size:] == 0)
+            assert np.any(got["encoder-states"][n, :size] != 0)
+
+
+@pytest.mark.parametrize("subsampling", [2, 4])
+def test_encoder_ignores_features_beyond_size(subsampling):
+    ref = build_encoder(subsampling=subsampling)
+    sizes, num_t = [9, 4, 13], 13
+    clean = _run(ref, _features(sizes, num_t, seed=5, dtype=np.float32))
+    noisy_feeds = _features(sizes, num_t, seed=5, dtype=np.float32, garbage=True)
+    assert np.abs(noisy_feeds["features"][0, 9:]).max() > 1
+    noisy = _run(ref, noisy_feeds)
+    for name in clean:
+        np.testing.assert_array_equal(noisy[name], clean[name], err_msg=name)
+    noisy_feeds["features"][1, 3] += 1.0  # a valid frame does matter
+    changed = _run(ref, noisy_feeds)
+    assert np.abs(changed["encoder-states"][1] - clean["encoder-states"][1]).max() > 1e-3
+
+
+# -- transformer decoder (RASR convention) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_decoder_step_matches_oracle(mode, kv_layout, dtype):
+    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype)
+    for prefix_length, past_time in [([0, 3, 5, 1], 5), ([0, 0], 0)]:
+        sizes = [7, 4, 1, 2][: len(prefix_length)]
+        feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time,
+                               garbage=True)
+        got = _run(ref, feeds)
+        _assert_outputs_close(got, ref.oracle(feeds), dtype)
+        assert got["scores"].shape == (len(prefix_length), 1, ref.vocab_size)
+        total = np.log(np.exp(got["scores"].astype(np.float64)).sum(-1))
+        np.testing.assert_allclose(total, 0, atol=_tolerance(dtype)["atol"])
+        for past, present in ref.states.items():  # the full time axis: past, then the new token
+            assert got[present].shape[ref.time_axis] == past_time + 1
+            np.testing.assert_array_equal(
+                np.take(got[present], range(past_time), axis=ref.time_axis), feeds[past])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_decoder_ignores_padding(mode, kv_layout, dtype):
+    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype)
+    args = (ref, mode, [2, 0, 6], 6, [5, 8, 1], 8)
+    clean_feeds, noisy_feeds = _decoder_feeds(*args, seed=1), _decoder_feeds(*args, seed=1, garbage=True)
+    assert np.abs(noisy_feeds["past-key-0"].astype(np.float32) - clean_feeds["past-key-0"]).max() > 1
+    clean, noisy = _run(ref, clean_feeds), _run(ref, noisy_feeds)
+    np.testing.assert_allclose(noisy["scores"], clean["scores"], atol=1e-6, rtol=0)
+    # a valid past position (row 0 has its 2 valid positions last) does change the scores
+    key = np.moveaxis(noisy_feeds["past-key-0"], ref.time_axis, 1)
+    key[0, -1] += 1.0
+    changed = _run(ref, noisy_feeds)
+    assert np.abs(changed["scores"][0] - clean["scores"][0]).max() > 1e-3
+    np.testing.assert_array_equal(changed["scores"][1:], noisy["scores"][1:])
+    if mode is not None:  # and so does a valid encoder position (row 0 has 5)
+        if mode == "precomputed":
+            noisy_feeds["cross-value-0"][0, :, 4] += 1.0
+        else:
+            noisy_feeds["encoder-states"][0, 4] += 1.0
+        changed_again = _run(ref, noisy_feeds)
+        assert np.abs(changed_again["scores"][0] - changed["scores"][0]).max() > 1e-3
+
+
+def _step_through(ref: ReferenceModel, mode, sequences, starts, utterance_of, encoder: dict, seed=0):
+    """Steps the ONNX model over several hypotheses at once, RASR merge layout.
+
+    Hypothesis n feeds sequences[n][p] at global step starts[n] + p. Each step merges the active
+    hypotheses' token states right-aligned (left padding filled with garbage, sometimes one
+    extra padded column) and splits the new token state off the presents (time index T).
+    Returns per hypothesis the scores [len(sequence), V].
+    """
+    rng = np.random.default_rng(seed)
+    history: list[list[dict]] = [[] for _ in sequences]
+    scores = [np.zeros((len(s), ref.vocab_size), np.float32) for s in sequences]
+    num_steps = max(start + len(s) for start, s in zip(starts, sequences))
+    session = ort.InferenceSession(ref.serialized(), providers=["CPUExecutionProvider"])
+    for step in range(num_steps):
+        active = [n for n, (st, s) in enumerate(zip(starts, sequences)) if st <= step < st + len(s)]
+        positions = [step - starts[n] for n in active]
+        past_time = max(positions) + step % 2
+        feeds = _step_feeds([sequences[n][p] for n, p in zip(active, positions)], positions)
+        for name in ref.states:
+            token_shape = (ref.num_heads, ref.head_dim) if ref.time_axis == 2 else (ref.hidden_dim,)
+            padded = GARBAGE * rng.normal(size=(len(active), past_time, *token_shape))  # time second
+            for row, (n, p) in enumerate(zip(active, positions)):
+                if p:
+                    padded[row, past_time - p:] = np.stack([state[name] for state in history[n]])
+            feeds[name] = np.moveaxis(padded, 1, ref.time_axis).astype(ref.dtype)
+        for name, value in encoder.items():
+            feeds[name] = value[[utterance_of[n] for n in active]]
+        got = dict(zip(ref.output_names, session.run(None, feeds)))
+        for row, (n, p) in enumerate(zip(active, positions)):
+            scores[n][p] = got["scores"][row, 0]
+            history[n].append({  # the new token state sits at time index T of the presents
+                name: np.take(got[out][row], past_time, axis=ref.time_axis - 1)
+                for name, out in ref.states.items()
+            })
+    return scores
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_decoder_steps_match_sequence_log_probs(mode, kv_layout, dtype):
+    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype)
+    rng = np.random.default_rng(7)
+    sequences = [rng.integers(0, ref.vocab_size, size=n).tolist() for n in (6, 3, 5, 1)]
+    starts, utterance_of = [0, 2, 1, 4], [0, 1, 1, 2]
+    encoder = _utterance_inputs(ref, mode, [6, 2, 9], 9, rng, garbage=True)
+    stepped = _step_through(ref, mode, sequences, starts, utterance_of, encoder)
+    atol = 1e-4 if dtype == np.float32 else 5e-2
+    for n, tokens in enumerate(sequences):
+        u = utterance_of[n]
+        expected = ref.sequence_log_probs(tokens, {k: v[u : u + 1] for k, v in encoder.items()} or None)
+        assert expected.shape == (len(tokens), ref.vocab_size)
+        np.testing.assert_allclose(stepped[n], expected, atol=atol, rtol=0, err_msg=f"hypothesis {n}")
+
+
+@pytest.mark.parametrize("kv_layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_decoder_names_and_metadata(mode, kv_layout):
+    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, num_layers=3)
+    states = [f"past-{kind}-{i}" for i in range(3) for kind in ("key", "value")]
+    cross = [f"cross-{kind}-{i}" for i in range(3) for kind in ("key", "value")]
+    utterance = {
+        "precomputed": [*cross, "encoder-states-size"],
+        "encoder-states": ["encoder-states", "encoder-states-size"],
+        None: [],
+    }[mode]
+    assert ref.input_names == ["token", "token-length", "prefix-length", *states, *utterance]
+    assert ref.output_names == ["scores", *(s.replace("past", "present") for s in states)]
+    expected = {f"STATE_{s}": s.replace("past", "present") for s in states}
+    if mode == "precomputed":
+        expected.update({f"UTTERANCE_{name}": name for name in utterance[:-1]})
+    assert {p.key: p.value for p in ref.model.metadata_props} == expected
+    assert ref.states == {s: s.replace("past", "present") for s in states}
+    past = next(i for i in ref.model.graph.input if i.name == "past-key-0")
+    dims = [d.dim_param or d.dim_value for d in past.type.tensor_type.shape.dim]
+    assert dims == (["batch", 2, "time", 16] if kv_layout == "bhtd" else ["batch", "time", 32])
+    assert dims.index("time") == ref.time_axis
+
+
+@pytest.mark.parametrize("subsampling", [2, 4])
+def test_encoder_cross_projections_match_the_decoder(subsampling):
+    """encoder(seed) + precomputed decoder(seed) == encoder-states decoder(seed)."""
+    encoder = build_encoder(3, subsampling=subsampling)
+    enc = _run(encoder, _features([12, 7], 12, seed=2, dtype=np.float32))
+    precomputed = build_transformer_decoder(3, cross_attention="precomputed")
+    from_states = build_transformer_decoder(3, cross_attention="encoder-states")
+    prefix_length = [0, 2]
+    feeds = _step_feeds([4, 5], prefix_length)
+    feeds.update(_past_states(precomputed, prefix_length, 2, np.random.default_rng(0)))
+    feeds["encoder-states-size"] = enc["encoder-states-size"]
+    a = _run(precomputed, {**feeds, **{k: v for k, v in enc.items() if k.startswith("cross-")}})
+    b = _run(from_states, {**feeds, "encoder-states": enc["encoder-states"]})
+    np.testing.assert_allclose(a["scores"], b["scores"], atol=1e-5)
+    tokens = [1, 4, 2]
+    np.testing.assert_allclose(
+        precomputed.sequence_log_probs(
+            tokens, {k: v[1:2] for k, v in enc.items() if k != "encoder-states"}),
+        from_states.sequence_log_probs(
+            tokens, {k: enc[k][1:2] for k in ("encoder-states", "encoder-states-size")}),
+        atol=1e-5,
+    )
+    other = _run(build_transformer_decoder(4, cross_attention="encoder-states"),
+                 {**feeds, "encoder-states": enc["encoder-states"]})
+    assert np.abs(other["scores"] - b["scores"]).max() > 1e-2
+
+
+# -- transformer LM (RASR and Hugging Face conventions) ----------------------------------------------
+
+
+def _hf_feeds(hf: ReferenceModel, rasr_feeds: dict, past_time: int) -> dict:
+    mask, positions = hf_attention_inputs(rasr_feeds["prefix-length"], past_time)
+    feeds = {
+        "input_ids": rasr_feeds["token"].astype(np.int64),
+        "attention_mask": mask,
+        "position_ids": positions,
+    }
+    for i in range(hf.num_layers):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = rasr_feeds[f"past-{kind}-{i}"]
+    return feeds
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_lm_matches_oracle_and_rasr(dtype):
+    rasr = build_transformer_lm(5, convention="rasr", dtype=dtype)
+    hf = build_transformer_lm(5, convention="huggingface", dtype=dtype)
+    past_time = 4
+    rasr_feeds = _decoder_feeds(rasr, None, [4, 0, 2], past_time, [], 0, seed=3, garbage=True)
+    hf_feeds = _hf_feeds(hf, rasr_feeds, past_time)
+    got = _run(hf, hf_feeds)
+    _assert_outputs_close(got, hf.oracle(hf_feeds), dtype)
+    assert got["logits"].shape == (3, 1, hf.vocab_size)
+    assert np.abs(np.log(np.exp(got["logits"].astype(np.float64)).sum(-1))).max() > 1e-2  # raw logits
+    rasr_got = _run(rasr, rasr_feeds)
+    logits = got["logits"].astype(np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(log_probs, rasr_got["scores"], **_tolerance(dtype))
+    for i in range(hf.num_layers):
+        np.testing.assert_allclose(
+            got[f"present.{i}.key"], rasr_got[f"present-key-{i}"], **_tolerance(dtype))
+    np.testing.assert_allclose(  # the sequence oracle of the HF model gives log-probabilities too
+        hf.sequence_log_probs([3, 1, 2]), rasr.sequence_log_probs([3, 1, 2]), atol=1e-6)
+
+
+def test_hf_lm_names_and_shapes():
+    hf = build_transformer_lm(convention="huggingface", num_layers=2)
+    states = {f"past_key_values.{i}.{k}": f"present.{i}.{k}" for i in range(2) for k in ("key", "value")}
+    assert hf.input_names == ["input_ids", "attention_mask", "position_ids", *states]
+    assert hf.output_names == ["logits", *states.values()]
+    assert hf.states == states and hf.time_axis == 2
+    assert len(hf.model.metadata_props) == 0
+    types = {i.name: i.type.tensor_type.elem_type for i in hf.model.graph.input}
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        assert types[name] == onnx.TensorProto.INT64, name
+
+
+def test_rasr_lm_is_the_decoder_without_cross_attention():
+    lm = build_transformer_lm(2, convention="rasr", kv_layout="btd")
+    decoder = build_transformer_decoder(2, cross_attention=None, kv_layout="btd")
+    assert lm.serialized() == decoder.serialized()
+
+
+# -- LSTM LM --------------------------------------------------------------------------------------------
+
+
+def _lstm_feeds(ref: ReferenceModel, stacked: bool, tokens, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    num, hid = len(tokens), ref.hidden_dim
+    feeds = {"token": np.asarray(tokens, np.int32)[:, None], "token-length": np.ones(num, np.int32)}
+    for k in "hc":
+        value = rng.normal(size=(ref.num_layers, num, hid)).astype(ref.dtype)
+        if stacked:
+            feeds[f"lstm-{k}"] = value
+        else:
+            feeds.update({f"lstm-{k}-{i}": value[i] for i in range(ref.num_layers)})
+    return feeds
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stacked", [False, True])
+def test_lstm_matches_oracle(stacked, dtype):
+    ref = build_lstm_lm(stacked=stacked, dtype=dtype)
+    feeds = _lstm_feeds(ref, stacked, [1, 7, 0, 11], seed=0)
+    got = _run(ref, feeds)
+    _assert_outputs_close(got, ref.oracle(feeds), dtype)
+    assert got["scores"].shape == (4, 1, 12)
+    names = ["lstm-h", "lstm-c"] if stacked else [f"lstm-{k}-{i}" for i in range(2) for k in "hc"]
+    assert ref.states == {n: f"new-{n}" for n in names}
+    metadata = {p.key: p.value for p in ref.model.metadata_props}
+    assert metadata == {f"STATE_{n}": f"new-{n}" for n in names}
+
+
+def test_lstm_stacked_equals_unstacked():
+    flat, stacked = build_lstm_lm(1), build_lstm_lm(1, stacked=True)
+    stacked_feeds = _lstm_feeds(stacked, True, [3, 4], seed=1)
+    flat_feeds = {k: v for k, v in stacked_feeds.items() if not k.startswith("lstm")}
+    for k in "hc":
+        flat_feeds.update({f"lstm-{k}-{i}": stacked_feeds[f"lstm-{k}"][i] for i in range(2)})
+    a, b = _run(flat, flat_feeds), _run(stacked, stacked_feeds)
+    np.testing.assert_array_equal(a["scores"], b["scores"])
+    np.testing.assert_array_equal(np.stack([a["new-lstm-c-0"], a["new-lstm-c-1"]]), b["new-lstm-c"])
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_lstm_steps_match_sequence_log_probs(stacked):
+    ref = build_lstm_lm(stacked=stacked)
+    sequences = [[1, 5, 2, 9], [3, 3, 0, 11]]
+    session = ort.InferenceSession(ref.serialized(), providers=["CPUExecutionProvider"])
+    feeds = _lstm_feeds(ref, stacked, [0, 0], seed=0)
+    feeds.update({name: np.zeros_like(feeds[name]) for name in ref.states})  # initial state
+    for p in range(4):
+        feeds["token"] = np.array([[s[p]] for s in sequences], np.int32)
+        got = dict(zip(ref.output_names, session.run(None, feeds)))
+        feeds.update({name: got[out] for name, out in ref.states.items()})
+        for n, tokens in enumerate(sequences):
+            np.testing.assert_allclose(got["scores"][n, 0], ref.sequence_log_probs(tokens)[p], atol=1e-5)
+
+
+# -- all models ----------------------------------------------------------------------------------------
+
+BUILDERS = {
+    "encoder": lambda seed: build_encoder(seed),
+    "encoder-fp16-s4": lambda seed: build_encoder(seed, subsampling=4, dtype=np.float16),
+    "decoder-precomputed": lambda seed: build_transformer_decoder(seed),
+    "decoder-encoder-states-btd": lambda seed: build_transformer_decoder(
+        seed, cross_attention="encoder-states", kv_layout="btd"),
+    "decoder-lm-fp16": lambda seed: build_transformer_decoder(
+        seed, cross_attention=None, dtype=np.float16),
+    "lm-huggingface": lambda seed: build_transformer_lm(seed, convention="huggingface"),
+    "lstm": lambda seed: build_lstm_lm(seed),
+    "lstm-stacked": lambda seed: build_lstm_lm(seed, stacked=True),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_models_are_valid_and_deterministic(name):
+    ref = BUILDERS[name](0)
+    onnx.checker.check_model(ref.model, full_check=True)
+    assert ref.model.ir_version == 9
+    assert [(o.domain, o.version) for o in ref.model.opset_import] == [("", 17)]
+    assert BUILDERS[name](0).serialized() == ref.serialized()
+    assert BUILDERS[name](1).serialized() != ref.serialized()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: build_transformer_decoder(cross_attention="encoder"),
+        lambda: build_transformer_decoder(kv_layout="tbd"),
+        lambda: build_transformer_decoder(model_dim=30, num_heads=4),
+        lambda: build_transformer_lm(convention="fairseq"),
+        lambda: build_transformer_lm(convention="huggingface", kv_layout="btd"),
+    ],
+)
+def test_bad_options_raise(build):
+    with pytest.raises(ValueError):
+        build()
+
+
+def test_write_examples(tmp_path):
+    paths = write_examples(tmp_path)
+    assert [p.name for p in paths] == ["encoder.onnx", "decoder.onnx", "lstm-lm.onnx"]
+    for path in paths:
+        assert path.stat().st_size < 200_000
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        shipped = EXAMPLES / path.name
+        assert shipped.read_bytes() == path.read_bytes(), f"{shipped} is stale: rerun write_examples"
+    decoder = onnx.load(str(tmp_path / "decoder.onnx"))
+    assert {p.key for p in decoder.metadata_props} >= {"STATE_past-key-0", "UTTERANCE_cross-key-0"}

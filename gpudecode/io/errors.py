@@ -1,12 +1,12 @@
-"""The error raised for bad input data (features, audio, vocabularies, result files)."""
+"""Errors for bad input data: features and audio, vocabularies, result and reference files."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-class FeatureError(ValueError):
-    """Bad input: the message names the file and, where there is one, the utterance.
+class InputError(ValueError):
+    """Bad input data: the message names the file and, where there is one, the utterance.
 
     ``path`` and ``utterance_id`` are kept as attributes so a caller that skips bad utterances
     can report them.
@@ -23,3 +23,15 @@ class FeatureError(ValueError):
         if utterance_id is not None:
             where.append(f"utterance {utterance_id!r}")
         super().__init__(": ".join([*where, problem]))
+
+
+class FeatureError(InputError):
+    """Bad features or audio: wrong dimension, NaN/Inf, empty, missing or unreadable file."""
+
+
+class VocabularyError(InputError):
+    """A bad vocabulary file or special label (unknown label, index out of range)."""
+
+
+class ResultFileError(InputError):
+    """An unreadable hypothesis or reference file (WER scoring, resume)."""

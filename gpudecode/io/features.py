@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -100,6 +100,7 @@ class FeatureSource:
         self.on_error = on_error
         self.skipped: list[FeatureError] = []
         self._ids: list[str] | None = None
+        self._id_set: frozenset[str] = frozenset()
 
     # --- to implement ---------------------------------------------------------------------
     def _keys(self) -> list[str]:
@@ -129,18 +130,37 @@ class FeatureSource:
             if not ids:
                 raise FeatureError(f"no utterances found (format {self.format})", path=self.path)
             self._ids = ids
+            self._id_set = frozenset(ids)
         return self._ids
 
     def __len__(self) -> int:
         return len(self.ids())
 
     def lengths(self) -> dict[str, int]:
-        """Frames per utterance id (read from headers where the format allows)."""
-        return {utt_id: self._num_frames(utt_id) for utt_id in self.ids()}
+        """Frames per utterance id (read from headers where the format allows). With
+        ``on_error="skip"``, utterances whose length cannot be read are left out."""
+        lengths = {}
+        for utt_id in self.ids():
+            try:
+                try:
+                    lengths[utt_id] = self._num_frames(utt_id)
+                except FeatureError:
+                    raise
+                except Exception as exc:
+                    raise FeatureError(f"cannot read: {type(exc).__name__}: {exc}",
+                                       path=self._source_of(utt_id),
+                                       utterance_id=utt_id) from exc
+            except FeatureError as exc:
+                if self.on_error == "stop":
+                    raise
+                log.warning("skipping: %s", exc)
+                self.skipped.append(exc)
+        return lengths
 
     def read(self, utt_id: str) -> Utterance:
         """One validated utterance; raises ``FeatureError`` whatever ``on_error`` says."""
-        if utt_id not in set(self.ids()):
+        self.ids()
+        if utt_id not in self._id_set:
             raise FeatureError("no such utterance", path=self.path, utterance_id=utt_id)
         source = self._source_of(utt_id)
         try:
@@ -188,7 +208,7 @@ class FeatureSource:
     def close(self) -> None:
         """Release open files (a no-op for formats that keep none open)."""
 
-    def __enter__(self) -> "FeatureSource":
+    def __enter__(self) -> FeatureSource:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,9 +8,10 @@ filters are built in the mel domain and evaluated at the FFT bin frequencies.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class LogMelOptions:
     stats_file: Path | None = None
 
     @classmethod
-    def from_any(cls, options: Any) -> "LogMelOptions":
+    def from_any(cls, options: Any) -> LogMelOptions:
         """Accept ``LogMelOptions``, a mapping, or any object with these attributes (such as
         the config's ``FrontEndConfig``); unknown extra attributes are ignored."""
         if isinstance(options, cls):

@@ -27,12 +27,12 @@ class KaldiArkSource(FeatureSource):
             with open(self.path, "rb") as fd:
                 end = 0
                 for key, mat in kaldiio.load_ark(fd):
+                    if key in self._offsets:
+                        raise FeatureError("duplicate utterance id", path=self.path,
+                                           utterance_id=key)
                     # The next record starts where the previous ended: "<key> <data>".
                     self._offsets[key] = end + len(key.encode()) + 1
                     self._frames[key] = int(np.shape(mat)[0]) if np.ndim(mat) else 0
-                    if key in self._frames and key in self._order:
-                        raise FeatureError("duplicate utterance id", path=self.path,
-                                           utterance_id=key)
                     self._order.append(key)
                     end = fd.tell()
         except FeatureError:

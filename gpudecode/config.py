@@ -1,0 +1,556 @@
+"""The YAML config schema: typed, frozen sections validated with pydantic.
+
+``load_config(path, overrides)`` reads a YAML file, applies ``a.b.c=value`` overrides, resolves
+relative paths against the config file's folder and returns a frozen ``Config``. Every problem
+(an unknown key, a wrong type, a bad choice) is one ``ConfigError`` whose message names the full
+key path (``search.beam_size``, ``scorers[1].state_manager.type``) and lists the valid keys or
+choices. Whether the files named in the config exist is checked separately by ``check_paths``,
+so a config can be validated without its models at hand. Defaults come from
+``gpudecode.defaults``, shared with the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from gpudecode import defaults
+
+__all__ = [
+    "Config", "ConfigError", "EncoderConfig", "FeaturesConfig", "FrontEndConfig", "IoConfig",
+    "ModelsConfig", "RuntimeConfig", "ScorerConfig", "SearchConfig", "StateManagerConfig",
+    "VocabularyConfig", "apply_overrides", "check_paths", "dump_resolved", "load_config",
+    "validate_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. ``errors``: ``(key path, problem)`` pairs."""
+
+    def __init__(self, message: str, errors: Sequence[tuple[str, str]] = ()):
+        super().__init__(message)
+        self.errors = list(errors)
+
+
+class _KeyedError(ValueError):
+    """Raised inside validators to point an error at a key below the validated object."""
+
+    def __init__(self, key_path: Sequence[str | int], message: str):
+        super().__init__(message)
+        self.key_path = tuple(key_path)
+
+
+# --- field types -------------------------------------------------------------------------------
+
+def _non_empty_path(value: Any) -> Any:
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("empty path")
+    return value
+
+
+def _resolve_path(path: Path, info: ValidationInfo) -> Path:
+    """Relative paths resolve against ``context["base_dir"]`` (the config file's folder)."""
+    path = path.expanduser()
+    base_dir = (info.context or {}).get("base_dir")
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    return Path(os.path.normpath(path))
+
+
+ConfigPath = Annotated[Path, BeforeValidator(_non_empty_path), AfterValidator(_resolve_path)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a label string or an index, not a boolean")
+    return value
+
+
+# A label given by its string or by its index in the vocabulary.
+LabelSpec = Annotated[NonNegativeInt | Annotated[str, Field(min_length=1)],
+                      BeforeValidator(_not_bool)]
+
+_SCORER_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+class RuntimeConfig(_Section):
+    """Where and how models run."""
+
+    device: Literal[defaults.DEVICES] = defaults.DEVICE
+    device_id: NonNegativeInt = defaults.DEVICE_ID
+    tf32: bool = defaults.TF32
+    cuda_graphs: bool = defaults.CUDA_GRAPHS
+    share_stream: bool = defaults.SHARE_STREAM
+    ort_arena_limit_bytes: PositiveInt | None = defaults.ORT_ARENA_LIMIT_BYTES
+    cupy_pool_limit_bytes: PositiveInt | None = defaults.CUPY_POOL_LIMIT_BYTES
+    cudnn_conv_algo_search: Literal[defaults.CUDNN_CONV_ALGO_SEARCHES] = (
+        defaults.CUDNN_CONV_ALGO_SEARCH)
+    dump_inputs: ConfigPath | None = None  # folder for .npz dumps of every model call's inputs
+
+
+class EncoderConfig(_Section):
+    path: ConfigPath
+    io_map: dict[str, str] = Field(default_factory=dict)  # logical name -> model's name
+
+
+class VocabularyConfig(_Section):
+    """One label per line; special labels by label string or index (``None``: none)."""
+
+    path: ConfigPath
+    blank: LabelSpec | None = None
+    sentence_begin: LabelSpec | None = None
+    sentence_end: LabelSpec | None = None
+    unknown: LabelSpec | None = None
+
+
+class FrontEndConfig(_Section):
+    """The log-mel front end for audio input (names match ``io.frontend.LogMelOptions``)."""
+
+    sample_rate_hz: PositiveInt = defaults.SAMPLE_RATE_HZ
+    window_ms: PositiveFloat = defaults.WINDOW_MS
+    hop_ms: PositiveFloat = defaults.HOP_MS
+    fft_size: PositiveInt | None = defaults.FFT_SIZE
+    num_mel_bins: PositiveInt = defaults.NUM_MEL_BINS
+    low_freq_hz: Annotated[float, Field(ge=0)] = defaults.LOW_FREQ_HZ
+    high_freq_hz: PositiveFloat | None = defaults.HIGH_FREQ_HZ
+    log_floor: PositiveFloat = defaults.LOG_FLOOR
+    window_type: Literal[defaults.WINDOW_TYPES] = defaults.WINDOW_TYPE
+    preemphasis: Annotated[float, Field(ge=0, lt=1)] = defaults.PREEMPHASIS
+    normalisation: Literal[defaults.NORMALISATIONS] = defaults.NORMALISATION
+    stats_file: ConfigPath | None = None  # .npz with mean, std; for normalisation: global
+    # Seconds between feature frames, for CTM times; None: hop_ms.
+    frame_shift_ms: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> FrontEndConfig:
+        from gpudecode.io.frontend import FrontEndError, LogMelOptions, mel_filterbank
+
+        if self.normalisation == "global" and self.stats_file is None:
+            raise _KeyedError(["stats_file"], "normalisation 'global' needs stats_file "
+                              "(an .npz with 'mean' and 'std')")
+        if self.normalisation != "global" and self.stats_file is not None:
+            raise _KeyedError(["stats_file"], f"stats_file is only used with normalisation "
+                              f"'global' (normalisation is {self.normalisation!r})")
+        try:
+            mel_filterbank(LogMelOptions.from_any(self))
+        except FrontEndError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def frame_shift_s(self) -> float:
+        return (self.frame_shift_ms if self.frame_shift_ms is not None else self.hop_ms) / 1000
+
+
+class ModelsConfig(_Section):
+    encoder: EncoderConfig | None = None
+    vocabulary: VocabularyConfig
+    front_end: FrontEndConfig = Field(default_factory=FrontEndConfig)
+
+
+class StateManagerConfig(_Section):
+    type: Literal[defaults.STATE_MANAGER_TYPES] = defaults.STATE_MANAGER_TYPE
+    max_history: PositiveInt | None = defaults.MAX_HISTORY
+    always_include_first_token_state: bool = defaults.ALWAYS_INCLUDE_FIRST_TOKEN_STATE
+    slots_per_chunk: PositiveInt = defaults.SLOTS_PER_CHUNK
+    storage_dtype: Literal[defaults.STORAGE_DTYPES] = defaults.STORAGE_DTYPE
+    state_compression: Literal[defaults.STATE_COMPRESSIONS] = defaults.STATE_COMPRESSION
+
+    @model_validator(mode="after")
+    def _check(self) -> StateManagerConfig:
+        if (self.always_include_first_token_state and self.max_history is not None
+                and self.max_history < 2):
+            raise _KeyedError(["max_history"], "always_include_first_token_state needs "
+                              "max_history >= 2 (the first token state plus the last ones)")
+        return self
+
+
+class ScorerConfig(_Section):
+    """One label scorer. ``type``: a built-in type or a ``module:Class`` import path.
+    ``name`` (default: the type) keys the per-scorer scores in the outputs."""
+
+    type: str
+    name: str = ""
+    scale: float = defaults.SCORER_SCALE
+    model: ConfigPath | tuple[ConfigPath, ...] | dict[str, ConfigPath] | None = None
+    state_manager: StateManagerConfig | None = None
+    io_map: dict[str, str] = Field(default_factory=dict)
+    scores_kind: Literal[defaults.SCORES_KINDS] = defaults.SCORES_KIND
+    max_batch_size: PositiveInt | None = None
+    start_labels: tuple[LabelSpec, ...] = ()
+    options: dict[str, Any] = Field(default_factory=dict)  # free, for custom scorers
+
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, value: str) -> str:
+        if value in defaults.BUILTIN_SCORER_TYPES or _SCORER_IMPORT_PATH.match(value):
+            return value
+        close = difflib.get_close_matches(value, defaults.BUILTIN_SCORER_TYPES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"invalid choice {value!r}{hint}; valid choices: "
+                         f"{', '.join(defaults.BUILTIN_SCORER_TYPES)}, or a custom scorer "
+                         "as 'module:Class'")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("name") and isinstance(data.get("type"), str):
+            data = {**data, "name": data["type"]}
+        return data
+
+
+class SearchConfig(_Section):
+    type: Literal[defaults.SEARCH_TYPES] = defaults.SEARCH_TYPE
+    beam_size: PositiveInt = defaults.BEAM_SIZE
+    nbest: PositiveInt | None = defaults.NBEST
+    score_threshold: PositiveFloat | None = defaults.SCORE_THRESHOLD
+    length_norm_scale: Annotated[float, Field(ge=0)] = defaults.LENGTH_NORM_SCALE
+    max_labels_per_input: PositiveFloat = defaults.MAX_LABELS_PER_INPUT
+    max_labels: PositiveInt = defaults.MAX_LABELS
+    batch_size: PositiveInt = defaults.SEARCH_BATCH_SIZE
+    max_cached_score_vectors: NonNegativeInt = defaults.MAX_CACHED_SCORE_VECTORS
+    pre_beam_size: PositiveInt | None = defaults.PRE_BEAM_SIZE
+    max_symbols_per_frame: PositiveInt = defaults.MAX_SYMBOLS_PER_FRAME
+
+    @model_validator(mode="after")
+    def _check(self) -> SearchConfig:
+        if self.nbest is not None and self.nbest > self.beam_size:
+            raise _KeyedError(["nbest"], f"nbest ({self.nbest}) exceeds beam_size "
+                              f"({self.beam_size})")
+        if self.pre_beam_size is not None and self.pre_beam_size < self.beam_size:
+            raise _KeyedError(["pre_beam_size"], f"pre_beam_size ({self.pre_beam_size}) is "
+                              f"smaller than beam_size ({self.beam_size})")
+        return self
+
+
+class FeaturesConfig(_Section):
+    path: ConfigPath
+    format: Literal[defaults.FEATURE_FORMATS] = defaults.FEATURE_FORMAT
+    num_features: PositiveInt | None = None  # expected F; None: from the first utterance
+
+
+class IoConfig(_Section):
+    features: FeaturesConfig | None = None
+    output: ConfigPath = Field(default=Path(defaults.OUTPUT_FOLDER), validate_default=True)
+    formats: tuple[Literal[defaults.OUTPUT_FORMAT_CHOICES], ...] = Field(
+        default=defaults.OUTPUT_FORMATS, min_length=1)
+    references: ConfigPath | None = None
+    word_merging: Literal[defaults.WORD_MERGINGS] = defaults.WORD_MERGING
+    on_bad_input: Literal[defaults.ON_BAD_INPUT_CHOICES] = defaults.ON_BAD_INPUT
+
+    @field_validator("formats")
+    @classmethod
+    def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"repeated output format in {list(value)}")
+        return value
+
+
+class Config(_Section):
+    """A whole experiment: ``runtime``, ``models``, ``scorers``, ``search``, ``io``."""
+
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    models: ModelsConfig
+    scorers: tuple[ScorerConfig, ...] = ()
+    search: SearchConfig = Field(default_factory=SearchConfig)
+    # Validated from {} (not built by a factory) so io.output resolves against the config folder.
+    io: IoConfig = Field(default_factory=dict, validate_default=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        seen: dict[str, int] = {}
+        for i, scorer in enumerate(self.scorers):
+            if scorer.name in seen:
+                raise _KeyedError(
+                    ["scorers", i, "name"],
+                    f"duplicate scorer name {scorer.name!r} (also scorers[{seen[scorer.name]}]);"
+                    " give each scorer a distinct name")
+            seen[scorer.name] = i
+        return self
+
+
+# --- errors: pydantic's error list -> one ConfigError naming key paths ---------------------
+
+def _strip_annotation(ann: Any) -> Any:
+    """Drop ``Annotated`` and ``None`` from an annotation; a union of several stays a list."""
+    while typing.get_origin(ann) is Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) in (Union, types.UnionType):
+        members = [_strip_annotation(a) for a in typing.get_args(ann) if a is not type(None)]
+        return members[0] if len(members) == 1 else members
+    return ann
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def _pick_member(members: list, tag: str) -> Any:
+    for member in members:
+        origin = typing.get_origin(member)
+        if _is_model(member) and tag == member.__name__:
+            return member
+        if origin in (tuple, list) and tag.startswith(("tuple", "list")):
+            return member
+        if origin is dict and tag.startswith("dict"):
+            return member
+    return None
+
+
+def _walk_loc(loc: Sequence[str | int]) -> tuple[list[str | int], Any]:
+    """The loc without pydantic's union tags, and the model class holding the last key."""
+    ann: Any = Config
+    out: list[str | int] = []
+    parent: Any = None
+    for part in loc:
+        ann = _strip_annotation(ann)
+        if isinstance(ann, list):  # a union: this part is pydantic's tag of the member
+            ann = _pick_member(ann, str(part))
+            continue
+        parent = ann
+        out.append(part)
+        origin = typing.get_origin(ann)
+        if _is_model(ann):
+            field = ann.model_fields.get(part) if isinstance(part, str) else None
+            ann = field.annotation if field is not None else None
+        elif origin in (tuple, list):
+            ann = typing.get_args(ann)[0]
+        elif origin is dict:
+            ann = typing.get_args(ann)[1]
+        else:
+            ann = None
+    return out, parent
+
+
+def _format_key_path(parts: Iterable[str | int]) -> str:
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _translate(exc: ValidationError) -> list[tuple[str, str]]:
+    problems: dict[str, list[str]] = {}
+    for err in exc.errors():
+        loc = list(err["loc"])
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, _KeyedError):
+            loc += list(cause.key_path)
+        parts, parent = _walk_loc(loc)
+        key = _format_key_path(parts) or "(top level)"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            valid = list(parent.model_fields) if _is_model(parent) else []
+            section = _format_key_path(parts[:-1]) or "the top level"
+            close = difflib.get_close_matches(str(parts[-1]), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            message = f"unknown key{hint}; valid keys in {section}: {', '.join(valid)}"
+        elif kind == "missing":
+            message = "required key is missing"
+        elif kind == "literal_error":
+            expected = err.get("ctx", {}).get("expected", "")
+            choices = ", ".join(re.findall(r"'([^']*)'", expected)) or expected
+            message = f"invalid choice {_describe(err['input'])}; valid choices: {choices}"
+        elif kind in ("value_error", "assertion_error"):
+            message = str(cause) if cause is not None else err["msg"]
+        elif kind in ("path_type", "path_parsing"):
+            message = f"expected a path (got {_describe(err['input'])})"
+        elif kind in ("tuple_type", "list_type"):
+            message = f"expected a list (got {_describe(err['input'])})"
+        elif kind == "dict_type":
+            message = f"expected a mapping (got {_describe(err['input'])})"
+        elif kind in ("model_type", "model_attributes_type"):
+            message = f"expected a section: a mapping of keys (got {_describe(err['input'])})"
+        else:
+            message = f"{err['msg'][:1].lower()}{err['msg'][1:]} (got {_describe(err['input'])})"
+        if message not in problems.setdefault(key, []):
+            problems[key].append(message)
+    # A union reports every member's complaint; where one member got further (an error
+    # deeper inside the value), keep only the deeper errors.
+    deeper = {key for key in problems for other in problems
+              if other != key and other.startswith((key + ".", key + "["))}
+    return [(key, " or ".join(msgs)) for key, msgs in problems.items() if key not in deeper]
+
+
+def _raise_config_error(problems: list[tuple[str, str]], source: str) -> typing.NoReturn:
+    lines = [f"{source}: {key}: {message}" for key, message in problems]
+    raise ConfigError("\n".join(lines), problems)
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+def validate_config(data: Any, base_dir: str | Path = ".", *, source: str = "config") -> Config:
+    """Validate a parsed YAML mapping; relative paths resolve against ``base_dir``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        _raise_config_error([("(top level)", f"expected a mapping of sections, got "
+                              f"{type(data).__name__}")], source)
+    try:
+        return Config.model_validate(data, context={"base_dir": Path(base_dir).absolute()})
+    except ValidationError as exc:
+        _raise_config_error(_translate(exc), source)
+
+
+def _split_key(key: str) -> list[str]:
+    key = re.sub(r"\[(\d+)\]", r".\1", key.strip())
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ValueError("empty key part")
+    return parts
+
+
+def _override_failure(override: str):
+    def fail(problem: str) -> typing.NoReturn:
+        raise ConfigError(f"override {override!r}: {problem}", [(override, problem)])
+
+    return fail
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+    """A deep copy of ``data`` with each ``a.b.c=value`` applied. ``value`` is parsed as YAML
+    (``3`` is an int, ``[text, ctm]`` a list, ``null`` None); list elements are addressed by
+    index (``scorers.0.scale=0.5`` or ``scorers[0].scale=0.5``); missing sections are created."""
+    data = copy.deepcopy(data) if data is not None else {}
+    for override in overrides:
+        fail = _override_failure(override)
+        key, sep, raw = override.partition("=")
+        if not sep:
+            fail("expected key.path=value")
+        try:
+            parts = _split_key(key)
+            value = yaml.safe_load(raw)
+        except ValueError:
+            fail("the key has an empty part")
+        except yaml.YAMLError as exc:
+            fail(f"the value is not valid YAML: {exc}")
+        node: Any = data
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            where = ".".join(parts[:depth]) or "the top level"
+            if isinstance(node, list):
+                if not part.isdigit():
+                    fail(f"{where} is a list; expected an index, got {part!r}")
+                index = int(part)
+                if index > len(node) or (index == len(node) and not last):
+                    fail(f"index {index} is out of range: {where} has {len(node)} entries")
+                if last and index == len(node):
+                    node.append(value)
+                elif last:
+                    node[index] = value
+                else:
+                    node = node[index]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    if node.get(part) is None:
+                        node[part] = [] if parts[depth + 1].isdigit() else {}
+                    node = node[part]
+            else:
+                fail(f"{where} is {_describe(node)}, not a section or list")
+    return data
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """Read, override and validate a YAML config (see the module docstring)."""
+    path = Path(path)
+    data = _read_yaml(path)
+    if data is not None and not isinstance(data, dict):
+        _raise_config_error([("(top level)", f"expected a mapping of sections, got "
+                              f"{type(data).__name__}")], str(path))
+    overrides = list(overrides)
+    data = apply_overrides(data or {}, overrides)
+    source = str(path) + (" (with -o overrides)" if overrides else "")
+    return validate_config(data, path.absolute().parent, source=source)
+
+
+def dump_resolved(config: Config, path: str | Path) -> Path:
+    """Write the fully resolved config (every default filled in, absolute paths) as YAML;
+    ``load_config`` reads it back to an equal ``Config``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    path.write_text("# gpudecode: fully resolved config\n" + text, encoding="utf-8")
+    return path
+
+
+# Paths the run writes rather than reads.
+_OUTPUT_KEYS = {"io.output", "runtime.dump_inputs"}
+
+
+def _iter_paths(value: Any, parts: list[str | int]) -> Iterator[tuple[str, Path]]:
+    if isinstance(value, Path):
+        yield _format_key_path(parts), value
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            if name != "options":  # free-form scorer options are the scorer's business
+                yield from _iter_paths(getattr(value, name), [*parts, name])
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _iter_paths(item, [*parts, i])
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _iter_paths(item, [*parts, key])
+
+
+def check_paths(config: Config, *, source: str = "config") -> None:
+    """Raise ``ConfigError`` listing every input path of ``config`` that does not exist
+    (model files, vocabulary, statistics, features, references; not the output folder)."""
+    problems = [(key, f"does not exist: {path}") for key, path in _iter_paths(config, [])
+                if key not in _OUTPUT_KEYS and not path.exists()]
+    if problems:
+        _raise_config_error(problems, source)

@@ -1,0 +1,44 @@
+"""Readers, writers and scoring at the edge of the toolkit: the search never opens a file.
+
+Readers yield ``Utterance(id, features (T, F) float32)`` lazily from a folder of ``.npy``, an
+``.npz``, HDF5 (RETURNN layout), Kaldi ark/scp, or audio through the log-mel front end.
+Writers write text, JSON lines and CTM incrementally; ``score_wer`` computes WER/CER.
+Optional packages (h5py, kaldiio, soundfile, jiwer) are imported only by the code that uses
+them.
+"""
+
+from gpudecode.io.errors import (
+    FeatureError,
+    InputError,
+    ResultFileError,
+    VocabularyError,
+)
+from gpudecode.io.features import (
+    FeatureSource,
+    Utterance,
+    bucket_by_length,
+    check_features,
+)
+from gpudecode.io.frontend import (
+    FrontEndError,
+    LogMelFrontEnd,
+    LogMelOptions,
+    mel_filterbank,
+)
+from gpudecode.io.readers import detect_format, open_features
+from gpudecode.io.vocabulary import Vocabulary, Word, merge_words
+from gpudecode.io.wer import read_transcripts, score_wer
+from gpudecode.io.writers import (
+    Hypothesis,
+    ResultWriter,
+    UtteranceResult,
+    read_done_ids,
+)
+
+__all__ = [
+    "FeatureError", "FeatureSource", "FrontEndError", "Hypothesis", "InputError",
+    "LogMelFrontEnd", "LogMelOptions", "ResultFileError", "ResultWriter", "Utterance",
+    "UtteranceResult", "Vocabulary", "VocabularyError", "Word", "bucket_by_length",
+    "check_features", "detect_format", "mel_filterbank", "merge_words", "open_features",
+    "read_done_ids", "read_transcripts", "score_wer",
+]

@@ -1,0 +1,95 @@
+"""``open_features``: pick the reader for a path (or the one named by ``format``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpudecode import defaults
+from gpudecode.io.errors import FeatureError
+from gpudecode.io.features import FeatureSource
+
+_SUFFIX_FORMATS = {
+    ".npz": "npz",
+    ".h5": "hdf5",
+    ".hdf5": "hdf5",
+    ".hdf": "hdf5",
+    ".ark": "kaldi-ark",
+    ".scp": "kaldi-scp",
+    ".wav": "audio",
+    ".flac": "audio",
+    ".list": "audio",
+    ".lst": "audio",
+    ".txt": "audio",
+}
+
+
+def detect_format(path: str | Path) -> str:
+    """The feature format of ``path``: a folder holds ``.npy`` files (``npy-dir``) or audio;
+    files go by suffix; an ``.scp`` that lists audio files is an audio list."""
+    path = Path(path)
+    if not path.exists():
+        raise FeatureError("does not exist", path=path)
+    if path.is_dir():
+        suffixes = {p.suffix.lower() for p in path.iterdir() if p.is_file()}
+        if ".npy" in suffixes:
+            return "npy-dir"
+        if suffixes & set(defaults.AUDIO_EXTENSIONS):
+            return "audio"
+        raise FeatureError("folder holds neither .npy nor audio (.wav, .flac) files",
+                           path=path)
+    fmt = _SUFFIX_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise FeatureError(
+            f"cannot tell the feature format from the suffix {path.suffix!r}; set "
+            f"io.features.format to one of {', '.join(defaults.FEATURE_FORMATS[1:])}",
+            path=path)
+    if fmt == "kaldi-scp" and _lists_audio(path):
+        return "audio"
+    return fmt
+
+
+def _lists_audio(scp: Path) -> bool:
+    try:
+        with open(scp, encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if parts and not parts[0].startswith("#"):
+                    return Path(parts[-1]).suffix.lower() in defaults.AUDIO_EXTENSIONS
+    except (OSError, UnicodeDecodeError):
+        return False
+    return False
+
+
+def open_features(path: str | Path, format: str = "auto", front_end: Any = None, *,
+                  num_features: int | None = None,
+                  on_error: str = defaults.ON_BAD_INPUT) -> FeatureSource:
+    """Open a feature source.
+
+    ``format``: one of ``defaults.FEATURE_FORMATS`` (``auto`` detects it from the path).
+    ``front_end``: options of the log-mel front end for audio (``LogMelOptions``, the config's
+    ``models.front_end``, a mapping, or a ready ``LogMelFrontEnd``); defaults when ``None``.
+    ``num_features``: the expected feature dimension F; when ``None`` the first utterance
+    read fixes it. ``on_error``: ``stop`` raises ``FeatureError`` on a bad utterance, ``skip``
+    leaves it out (see ``FeatureSource.skipped``).
+    """
+    from gpudecode.io.audio import AudioSource
+    from gpudecode.io.hdf5 import Hdf5Source
+    from gpudecode.io.kaldi import KaldiArkSource, KaldiScpSource
+    from gpudecode.io.npy_dir import NpyDirSource
+    from gpudecode.io.npz import NpzSource
+
+    if format not in defaults.FEATURE_FORMATS:
+        raise ValueError(f"unknown feature format {format!r}; valid: "
+                         f"{', '.join(defaults.FEATURE_FORMATS)}")
+    path = Path(path)
+    if not path.exists():
+        raise FeatureError("does not exist", path=path)
+    if format == "auto":
+        format = detect_format(path)
+    kwargs = {"num_features": num_features, "on_error": on_error}
+    if format == "audio":
+        return AudioSource(path, front_end, **kwargs)
+    readers = {"npy-dir": NpyDirSource, "npz": NpzSource, "hdf5": Hdf5Source,
+               "kaldi-ark": KaldiArkSource, "kaldi-scp": KaldiScpSource}
+    return readers[format](path, **kwargs)

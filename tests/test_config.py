@@ -1,0 +1,237 @@
+"""The YAML config schema: the example loads, errors name key paths and list valid keys or
+choices, overrides, relative paths, the resolved dump, path checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+
+from gpudecode import defaults
+from gpudecode.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    check_paths,
+    dump_resolved,
+    load_config,
+    validate_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "configs" / "example.yaml"
+
+MINIMAL = {"models": {"vocabulary": {"path": "vocab.txt"}}}
+
+
+def _write(tmp_path, data, name="config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def _error(data, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(apply_overrides(data, overrides), "/cfg")
+    return str(info.value)
+
+
+def test_example_config_loads():
+    config = load_config(EXAMPLE)
+    assert config.search.type == "label-sync"
+    assert config.models.encoder.path == REPO / "examples" / "models" / "encoder.onnx"
+    assert config.scorers[0].model == REPO / "examples" / "models" / "decoder.onnx"
+    assert config.scorers[0].state_manager.type == "transformer"
+    assert config.models.front_end.num_mel_bins == config.io.features.num_features
+
+
+def test_defaults_come_from_the_defaults_module():
+    config = validate_config(MINIMAL, "/cfg")
+    assert config.search.beam_size == defaults.BEAM_SIZE
+    assert config.runtime.cudnn_conv_algo_search == defaults.CUDNN_CONV_ALGO_SEARCH
+    assert config.io.formats == defaults.OUTPUT_FORMATS
+    assert config.models.front_end.num_mel_bins == defaults.NUM_MEL_BINS
+    assert config.io.output == Path("/cfg") / defaults.OUTPUT_FOLDER
+
+
+def test_sections_are_frozen():
+    config = validate_config(MINIMAL, "/cfg")
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        config.search.beam_size = 3
+
+
+def test_unknown_key_lists_valid_keys():
+    message = _error(MINIMAL, ["search.beam=4"])
+    assert "search.beam: unknown key (did you mean 'beam_size'?)" in message
+    assert "valid keys in search: type, beam_size, nbest," in message
+    assert "max_symbols_per_frame" in message
+    message = _error(MINIMAL, ["scorers=[{type: ctc}, {type: onnx-decoder, "
+                               "state_manager: {kind: lstm}}]"])
+    assert message.startswith("config: scorers[1].state_manager.kind: unknown key;")
+    assert "valid keys in scorers[1].state_manager: type, max_history," in message
+    assert "valid keys in the top level: runtime, models, scorers, search, io" in _error(
+        {**MINIMAL, "decoding": {}})
+
+
+def test_bad_choice_lists_choices():
+    assert ("scorers[1].state_manager.type: invalid choice 'transformer-gpu'; valid choices: "
+            "transformer, transformer-cpu, transformer-cuda, transformer-16bit, "
+            "transformer-8bit, lstm, lstm-cpu, lstm-cuda") in _error(
+        MINIMAL, ["scorers=[{type: ctc}, {type: onnx-decoder, "
+                  "state_manager: {type: transformer-gpu}}]"])
+    assert "runtime.device: invalid choice 'gpu'; valid choices: cpu, cuda" in _error(
+        MINIMAL, ["runtime.device=gpu"])
+    assert "io.formats[1]: invalid choice 'xml'; valid choices: text, jsonl, ctm" in _error(
+        MINIMAL, ["io.formats=[text, xml]"])
+    message = _error(MINIMAL, ["scorers=[{type: ctcc}]"])
+    assert "scorers[0].type: invalid choice 'ctcc' (did you mean 'ctc'?)" in message
+    assert "or a custom scorer as 'module:Class'" in message
+
+
+def test_wrong_types_and_values_name_the_key():
+    assert "search.beam_size: input should be a valid integer" in _error(
+        MINIMAL, ["search.beam_size=four"])
+    assert "search.beam_size: input should be greater than 0 (got 0)" in _error(
+        MINIMAL, ["search.beam_size=0"])
+    assert "models.vocabulary.path: required key is missing" in _error(
+        {"models": {"vocabulary": {}}})
+    assert "models.vocabulary.blank: expected a label string or an index" in _error(
+        MINIMAL, ["models.vocabulary.blank=true"])
+    assert "scorers[0].model.step: expected a path (got 3)" in _error(
+        MINIMAL, ["scorers=[{type: ctc, model: {step: 3}}]"])
+    assert "search.nbest: nbest (9) exceeds beam_size (8)" in _error(
+        MINIMAL, ["search.nbest=9"])
+    assert "scorers[1].name: duplicate scorer name 'ctc'" in _error(
+        MINIMAL, ["scorers=[{type: ctc}, {type: ctc}]"])
+    assert "models.front_end.stats_file: normalisation 'global' needs stats_file" in _error(
+        MINIMAL, ["models.front_end.normalisation=global"])
+
+
+def test_several_errors_are_reported_together():
+    with pytest.raises(ConfigError) as info:
+        validate_config(apply_overrides(MINIMAL, ["search.beam_size=0", "runtime.tf33=1"]),
+                        "/cfg")
+    assert [key for key, _ in info.value.errors] == ["runtime.tf33", "search.beam_size"]
+
+
+def test_empty_mel_filter_is_a_config_error():
+    message = _error(MINIMAL, ["models.front_end={sample_rate_hz: 8000, window_ms: 16, "
+                               "fft_size: 128, num_mel_bins: 80}"])
+    assert "models.front_end: mel filter 0 of 80" in message and "num_mel_bins" in message
+    ok = validate_config(apply_overrides(MINIMAL, [
+        "models.front_end={sample_rate_hz: 8000, fft_size: 256, num_mel_bins: 40, "
+        "low_freq_hz: 20}"]), "/cfg")
+    assert ok.models.front_end.frame_shift_s == pytest.approx(0.01)
+
+
+def test_special_labels_by_label_or_index():
+    config = validate_config(apply_overrides(MINIMAL, [
+        "models.vocabulary.blank=0", "models.vocabulary.sentence_end='0'",
+        "models.vocabulary.unknown=<unk>"]), "/cfg")
+    vocabulary = config.models.vocabulary
+    assert (vocabulary.blank, vocabulary.sentence_end, vocabulary.unknown) == (0, "0", "<unk>")
+
+
+def test_overrides(tmp_path):
+    data = {**MINIMAL, "scorers": [{"type": "onnx-decoder", "scale": 1.0},
+                                   {"type": "recurrent-lm", "scale": 0.3}]}
+    path = _write(tmp_path, data)
+    config = load_config(path, ["search.beam_size=3", "scorers.1.scale=0.5",
+                                "scorers[0].state_manager.max_history=16",
+                                "io.formats=[text, ctm]", "io.features.path=feats.npz",
+                                "runtime.ort_arena_limit_bytes=1000000"])
+    assert config.search.beam_size == 3
+    assert [s.scale for s in config.scorers] == [1.0, 0.5]
+    assert config.scorers[0].state_manager.max_history == 16
+    assert config.io.formats == ("text", "ctm")
+    assert config.io.features.path == tmp_path / "feats.npz"
+    assert config.runtime.ort_arena_limit_bytes == 1_000_000
+    assert yaml.safe_load(path.read_text()) == data  # the file itself is untouched
+
+
+@pytest.mark.parametrize("override,match", [
+    ("search.beam_size", r"override 'search.beam_size': expected key.path=value"),
+    ("scorers.5.scale=1", r"index 5 is out of range: scorers has 2 entries"),
+    ("scorers.x.scale=1", r"scorers is a list; expected an index, got 'x'"),
+    ("search.beam_size.x=1", r"search.beam_size is 8, not a section or list"),
+    ("search..beam_size=1", r"the key has an empty part"),
+    ("search.beam_size=[1", r"the value is not valid YAML"),
+])
+def test_bad_overrides(override, match):
+    data = {**MINIMAL, "search": {"beam_size": 8}, "scorers": [{"type": "a:B"}, {"type": "c:D"}]}
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(data, [override])
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "exp" / "conf"
+    folder.mkdir(parents=True)
+    _write(folder, {"models": {"vocabulary": {"path": "../data/vocab.txt"},
+                               "encoder": {"path": "/abs/enc.onnx"}},
+                    "scorers": [{"type": "ctc", "model": ["a.onnx", "~/b.onnx"]}],
+                    "io": {"output": "out", "references": "ref.txt"}})
+    monkeypatch.chdir(tmp_path)
+    config = load_config(Path("exp/conf/config.yaml"))
+    assert config.models.vocabulary.path == tmp_path / "exp" / "data" / "vocab.txt"
+    assert config.models.encoder.path == Path("/abs/enc.onnx")
+    assert config.scorers[0].model == (folder / "a.onnx", Path.home() / "b.onnx")
+    assert config.io.output == folder / "out"
+    assert config.io.references == folder / "ref.txt"
+
+
+def test_resolved_dump_round_trip(tmp_path):
+    config = load_config(EXAMPLE, ["search.beam_size=2", "scorers.0.options={alpha: 1}"])
+    dumped = dump_resolved(config, tmp_path / "out" / defaults.RESOLVED_CONFIG_FILE)
+    text = dumped.read_text()
+    assert "max_symbols_per_frame: 10" in text  # defaults are written out
+    assert str(REPO / "examples" / "models" / "decoder.onnx") in text  # absolute paths
+    again = load_config(dumped)
+    assert again == config
+    assert again.scorers[0].options == {"alpha": 1}
+
+
+def test_load_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing\.yaml: config file does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = _write(tmp_path, "search:\n  beam_size: [1\n", "bad.yaml")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML \(line \d+, column \d+\)"):
+        load_config(bad)
+    listed = _write(tmp_path, "- a\n- b\n", "list.yaml")
+    with pytest.raises(ConfigError, match=r"list\.yaml: \(top level\): expected a mapping"):
+        load_config(listed)
+    wrong = _write(tmp_path, {**MINIMAL, "search": {"type": "viterbi"}}, "wrong.yaml")
+    with pytest.raises(ConfigError, match=r"wrong\.yaml \(with -o overrides\): search\.type: "
+                                          r"invalid choice 'viterbi'"):
+        load_config(wrong, ["search.beam_size=2"])
+
+
+def test_check_paths_lists_every_missing_input(tmp_path):
+    (tmp_path / "vocab.txt").write_text("a\n")
+    path = _write(tmp_path, {**MINIMAL, "models": {**MINIMAL["models"],
+                                                  "encoder": {"path": "enc.onnx"}},
+                             "scorers": [{"type": "ctc", "model": {"step": "step.onnx"}}],
+                             "io": {"output": "not-yet", "features": {"path": "feats"}}})
+    config = load_config(path)
+    with pytest.raises(ConfigError) as info:
+        check_paths(config, source=str(path))
+    assert [key for key, _ in info.value.errors] == [
+        "models.encoder.path", "scorers[0].model.step", "io.features.path"]
+    assert f"does not exist: {tmp_path / 'enc.onnx'}" in str(info.value)
+    for name in ("enc.onnx", "step.onnx"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "feats").mkdir()
+    check_paths(config)  # the output folder need not exist
+
+
+def test_config_is_a_plain_pydantic_model():
+    assert issubclass(ConfigError, ValueError)
+    schema = Config.model_json_schema()
+    assert set(schema["properties"]) == {"runtime", "models", "scorers", "search", "io"}
+
+
+def test_override_appends_to_a_list_at_its_length():
+    data = apply_overrides({"scorers": [{"type": "ctc"}]}, ["scorers.1={type: a:B}",
+                                                             "scorers.1.scale=2"])
+    assert data["scorers"] == [{"type": "ctc"}, {"type": "a:B", "scale": 2}]

@@ -1,0 +1,309 @@
+"""``gpudecode bench state-copy``: merge and split GB/s against a plain device-to-device copy of
+the same bytes, measured in the same run, on a fragmented pool; and the CUDA state manager's time
+per search step against the CPU manager's (host merge + upload, download + host split).
+
+GB/s count bytes read + bytes written. Times are CUDA-event times (medians over ``repeats``) for
+the kernels, wall times for whole steps. Results: a dict, written as JSON (+ a PNG plot).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpudecode.spec import StateVariable
+
+DEFAULT_HYPOTHESES = (64, 256, 1024, 4096)
+DEFAULT_HISTORIES = (16, 64, 128, 512)
+
+
+def _variables(layers: int, heads: int, head_dim: int, dtype) -> list[StateVariable]:
+    return [
+        StateVariable(
+            input_name=f"past_{kind}_{layer}", output_name=f"present_{kind}_{layer}", dtype=np.dtype(dtype),
+            shape=(None, heads, None, head_dim), batch_axis=0, time_axis=2,
+        )
+        for layer in range(layers)
+        for kind in ("key", "value")
+    ]
+
+
+def _event_times(cupy, stream, fn, repeats: int, warmup: int, before=None) -> float:
+    """Median seconds of ``fn`` between two CUDA events on ``stream`` (``before`` runs untimed)."""
+    times = []
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        if i >= warmup:
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return statistics.median(times)
+
+
+def _wall_times(fn, repeats: int, warmup: int, sync) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gpu_cell(cupy, stream, variables, num_rows, history, *, storage_dtype, repeats, warmup, seed, slots_per_chunk,
+              device_id):
+    from gpudecode.states import StateManagerOptions, create_state_manager
+
+    options = StateManagerOptions(type="transformer-cuda", slots_per_chunk=slots_per_chunk,
+                                  storage_dtype=storage_dtype, device_id=device_id)
+    manager = create_state_manager(options, variables, execution_provider="cuda")
+    pool = manager.pool
+    num_tokens = num_rows * history
+    pool.reserve(num_tokens + num_rows)
+    pool.shuffle_free_slots(seed)  # fragmented: histories scattered over the pool
+    with stream:
+        prefill = {
+            v.output_name: cupy.random.standard_normal((num_rows, v.shape[1], history, v.shape[3]), dtype=np.float32)
+            .astype(v.dtype)
+            for v in variables
+        }
+    histories = manager.extend(manager.initial_histories(num_rows), manager.split(prefill, num_new_tokens=history),
+                               cupy.arange(num_rows))
+    manager.retain(histories)
+    del prefill
+    payload = sum(num_tokens * int(np.prod(layout.token_shape)) * layout.model_dtype.itemsize for layout in manager.layouts)
+    stored = sum(num_tokens * int(np.prod(layout.token_shape)) * layout.storage_dtype.itemsize for layout in manager.layouts)
+    out = {layout.name: cupy.empty(layout.tensor_shape(num_rows, history), dtype=layout.model_dtype)
+           for layout in manager.layouts}
+    prefix = cupy.empty(num_rows, dtype=np.int32)
+    merge_s = _event_times(cupy, stream, lambda: manager.merge(histories, out=out, prefix_lengths_out=prefix),
+                           repeats, warmup)
+    # baseline: one device-to-device copy of the same number of bytes, in the same run
+    first = next(iter(out.values()))
+    src = cupy.empty(payload, dtype=np.uint8)
+    dst = cupy.empty(payload, dtype=np.uint8)
+    copy_s = _event_times(cupy, stream, lambda: dst.data.copy_from_device_async(src.data, payload, stream), repeats,
+                          warmup)
+    del src, dst, first
+    # split: the merged tensors back into N x T new (scattered) slots
+    sources = {layout.variable.output_name: out[layout.name] for layout in manager.layouts}
+
+    def fresh_pool():
+        manager.retain(histories)
+        pool.shuffle_free_slots(seed + 1)
+
+    split_s = _event_times(cupy, stream, lambda: manager.split(sources, num_new_tokens=history), repeats, warmup,
+                           before=fresh_pool)
+    manager.retain(histories)
+    # one search step: merge + split of one new token + extend + retain
+    step_outputs = {
+        v.output_name: cupy.random.standard_normal((num_rows, v.shape[1], 1, v.shape[3]), dtype=np.float32).astype(v.dtype)
+        for v in variables
+    }
+    parents = cupy.arange(num_rows)
+
+    def step():
+        manager.merge(histories, out=out, prefix_lengths_out=prefix)
+        slots = manager.split(step_outputs)
+        manager.retain(manager.extend(histories, slots, parents))
+
+    step_s = _wall_times(step, repeats, warmup, stream.synchronize)
+    stats = manager.statistics()
+    manager.close()
+    return {
+        "payload_bytes": payload,
+        "stored_bytes": stored,
+        "merge_s": merge_s,
+        "split_s": split_s,
+        "copy_s": copy_s,
+        "merge_gbps": (stored + payload) / merge_s / 1e9,
+        "split_gbps": (stored + payload) / split_s / 1e9,
+        "copy_gbps": 2 * payload / copy_s / 1e9,
+        # same bytes written as the copy: time ratio = bandwidth ratio
+        "merge_over_copy": copy_s / merge_s,
+        "split_over_copy": copy_s / split_s,
+        "step_cuda_s": step_s,
+        "pool_bytes": stats.bytes,
+    }
+
+
+def _cpu_step(cupy, stream, variables, num_rows, history, *, repeats, warmup, seed):
+    """CPU manager (the RASR baseline): host merge + upload, download + host split, per step."""
+    from gpudecode.states import StateManagerOptions, create_state_manager
+
+    manager = create_state_manager(StateManagerOptions(type="transformer-cpu", slots_per_chunk=4096), variables,
+                                   execution_provider="cpu")
+    rng = np.random.default_rng(seed)
+    prefill = {v.output_name: rng.standard_normal((num_rows, v.shape[1], history, v.shape[3]), dtype=np.float32)
+               .astype(v.dtype) for v in variables}
+    histories = manager.extend(manager.initial_histories(num_rows), manager.split(prefill, num_new_tokens=history),
+                               np.arange(num_rows))
+    manager.retain(histories)
+    del prefill
+    with stream:
+        step_outputs = {
+            v.output_name: cupy.random.standard_normal((num_rows, v.shape[1], 1, v.shape[3]), dtype=np.float32)
+            .astype(v.dtype)
+            for v in variables
+        }
+    parents = np.arange(num_rows)
+
+    def step():
+        merged = manager.merge(histories)
+        with stream:
+            [cupy.asarray(array) for array in merged.inputs.values()]  # upload for the session
+        host_outputs = {name: array.get(stream=stream) for name, array in step_outputs.items()}
+        slots = manager.split(host_outputs)
+        manager.retain(manager.extend(histories, slots, parents))
+
+    step_s = _wall_times(step, max(3, repeats // 3), 1, stream.synchronize)
+    manager.close()
+    return step_s
+
+
+def run_state_copy_bench(
+    *,
+    layers: int = 6,
+    heads: int = 8,
+    head_dim: int = 64,
+    hypotheses=DEFAULT_HYPOTHESES,
+    histories=DEFAULT_HISTORIES,
+    dtype: str = "float32",
+    storage_dtype: str | None = None,
+    max_state_bytes: float = 20e9,
+    cpu_max_state_bytes: float = 2e9,
+    repeats: int = 10,
+    warmup: int = 2,
+    seed: int = 0,
+    slots_per_chunk: int = 16384,
+    device_id: int = 0,
+    output_dir: str | Path | None = None,
+) -> dict:
+    """Measures every (hypotheses, history) cell whose states fit in ``max_state_bytes``; the CPU
+    manager on the cells within ``cpu_max_state_bytes``. Writes ``state_copy.json`` and
+    ``state_copy.png`` to ``output_dir`` when given. Returns the results."""
+    from gpudecode.backend import require_cupy, shared_stream
+
+    cupy = require_cupy()
+    variables = _variables(layers, heads, head_dim, dtype)
+    token_bytes = sum(heads * head_dim * np.dtype(dtype).itemsize for _ in variables)
+    stream = shared_stream(device_id)
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    results = {
+        "benchmark": "state-copy",
+        "device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+        "config": {
+            "layers": layers, "heads": heads, "head_dim": head_dim, "state_variables": len(variables),
+            "dtype": dtype, "storage_dtype": storage_dtype or dtype, "bytes_per_token_state": token_bytes,
+            "pool": "fragmented (shuffled free list)", "repeats": repeats, "timing": "CUDA events, median",
+            "gbps": "(bytes read + bytes written) / time",
+        },
+        "cells": [],
+        "skipped": [],
+    }
+    with cupy.cuda.Device(device_id):
+        for num_rows in hypotheses:
+            for history in histories:
+                state_bytes = num_rows * history * token_bytes
+                if state_bytes > max_state_bytes:
+                    results["skipped"].append({"hypotheses": num_rows, "history": history, "state_bytes": state_bytes})
+                    continue
+                cell = {"hypotheses": num_rows, "history": history, "state_bytes": state_bytes}
+                cell.update(_gpu_cell(cupy, stream, variables, num_rows, history, storage_dtype=storage_dtype,
+                                      repeats=repeats, warmup=warmup, seed=seed, slots_per_chunk=slots_per_chunk,
+                                      device_id=device_id))
+                if state_bytes <= cpu_max_state_bytes:
+                    cell["step_cpu_s"] = _cpu_step(cupy, stream, variables, num_rows, history, repeats=repeats,
+                                                   warmup=warmup, seed=seed)
+                    cell["cpu_over_cuda_step"] = cell["step_cpu_s"] / cell["step_cuda_s"]
+                results["cells"].append(cell)
+                cupy.get_default_memory_pool().free_all_blocks()
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "state_copy.json").write_text(json.dumps(results, indent=2))
+        results["png"] = plot_state_copy(results, output_dir / "state_copy.png")
+    return results
+
+
+def plot_state_copy(results: dict, path: str | Path) -> str | None:
+    """A two-panel PNG: merge/split ÷ plain copy, and CPU ÷ CUDA manager time per step."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cells = results["cells"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for history in sorted({c["history"] for c in cells}):
+        row = sorted((c for c in cells if c["history"] == history), key=lambda c: c["hypotheses"])
+        xs = [c["hypotheses"] for c in row]
+        ax1.plot(xs, [c["merge_over_copy"] for c in row], marker="o", label=f"merge, T={history}")
+        ax1.plot(xs, [c["split_over_copy"] for c in row], marker="x", linestyle="--", label=f"split, T={history}")
+        cpu = [c for c in row if "cpu_over_cuda_step" in c]
+        if cpu:
+            ax2.plot([c["hypotheses"] for c in cpu], [c["cpu_over_cuda_step"] for c in cpu], marker="o", label=f"T={history}")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("hypotheses")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax1.axhline(0.85, color="gray", linestyle=":")
+    ax1.set_ylabel("GB/s ÷ device-to-device copy GB/s")
+    ax1.set_title(f"state copy on {results['device']} (fragmented pool)")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("CPU manager ÷ CUDA manager, time per step")
+    ax2.set_title("time per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def format_table(results: dict) -> str:
+    """A Markdown table of the cells (for the README)."""
+    lines = [
+        "| hypotheses | history | states GB | merge GB/s | split GB/s | copy GB/s | merge÷copy | split÷copy | CPU÷CUDA step |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in results["cells"]:
+        cpu = f"{c['cpu_over_cuda_step']:.1f}" if "cpu_over_cuda_step" in c else "–"
+        lines.append(
+            f"| {c['hypotheses']} | {c['history']} | {c['state_bytes'] / 1e9:.2f} | {c['merge_gbps']:.0f} | "
+            f"{c['split_gbps']:.0f} | {c['copy_gbps']:.0f} | {c['merge_over_copy']:.2f} | {c['split_over_copy']:.2f} | {cpu} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="out/bench")
+    parser.add_argument("--quick", action="store_true", help="a small grid (64, 1024 hypotheses; 16, 128 tokens)")
+    parser.add_argument("--storage-dtype", default=None)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    kwargs = {}
+    if args.quick:
+        kwargs.update(hypotheses=(64, 1024), histories=(16, 128))
+    results = run_state_copy_bench(output_dir=args.output, storage_dtype=args.storage_dtype, repeats=args.repeats,
+                                   **kwargs)
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

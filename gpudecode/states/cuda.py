@@ -1,0 +1,152 @@
+"""Launchers of ``kernels/state_copy.cu``: merge and split of all state variables in one launch.
+
+Static per-variable geometry is uploaded once (a device table); the pool's slab-address table is
+re-uploaded by the pool only when it grows; the tensor addresses of a launch travel by value in the
+kernel's parameters. So a merge or split issues no host-to-device copy and a constant number of
+launches, whatever the number of hypotheses, tokens or state variables.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from gpudecode.backend import require_cupy, shared_stream
+from gpudecode.states.history import StateHistory
+from gpudecode.states.layout import VariableLayout
+from gpudecode.states.pool import StatePool
+
+MAX_STATE_VARIABLES = 128  # kernels/state_copy.cu
+WARPS_PER_BLOCK = 8
+THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
+RESIDENT_BLOCKS_PER_SM = 4  # __launch_bounds__(256, 4)
+
+DTYPE_OTHER, DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 = 0, 1, 2, 3
+_CONVERSIONS = {
+    (DTYPE_FLOAT16, DTYPE_FLOAT32),
+    (DTYPE_FLOAT32, DTYPE_FLOAT16),
+    (DTYPE_BFLOAT16, DTYPE_FLOAT32),
+    (DTYPE_FLOAT32, DTYPE_BFLOAT16),
+}
+_POINTERS = np.dtype([("ptr", np.uint64, (MAX_STATE_VARIABLES,))])
+
+
+def dtype_code(dtype) -> int:
+    """The kernels' code of a dtype (one helper, as CuPy's ``_get_typename``)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return DTYPE_FLOAT32
+    if dtype == np.float16:
+        return DTYPE_FLOAT16
+    if dtype.name == "bfloat16":
+        return DTYPE_BFLOAT16
+    return DTYPE_OTHER
+
+
+def check_copyable(layout: VariableLayout) -> None:
+    """Raises ValueError where the kernels cannot convert between the model and storage dtypes."""
+    model, storage = layout.model_dtype, layout.storage_dtype
+    if model == storage:
+        if model.itemsize not in (1, 2, 4, 8):
+            raise ValueError(f"state variable {layout.name!r}: dtype {model} has an unsupported item size")
+        return
+    if (dtype_code(storage), dtype_code(model)) not in _CONVERSIONS:
+        raise ValueError(
+            f"state variable {layout.name!r}: cannot store {model} states as {storage} on the GPU; "
+            "supported: the model's dtype, float16 or bfloat16 for float32 models, float32 for float16/bfloat16 models"
+        )
+
+
+@functools.cache
+def _num_sms(device_id: int) -> int:
+    cupy = require_cupy()
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _kernel(name: str, device_id: int):
+    from gpudecode.kernels import load_module
+
+    return load_module("state_copy", (), device_id).get_function(name)
+
+
+class CudaStateCopy:
+    """Merge and split on CuPy arrays for the variables ``layouts`` stored in ``pool``."""
+
+    def __init__(self, layouts: Sequence[VariableLayout], pool: StatePool, *, device_id: int = 0):
+        if len(layouts) > MAX_STATE_VARIABLES:
+            raise ValueError(
+                f"the CUDA state kernels take at most {MAX_STATE_VARIABLES} state variables, got {len(layouts)}"
+            )
+        for layout in layouts:
+            check_copyable(layout)
+        self.cupy = require_cupy()
+        self.layouts = list(layouts)
+        self.pool = pool
+        self.device_id = device_id
+        geometry = np.zeros((len(layouts), 8), dtype=np.int64)
+        for v, layout in enumerate(layouts):
+            geometry[v] = (
+                layout.pre, layout.mid, layout.inner, layout.token_size,
+                dtype_code(layout.storage_dtype), dtype_code(layout.model_dtype),
+                layout.storage_dtype.itemsize, layout.model_dtype.itemsize,
+            )
+        with self.cupy.cuda.Device(device_id), shared_stream(device_id):
+            self.geometry = self.cupy.asarray(geometry)  # uploaded once
+        self._pointers = np.zeros(1, dtype=_POINTERS)
+        self._merge = _kernel("merge_states", device_id)
+        self._split = _kernel("split_states", device_id)
+        self.num_launches = 0  # kernel launches issued (for tests and benchmarks)
+
+    def _grid(self, total_warps: int, min_blocks: int = 1) -> tuple[int, int]:
+        target = max(1, RESIDENT_BLOCKS_PER_SM * _num_sms(self.device_id) * 2 // len(self.layouts))
+        blocks = -(-total_warps // WARPS_PER_BLOCK)
+        return max(1, min_blocks, min(blocks, target)), len(self.layouts)
+
+    def _pointer_struct(self, arrays) -> np.ndarray:
+        pointers = self._pointers.copy()
+        pointers["ptr"][0, : len(arrays)] = [a.data.ptr for a in arrays]
+        return pointers
+
+    def merge(
+        self,
+        histories: StateHistory,
+        *,
+        out_rows: int,
+        time_size: int,
+        max_history: int,
+        keep_first: bool,
+        outputs,
+        prefix_lengths,
+    ) -> None:
+        pool = self.pool
+        grid = self._grid(out_rows * time_size, min_blocks=-(-out_rows // THREADS_PER_BLOCK))
+        with self.cupy.cuda.Device(self.device_id), shared_stream(self.device_id):
+            self._merge(
+                grid, (THREADS_PER_BLOCK,),
+                (
+                    self.geometry, pool.slab_table, np.int32(pool.chunk_stride), np.int32(pool.slots_per_chunk),
+                    np.int32(pool.capacity), self._pointer_struct(outputs),
+                    histories.table, np.int32(histories.width), histories.lengths,
+                    np.int32(histories.num_rows), np.int32(out_rows), np.int32(time_size),
+                    np.int32(max_history), np.int32(bool(keep_first)), prefix_lengths,
+                ),
+            )
+        self.num_launches += 1
+
+    def split(self, sources, *, num_rows: int, source_time: int, new_slots) -> None:
+        pool = self.pool
+        num_new = int(new_slots.shape[1])
+        if num_rows * num_new == 0:
+            return
+        with self.cupy.cuda.Device(self.device_id), shared_stream(self.device_id):
+            self._split(
+                self._grid(num_rows * num_new), (THREADS_PER_BLOCK,),
+                (
+                    self.geometry, pool.slab_table, np.int32(pool.chunk_stride), np.int32(pool.slots_per_chunk),
+                    np.int32(pool.capacity), self._pointer_struct(sources),
+                    np.int32(num_rows), np.int32(source_time), np.int32(num_new), new_slots,
+                ),
+            )
+        self.num_launches += 1

@@ -1,0 +1,95 @@
+"""numpy merge and split: the CPU state managers, and the reference the CUDA kernels are tested
+against. Whole-array operations only; the one Python loop runs over the pool's chunks (a handful),
+never over hypotheses or tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gpudecode.states.history import StateHistory, window_table
+from gpudecode.states.layout import VariableLayout
+from gpudecode.states.pool import StatePool
+
+
+class HostStateCopy:
+    """Merge and split on numpy arrays for the variables ``layouts`` stored in ``pool``.
+
+    ``quantisation_scale``: with integer storage of float states (fixed quantisation) a state x is
+    stored as ``clip(rint(x / scale))`` and read back as ``q * scale``.
+    """
+
+    def __init__(self, layouts: Sequence[VariableLayout], pool: StatePool, *, quantisation_scale: float | None = None):
+        self.layouts = list(layouts)
+        self.pool = pool
+        self.quantisation_scale = quantisation_scale
+
+    # ---- codecs -----------------------------------------------------------------------------------
+    def _decode(self, layout: VariableLayout, stored: np.ndarray) -> np.ndarray:
+        if self.quantisation_scale is not None and stored.dtype.kind == "i" and layout.model_dtype.kind == "f":
+            return stored.astype(layout.model_dtype) * layout.model_dtype.type(self.quantisation_scale)
+        return stored.astype(layout.model_dtype, copy=False)
+
+    def _encode(self, layout: VariableLayout, values: np.ndarray) -> np.ndarray:
+        storage = layout.storage_dtype
+        if self.quantisation_scale is not None and storage.kind == "i" and values.dtype.kind == "f":
+            info = np.iinfo(storage)
+            scaled = np.rint(values / values.dtype.type(self.quantisation_scale))
+            return np.clip(scaled, info.min, info.max).astype(storage)
+        return values.astype(storage, copy=False)
+
+    # ---- merge ------------------------------------------------------------------------------------
+    def merge(
+        self,
+        histories: StateHistory,
+        *,
+        out_rows: int,
+        time_size: int,
+        max_history: int,
+        keep_first: bool,
+        outputs: Sequence[np.ndarray],
+        prefix_lengths: np.ndarray | None,
+    ) -> None:
+        """Writes every variable's batched input into ``outputs`` (shaped ``tensor_shape(out_rows,
+        time_size)``) and the kept lengths into ``prefix_lengths`` (``[out_rows]``)."""
+        num_rows = histories.num_rows
+        slots, kept = window_table(histories, time_size, max_history, keep_first)
+        if prefix_lengths is not None:
+            prefix_lengths[:num_rows] = kept
+            prefix_lengths[num_rows:] = 0
+        capacity = self.pool.capacity
+        flat = slots.reshape(-1)
+        valid = (flat >= 0) & (flat < capacity)
+        chunk, row = self.pool.slot_location(np.where(valid, flat, 0))
+        selections = [
+            (c, np.flatnonzero(valid & (chunk == c))) for c in range(self.pool.num_chunks)
+        ]
+        for v, (layout, out) in enumerate(zip(self.layouts, outputs)):
+            tokens = np.zeros((out_rows * time_size, layout.token_size), dtype=layout.model_dtype)
+            for c, where in selections:
+                if where.size:
+                    slab = self.pool.slabs[v][c].reshape(self.pool.slots_per_chunk, -1)
+                    tokens[where] = self._decode(layout, slab[row[where]])
+            view = out.reshape(layout.pre, out_rows, layout.mid, time_size, layout.inner)
+            view[...] = tokens.reshape(out_rows, time_size, layout.pre, layout.mid, layout.inner).transpose(
+                2, 0, 3, 1, 4
+            )
+
+    # ---- split ------------------------------------------------------------------------------------
+    def split(self, sources: Sequence[np.ndarray], *, num_rows: int, source_time: int, new_slots: np.ndarray) -> None:
+        """Copies new token p of row b (time index ``source_time - S + p``) of every source into
+        slot ``new_slots[b, p]`` (skipped where -1)."""
+        num_new = new_slots.shape[1]
+        flat = new_slots.reshape(-1)
+        valid = (flat >= 0) & (flat < self.pool.capacity)
+        chunk, row = self.pool.slot_location(np.where(valid, flat, 0))
+        selections = [(c, np.flatnonzero(valid & (chunk == c))) for c in range(self.pool.num_chunks)]
+        first = source_time - num_new
+        for v, (layout, source) in enumerate(zip(self.layouts, sources)):
+            view = source.reshape(layout.pre, num_rows, layout.mid, source_time, layout.inner)
+            tokens = view[:, :, :, first:, :].transpose(1, 3, 0, 2, 4).reshape(num_rows * num_new, -1)
+            for c, where in selections:
+                if where.size:
+                    slab = self.pool.slabs[v][c].reshape(self.pool.slots_per_chunk, -1)
+                    slab[row[where]] = self._encode(layout, tokens[where])

@@ -1,0 +1,385 @@
+"""State managers: the facade that merges histories into model inputs and splits model outputs
+into pool slots. One interface for transformer (one slot per token) and LSTM (one slot per
+hypothesis) states, on the host (numpy) or the GPU (CuPy + kernels).
+
+A search step, for the rows of one batched model call::
+
+    merged = manager.merge(histories)                 # model inputs + prefix lengths
+    outputs = run_model(merged.inputs, ...)           # state outputs by output name
+    new_slots = manager.split(outputs)                # [N, S] slots of the new token states
+    children = manager.extend(histories, new_slots, parents)
+    manager.retain(children, *other_live_histories)   # frees every other slot
+
+Merge outputs are views of buffers the manager owns (valid until the next merge), or the
+caller's own buffers (``out=``), e.g. the static inputs of a CUDA graph padded to a larger
+(N, T).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpudecode.backend import is_device_array, shared_stream, to_host
+from gpudecode.spec import StateVariable
+from gpudecode.states.history import (
+    StateHistory,
+    effective_max_history,
+    empty_histories,
+    extend_histories,
+    select_histories,
+)
+from gpudecode.states.layout import VariableLayout
+from gpudecode.states.options import INTEGER_STATE_TYPES, StateManagerOptions
+from gpudecode.states.pool import PoolStatistics, StatePool
+
+logger = logging.getLogger(__name__)
+
+FLOAT_STATE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class MergedStates:
+    """Batched state inputs of one model call.
+
+    ``inputs``: input name -> array shaped like the declared input with N (and T) filled in.
+    ``prefix_lengths``: ``[N]`` int32, token states kept per row after truncation (the model's
+    ``prefix-length``). ``time_size``: T of the inputs (0 for an empty history; 1 for LSTMs).
+    """
+
+    inputs: dict
+    prefix_lengths: object
+    time_size: int
+
+
+class StateManager:
+    """Keeps the states of ``state_variables`` between search steps.
+
+    ``device``: ``"cpu"`` (numpy arrays, host merge/split) or ``"cuda"`` (CuPy arrays, kernels).
+    Subclasses fix the family: :class:`TransformerStateManager`, :class:`LstmStateManager`.
+    """
+
+    family = ""
+
+    def __init__(self, options: StateManagerOptions, state_variables: Sequence[StateVariable], *, device: str):
+        if options.family != self.family:
+            raise ValueError(f"{type(self).__name__}: options are for a {options.family!r} state manager")
+        if not state_variables:
+            raise ValueError(f"state_manager {options.type!r}: the model has no state variables")
+        self.options = options
+        self.device = device
+        self.state_variables = list(state_variables)
+        storage = [self._storage_dtype(v) for v in self.state_variables]
+        self.layouts = [VariableLayout.of(v, s) for v, s in zip(self.state_variables, storage)]
+        self.pool = StatePool(
+            [layout.token_shape for layout in self.layouts],
+            storage,
+            slots_per_chunk=options.slots_per_chunk,
+            device=device,
+            device_id=options.device_id,
+        )
+        self.xp = self.pool.xp
+        if device == "cuda":
+            from gpudecode.states.cuda import CudaStateCopy
+
+            self._copy = CudaStateCopy(self.layouts, self.pool, device_id=options.device_id)
+        else:
+            from gpudecode.states.host import HostStateCopy
+
+            scale = options.state_compression_scale if options.state_compression == "fixed-quantisation" else None
+            self._copy = HostStateCopy(self.layouts, self.pool, quantisation_scale=scale)
+        self._buffers: dict[str, object] = {}
+        self._prefix_buffer = None
+        self._by_output = {v.output_name: v for v in self.state_variables}
+
+    # ---- options -> dtypes ------------------------------------------------------------------------
+    def _storage_dtype(self, variable: StateVariable) -> np.dtype:
+        options = self.options
+        model = np.dtype(variable.dtype)
+        where = f"state_manager {options.type!r}, state variable {variable.input_name!r}"
+        if options.type in INTEGER_STATE_TYPES:
+            want = np.dtype(INTEGER_STATE_TYPES[options.type])
+            if model != want:
+                raise ValueError(f"{where}: expected {want} state tensors, got {model}")
+            return model
+        if model.name not in FLOAT_STATE_DTYPES:
+            hint = "; use transformer-16bit / transformer-8bit for int16 / int8 states" if model.kind == "i" else ""
+            raise ValueError(f"{where}: expected float states ({', '.join(FLOAT_STATE_DTYPES)}), got {model}{hint}")
+        if self.device == "cpu" and options.state_compression == "reduced-precision":
+            return np.dtype(np.float16)
+        if self.device == "cpu" and options.state_compression == "fixed-quantisation":
+            return np.dtype(np.int16 if options.state_compression_bits == 16 else np.int8)
+        if options.storage_dtype is None:
+            return model
+        if options.storage_dtype == "bfloat16":
+            try:
+                return np.dtype("bfloat16")
+            except TypeError:
+                raise ValueError(f"{where}: storage_dtype bfloat16 needs the ml_dtypes package") from None
+        return np.dtype(options.storage_dtype)
+
+    # ---- histories --------------------------------------------------------------------------------
+    def initial_histories(self, num_rows: int) -> StateHistory:
+        """``num_rows`` histories with no token state (a zero LSTM state; an empty transformer past)."""
+        return empty_histories(num_rows, self.xp, width=1 if self.family == "lstm" else 0)
+
+    def _as_histories(self, histories: StateHistory) -> StateHistory:
+        xp = self.xp
+        if self.device == "cuda":
+            from gpudecode.backend import to_device
+
+            table = to_device(histories.table, self.options.device_id)
+            lengths = to_device(histories.lengths, self.options.device_id)
+        else:
+            table, lengths = to_host(histories.table), to_host(histories.lengths)
+        histories = StateHistory(table=xp.ascontiguousarray(table), lengths=xp.ascontiguousarray(lengths))
+        histories.validate()
+        return histories
+
+    @property
+    def _max_history(self) -> int:
+        return 1 if self.family == "lstm" else effective_max_history(self.options.max_history)
+
+    @property
+    def _keep_first(self) -> bool:
+        return self.options.always_include_first_token_state
+
+    # ---- merge ------------------------------------------------------------------------------------
+    def merge(
+        self,
+        histories: StateHistory,
+        *,
+        time_size: int | None = None,
+        out: Mapping[str, object] | None = None,
+        prefix_lengths_out=None,
+    ) -> MergedStates:
+        """Batched, left-padded state inputs of every state variable for ``histories``.
+
+        ``time_size`` (transformer): T of the inputs, default ``min(table width, max_history)`` —
+        the longest kept history when the table is as wide as the longest history. A smaller T
+        truncates like ``max_history``. ``out``: the caller's buffers by input name, all shaped
+        for the same (N_buf >= N, T_buf); rows >= N and the left padding are written as zeros, and
+        T = T_buf. ``prefix_lengths_out``: ``[N_buf]`` int32 buffer for the prefix lengths.
+        """
+        histories = self._as_histories(histories)
+        num_rows = histories.num_rows
+        if self.family == "lstm":
+            if time_size not in (None, 1):
+                raise ValueError(f"state_manager {self.options.type!r}: LSTM states have no time axis")
+            time_size = 1
+        if out is not None:
+            outputs, out_rows, time_size = self._check_out(out, num_rows, time_size)
+        else:
+            if time_size is None:
+                time_size = min(histories.width, self._max_history)
+            if time_size < 0:
+                raise ValueError(f"merge: time_size must be >= 0, got {time_size}")
+            out_rows = num_rows
+            outputs = self._owned_buffers(out_rows, time_size)
+        if prefix_lengths_out is None:
+            prefix_lengths = self._owned_prefix(out_rows)
+        else:
+            prefix_lengths = prefix_lengths_out
+            if prefix_lengths.shape != (out_rows,) or prefix_lengths.dtype != np.int32 or (
+                is_device_array(prefix_lengths) != (self.device == "cuda")
+            ):
+                raise ValueError(
+                    f"merge: prefix_lengths_out must be a [{out_rows}] int32 "
+                    f"{'CuPy' if self.device == 'cuda' else 'numpy'} array, got {prefix_lengths.shape} "
+                    f"{prefix_lengths.dtype}"
+                )
+        max_history = effective_max_history(self._max_history, time_size)
+        self._copy.merge(
+            histories,
+            out_rows=out_rows,
+            time_size=time_size,
+            max_history=max_history,
+            keep_first=self._keep_first,
+            outputs=outputs,
+            prefix_lengths=prefix_lengths,
+        )
+        inputs = {layout.name: array for layout, array in zip(self.layouts, outputs)}
+        return MergedStates(inputs=inputs, prefix_lengths=prefix_lengths, time_size=time_size)
+
+    def _check_out(self, out: Mapping[str, object], num_rows: int, time_size: int | None):
+        outputs, sizes = [], set()
+        for layout in self.layouts:
+            if layout.name not in out:
+                raise ValueError(f"merge: out has no buffer for state input {layout.name!r}")
+            array = out[layout.name]
+            if is_device_array(array) != (self.device == "cuda"):
+                raise ValueError(
+                    f"merge: buffer {layout.name!r} must be a {'CuPy' if self.device == 'cuda' else 'numpy'} array"
+                )
+            if array.dtype != layout.model_dtype or not array.flags.c_contiguous:
+                raise ValueError(
+                    f"merge: buffer {layout.name!r} must be C-contiguous {layout.model_dtype}, got {array.dtype}"
+                )
+            sizes.add(layout.rows_and_time(tuple(array.shape), "merge buffer"))
+            outputs.append(array)
+        if len(sizes) != 1:
+            raise ValueError(f"merge: the out buffers disagree on (N, T): {sorted(sizes)}")
+        out_rows, out_time = sizes.pop()
+        if out_rows < num_rows:
+            raise ValueError(f"merge: out buffers hold {out_rows} rows, the histories {num_rows}")
+        if time_size is not None and time_size != out_time:
+            raise ValueError(f"merge: time_size {time_size} differs from the out buffers' T {out_time}")
+        return outputs, out_rows, out_time
+
+    def _owned_buffers(self, rows: int, time: int) -> list:
+        xp = self.xp
+        arrays = []
+        with self._on_device():
+            for layout in self.layouts:
+                shape = layout.tensor_shape(rows, time)
+                size = int(np.prod(shape, dtype=np.int64))
+                buffer = self._buffers.get(layout.name)
+                if buffer is None or buffer.size < size:
+                    # capacity rounded up to a power of two: few reallocations, never per step
+                    capacity = 1 << max(size - 1, 0).bit_length()
+                    buffer = xp.empty(capacity, dtype=layout.model_dtype)
+                    self._buffers[layout.name] = buffer
+                arrays.append(buffer[:size].reshape(shape))
+        return arrays
+
+    def _owned_prefix(self, rows: int):
+        if self._prefix_buffer is None or self._prefix_buffer.size < rows:
+            with self._on_device():
+                self._prefix_buffer = self.xp.empty(1 << max(rows - 1, 0).bit_length(), dtype=np.int32)
+        return self._prefix_buffer[:rows]
+
+    def _on_device(self):
+        return self.pool._on_device()
+
+    # ---- split ------------------------------------------------------------------------------------
+    def split(self, outputs: Mapping[str, object], *, num_new_tokens: int = 1, token_counts=None):
+        """Stores the new token states of the model's state outputs in new slots.
+
+        ``outputs``: output name -> ``[.., N, .., out_T, ..]`` arrays (numpy arrays are uploaded by
+        the GPU managers, CuPy arrays downloaded by the host managers). New token p of row b is read
+        at time index ``out_T - num_new_tokens + p``, so outputs may hold the whole time axis or
+        only the new step. ``token_counts``: ``[N]`` tokens per row (default all
+        ``num_new_tokens``, whose value must be the largest count). Returns ``[N, num_new_tokens]``
+        int32 slots, -1 where a row has fewer tokens.
+        """
+        if self.family == "lstm" and num_new_tokens != 1:
+            raise ValueError(f"state_manager {self.options.type!r}: an LSTM step adds exactly one state per row")
+        if num_new_tokens < 0:
+            raise ValueError(f"split: num_new_tokens must be >= 0, got {num_new_tokens}")
+        sources, shapes = [], set()
+        for layout in self.layouts:
+            name = layout.variable.output_name
+            if name not in outputs:
+                raise ValueError(f"split: the model outputs lack state output {name!r} (have {sorted(outputs)})")
+            array = outputs[name]
+            if np.dtype(array.dtype) != layout.model_dtype:
+                raise ValueError(f"split: state output {name!r}: expected dtype {layout.model_dtype}, got {array.dtype}")
+            shapes.add(layout.rows_and_time(tuple(array.shape), "split: state output"))
+            sources.append(self._to_here(array))
+        if len(shapes) != 1:
+            raise ValueError(f"split: the state outputs disagree on (N, T): {sorted(shapes)}")
+        num_rows, source_time = shapes.pop()
+        if source_time < num_new_tokens:
+            raise ValueError(
+                f"split: state outputs hold {source_time} time steps, fewer than num_new_tokens={num_new_tokens}"
+            )
+        if token_counts is not None and tuple(token_counts.shape) != (num_rows,):
+            raise ValueError(f"split: token_counts must have shape ({num_rows},), got {tuple(token_counts.shape)}")
+        if token_counts is not None and self.device == "cpu":
+            token_counts = to_host(token_counts)
+        new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts)
+        self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots)
+        return new_slots
+
+    def _to_here(self, array):
+        xp = self.xp
+        if self.device == "cuda":
+            cupy = xp
+            with cupy.cuda.Device(self.options.device_id), shared_stream(self.options.device_id):
+                return cupy.ascontiguousarray(cupy.asarray(array))
+        return np.ascontiguousarray(to_host(array))
+
+    # ---- histories & lifetime ---------------------------------------------------------------------
+    def extend(self, histories: StateHistory, new_slots, parents, *, append=None) -> StateHistory:
+        """Children's histories: child c continues row ``parents[c]`` with that row's new slots
+        (``append[c]`` False: the parent's history unchanged). LSTM: the parent row's new state."""
+        histories = self._as_histories(histories)
+        xp = self.xp
+        with self._on_device():
+            parents = xp.asarray(parents)
+            new_slots = xp.asarray(new_slots)
+            if self.family == "lstm":
+                child = new_slots[parents][:, :1]
+                if append is not None:
+                    child = xp.where(xp.asarray(append, dtype=bool)[:, None], child, histories.table[parents])
+                child = xp.ascontiguousarray(child.astype(np.int32))
+                return StateHistory(table=child, lengths=(child[:, 0] >= 0).astype(np.int32))
+            return extend_histories(
+                histories,
+                new_slots,
+                parents,
+                append=append,
+                max_history=self.options.max_history,
+                keep_first=self._keep_first,
+            )
+
+    def select(self, histories: StateHistory, rows) -> StateHistory:
+        """The histories of ``rows`` (survivors are a gather)."""
+        with self._on_device():
+            return select_histories(self._as_histories(histories), self.xp.asarray(rows))
+
+    def retain(self, *histories: StateHistory) -> None:
+        """Keeps the slots inside the windows of ``histories`` and frees every other slot."""
+        with self._on_device():
+            for h in histories:
+                self.pool.mark(self._as_histories(h), max_history=self._max_history, keep_first=self._keep_first)
+            self.pool.sweep()
+
+    def release_all(self) -> None:
+        """Frees every slot (the pool keeps its chunks)."""
+        self.pool.release_all()
+
+    def statistics(self) -> PoolStatistics:
+        return self.pool.statistics()
+
+    def close(self) -> None:
+        """Returns the pool's and the merge buffers' memory."""
+        self.pool.close()
+        self._buffers.clear()
+        self._prefix_buffer = None
+
+
+class TransformerStateManager(StateManager):
+    """One slot per token state; histories of any length, truncated by ``max_history``."""
+
+    family = "transformer"
+
+    def __init__(self, options, state_variables, *, device: str):
+        for v in state_variables:
+            if v.time_axis is None:
+                raise ValueError(
+                    f"state_manager {options.type!r}: state variable {v.input_name!r} has no time axis "
+                    f"(shape {v.shape}); use an lstm state manager for per-hypothesis states"
+                )
+        super().__init__(options, state_variables, device=device)
+
+
+class LstmStateManager(StateManager):
+    """One slot per hypothesis: merge and split are row gather and scatter ([N, H] or [L, N, H])."""
+
+    family = "lstm"
+
+    def __init__(self, options, state_variables, *, device: str):
+        for v in state_variables:
+            if v.time_axis is not None:
+                raise ValueError(
+                    f"state_manager {options.type!r}: state variable {v.input_name!r} has a time axis "
+                    f"({v.time_axis} in shape {v.shape}); use a transformer state manager"
+                )
+        super().__init__(options, state_variables, device=device)
+
+    def initial_histories(self, num_rows: int) -> StateHistory:
+        return empty_histories(num_rows, self.xp, width=1)

@@ -178,20 +178,37 @@ class ModelsConfig(_Section):
 
 
 class StateManagerConfig(_Section):
+    """Options of a scorer's state manager; validated by the state managers' own option type."""
+
     type: Literal[defaults.STATE_MANAGER_TYPES] = defaults.STATE_MANAGER_TYPE
-    max_history: PositiveInt | None = defaults.MAX_HISTORY
+    max_history: NonNegativeInt | None = defaults.MAX_HISTORY
     always_include_first_token_state: bool = defaults.ALWAYS_INCLUDE_FIRST_TOKEN_STATE
     slots_per_chunk: PositiveInt = defaults.SLOTS_PER_CHUNK
     storage_dtype: Literal[defaults.STORAGE_DTYPES] = defaults.STORAGE_DTYPE
     state_compression: Literal[defaults.STATE_COMPRESSIONS] = defaults.STATE_COMPRESSION
+    state_compression_bits: Literal[8, 16] = 8
+    state_compression_scale: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> StateManagerConfig:
-        if (self.always_include_first_token_state and self.max_history is not None
-                and self.max_history < 2):
-            raise _KeyedError(["max_history"], "always_include_first_token_state needs "
-                              "max_history >= 2 (the first token state plus the last ones)")
+        from gpudecode.backend import GpuUnavailableError
+        from gpudecode.states.options import StateManagerConfigError
+
+        try:
+            self.to_options()
+        except GpuUnavailableError as exc:
+            raise _KeyedError(["type"], str(exc).removeprefix("state_manager.type: ")) from exc
+        except StateManagerConfigError as exc:
+            key, _, message = str(exc).partition(": ")
+            path = key.split(".")[1:] if key.startswith("state_manager.") else []
+            raise _KeyedError(path, message if path else str(exc)) from exc
         return self
+
+    def to_options(self, device_id: int = 0):
+        """The typed options the state managers take."""
+        from gpudecode.states.options import StateManagerOptions
+
+        return StateManagerOptions(device_id=device_id, **self.model_dump())
 
 
 class ScorerConfig(_Section):

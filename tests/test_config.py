@@ -235,3 +235,32 @@ def test_override_appends_to_a_list_at_its_length():
     data = apply_overrides({"scorers": [{"type": "ctc"}]}, ["scorers.1={type: a:B}",
                                                              "scorers.1.scale=2"])
     assert data["scorers"] == [{"type": "ctc"}, {"type": "a:B", "scale": 2}]
+
+
+@pytest.mark.parametrize(
+    "state_manager, message",
+    [
+        ({"type": "lstm", "max_history": 3},
+         "scorers[0].state_manager.max_history: 'lstm' keeps one state per hypothesis"),
+        ({"always_include_first_token_state": True},
+         "scorers[0].state_manager.always_include_first_token_state: needs max_history"),
+        ({"state_compression": "fixed-quantisation"},
+         "scorers[0].state_manager.state_compression_scale: fixed-quantisation needs a positive scale"),
+        ({"type": "transformer-cuda"}, "scorers[0].state_manager.type: 'transformer-cuda' needs CUDA"),
+    ],
+)
+def test_state_manager_options_are_checked_at_config_load(monkeypatch, state_manager, message):
+    from gpudecode import backend
+
+    monkeypatch.setattr(backend, "_import_cupy", lambda: (None, "no GPU here"))
+    data = {"models": {}, "scorers": [{"type": "onnx-decoder", "model": "x.onnx", "state_manager": state_manager}]}
+    with pytest.raises(ConfigError) as error:
+        validate_config(data)
+    assert message in str(error.value)
+
+
+def test_state_manager_config_converts_to_typed_options():
+    config = validate_config({"models": {"vocabulary": {"path": "v.txt"}}, "scorers": [{"type": "onnx-decoder", "model": "x.onnx",
+                              "state_manager": {"type": "transformer-cpu", "max_history": 0}}]})
+    options = config.scorers[0].state_manager.to_options()
+    assert (options.type, options.max_history) == ("transformer-cpu", 0)

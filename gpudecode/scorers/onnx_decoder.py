@@ -1,0 +1,258 @@
+"""``onnx-decoder`` and ``recurrent-lm``: a stateful ONNX step model behind a state manager.
+
+One scorer runs an attention decoder (per-utterance inputs such as precomputed cross-attention
+keys/values, written once per lane at admission), a decoder-only transformer LM or an LSTM LM, in
+the RASR or the Hugging Face convention. Per step: merge the lanes' histories into the model's
+state inputs, run the model once (or once per ``max_batch_size`` chunk), split the new token states
+into the pool; ``extend`` chains them onto the surviving lanes and frees everything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpudecode.backend import array_module
+from gpudecode.scorers.base import Context, LabelScorer, LaneLayout, UtteranceBatch
+from gpudecode.scorers.registry import register_scorer
+from gpudecode.session import OnnxSession, SessionOptions, discover_step_model, hf_attention_inputs
+from gpudecode.states.factory import create_state_manager
+from gpudecode.states.history import StateHistory
+from gpudecode.states.options import StateManagerOptions
+
+SCORES_KINDS = ("log-probs", "neg-log-probs", "logits")
+
+
+@dataclass
+class DecoderContext:
+    """Per lane: the state history, the label to feed next, and (after ``score``) its new slots."""
+
+    histories: StateHistory
+    next_labels: Any  # [N] int64
+    new_slots: Any = None  # [N, 1] int32, set by score()
+
+
+def _log_softmax(xp, x):
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _round_up(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@register_scorer("onnx-decoder")
+class OnnxDecoderScorer(LabelScorer):
+    """A stateful ONNX step model as a label scorer.
+
+    ``model``: path, serialized bytes or an :class:`OnnxSession`; ``start_labels``: fed before the
+    first scored label (usually just sentence-begin); ``scores_kind``: what the model outputs
+    (log-probabilities, negative log-probabilities, or logits that get a log-softmax).
+    """
+
+    def __init__(
+        self,
+        *,
+        model,
+        vocab_size: int,
+        start_labels: Sequence[int],
+        state_manager: StateManagerOptions = StateManagerOptions(),
+        session_options: SessionOptions = SessionOptions(),
+        io_map: Mapping[str, str] | None = None,
+        scores_kind: str = "log-probs",
+        max_batch_size: int | None = None,
+        state_patterns: Sequence[tuple[str, str]] = (),
+        utterance_patterns: Sequence[str] = (),
+    ) -> None:
+        if scores_kind not in SCORES_KINDS:
+            raise ValueError(f"scores_kind: expected one of {', '.join(SCORES_KINDS)}, got {scores_kind!r}")
+        if not start_labels:
+            raise ValueError("start_labels: at least one label (e.g. sentence-begin) is needed")
+        self.session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
+        self.spec = discover_step_model(
+            self.session.tensors, io_map=io_map, state_patterns=state_patterns,
+            utterance_patterns=utterance_patterns, vocab_size=vocab_size,
+        )
+        self.vocab_size = int(vocab_size)
+        self.start_labels = [int(label) for label in start_labels]
+        self.scores_kind = scores_kind
+        self.max_batch_size = max_batch_size
+        self.io_map = dict(io_map or {})
+        self.states = create_state_manager(
+            state_manager, self.spec.state_variables, execution_provider=self.session.provider
+        )
+        self._label_dtype = self.session.tensors.input(self.spec.hypothesis_inputs[
+            "token" if self.spec.convention == "rasr" else "input_ids"]).dtype
+        self._lane_inputs: dict[str, Any] = {}  # per-utterance inputs laid out per lane
+        self._xp = array_module(self.session.provider)  # where the model's inputs live
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def begin(self, layout: LaneLayout) -> None:
+        super().begin(layout)
+        self._lane_inputs = {}
+        self._ctx = None  # the latest context, whose histories hold the live slots
+
+    def admit(self, utterances: UtteranceBatch, groups) -> None:
+        """Writes the utterances' per-utterance inputs into their groups' lanes (once)."""
+        lanes = self._xp.asarray(self.layout.lanes_of(groups))
+        size_name = self.io_map.get("encoder-states-size", "encoder-states-size")
+        sizes_source = None
+        for u in self.spec.utterance_inputs:
+            if u.name == size_name:
+                continue
+            source = u.source or u.name
+            if source not in utterances.inputs:
+                raise ValueError(
+                    f"{self.spec.source}: per-utterance input '{u.name}' needs '{source}' from the encoder, "
+                    f"but the utterances bring {sorted(utterances.inputs)}"
+                )
+            data = self._xp.asarray(utterances.inputs[source]).astype(u.dtype, copy=False)
+            self._write_lanes(u.name, data, lanes, u.time_axis)
+            sizes_source = source
+        size_input = next((u for u in self.spec.utterance_inputs if u.name == size_name), None)
+        if size_input is not None:
+            sizes = utterances.size_of(sizes_source) if sizes_source else utterances.input_lengths
+            self._write_lanes(size_name, self._xp.asarray(sizes).astype(size_input.dtype), lanes, None)
+
+    def _write_lanes(self, name: str, data, lanes, time_axis: int | None) -> None:
+        """buffer[lanes] = each utterance's data repeated beam times; buffers grow by rounding up."""
+        xp, beam, num_lanes = self._xp, self.layout.beam_size, self.layout.num_lanes
+        rows = xp.repeat(data, beam, axis=0)
+        buffer = self._lane_inputs.get(name)
+        shape = list(rows.shape)
+        shape[0] = num_lanes
+        if time_axis is not None:
+            shape[time_axis] = _round_up(rows.shape[time_axis])
+            if buffer is not None:
+                shape[time_axis] = max(shape[time_axis], buffer.shape[time_axis])
+        if buffer is None or tuple(buffer.shape) != tuple(shape):
+            grown = xp.zeros(shape, dtype=rows.dtype)
+            if buffer is not None:
+                grown[tuple(slice(0, d) for d in buffer.shape)] = buffer
+            buffer = grown
+            self._lane_inputs[name] = buffer
+        if time_axis is not None:
+            buffer[lanes] = 0  # old utterances' frames beyond the new ones' lengths
+            index = [lanes] + [slice(None)] * (rows.ndim - 1)
+            index[time_axis] = slice(0, rows.shape[time_axis])
+            buffer[tuple(index)] = rows
+        else:
+            buffer[lanes] = rows
+
+    def release(self, groups) -> None:
+        """Frees the state slots of the lanes of ``groups``."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        xp = self.states.xp
+        lanes = xp.asarray(self.layout.lanes_of(groups))
+        lengths = ctx.histories.lengths.copy()
+        lengths[lanes] = 0
+        kept = StateHistory(table=ctx.histories.table, lengths=lengths)
+        self.states.retain(kept)
+        self._ctx = DecoderContext(kept, ctx.next_labels)
+
+    # --- scoring -------------------------------------------------------------------------------
+    def initial_context(self, groups, ctx: Context | None = None) -> DecoderContext:
+        xp, num_lanes = self.states.xp, self.layout.num_lanes
+        histories = self.states.initial_histories(num_lanes)
+        next_labels = xp.full(num_lanes, self.start_labels[0], dtype=np.int64)
+        context = self._ctx = DecoderContext(histories, next_labels)
+        for label in self.start_labels[1:]:  # a few fixed prompt labels, fed to every lane
+            self.score(context)
+            context = self.extend(context, xp.arange(num_lanes), xp.full(num_lanes, label, dtype=np.int64))
+        if ctx is not None:
+            raise NotImplementedError("admitting into a running search comes with continuous batching")
+        return context
+
+    def score(self, ctx: DecoderContext):
+        """[N, V] float32 log-probabilities of the next label for every lane."""
+        num_lanes = self.layout.num_lanes
+        chunk = self.max_batch_size or num_lanes
+        scores, slots = [], []
+        for start in range(0, num_lanes, chunk):  # a few model calls, never one per hypothesis
+            rows = slice(start, min(start + chunk, num_lanes))
+            s, n = self._run(ctx, rows)
+            scores.append(s)
+            slots.append(n)
+        xp = self.states.xp
+        ctx.new_slots = slots[0] if len(slots) == 1 else xp.concatenate(slots)
+        out_xp = self.layout.xp
+        result = scores[0] if len(scores) == 1 else out_xp.concatenate(scores)
+        return result
+
+    def _run(self, ctx: DecoderContext, rows: slice):
+        xp, spec = self.states.xp, self.spec
+        histories = ctx.histories
+        if rows != slice(0, self.layout.num_lanes):
+            histories = StateHistory(table=histories.table[rows], lengths=histories.lengths[rows])
+        merged = self.states.merge(histories)
+        labels = ctx.next_labels[rows].astype(self._label_dtype)[:, None]
+        feeds = dict(merged.inputs)
+        names = spec.hypothesis_inputs
+        if spec.convention == "rasr":
+            feeds[names["token"]] = labels
+            if "token-length" in names:
+                feeds[names["token-length"]] = xp.ones(labels.shape[0], dtype=self._input_dtype("token-length"))
+            if "prefix-length" in names:
+                feeds[names["prefix-length"]] = merged.prefix_lengths.astype(self._input_dtype("prefix-length"))
+        else:
+            feeds[names["input_ids"]] = labels
+            mask, positions = hf_attention_inputs(merged.prefix_lengths, merged.time_size)
+            if "attention_mask" in names:
+                feeds[names["attention_mask"]] = mask
+            if "position_ids" in names:
+                feeds[names["position_ids"]] = positions
+        for name, buffer in self._lane_inputs.items():
+            feeds[name] = buffer[rows]
+        state_outputs = [v.output_name for v in spec.state_variables]
+        outputs = self.session.run(feeds, [spec.scores_output, *state_outputs])
+        new_slots = self.states.split({k: outputs[k] for k in state_outputs})
+        return self._log_probs(outputs[spec.scores_output]), new_slots
+
+    def _input_dtype(self, logical: str):
+        return self.session.tensors.input(self.spec.hypothesis_inputs[logical]).dtype
+
+    def _log_probs(self, raw):
+        xp = self.layout.xp
+        scores = xp.asarray(raw)
+        scores = scores.reshape(scores.shape[0], -1, scores.shape[-1])[:, -1, :].astype(np.float32)
+        if self.scores_kind == "neg-log-probs":
+            return -scores
+        if self.scores_kind == "logits":
+            return _log_softmax(xp, scores)
+        return scores
+
+    def extend(self, ctx: DecoderContext, parents, labels) -> DecoderContext:
+        """Children continue their parents' histories with the parents' new token states."""
+        xp = self.states.xp
+        if ctx.new_slots is None:
+            raise AssertionError("extend() before score(): the parents' new token states are unknown")
+        parents = xp.asarray(parents).astype(np.int64)
+        labels = xp.asarray(labels).astype(np.int64)
+        append = labels >= 0
+        histories = self.states.extend(ctx.histories, ctx.new_slots, parents, append=append)
+        next_labels = xp.where(append, labels, ctx.next_labels[parents])
+        self.states.retain(histories)
+        self._ctx = DecoderContext(histories, next_labels)
+        return self._ctx
+
+    def close(self) -> None:
+        """Returns the state pool's memory."""
+        self.states.close()
+
+
+@register_scorer("recurrent-lm")
+class RecurrentLmScorer(OnnxDecoderScorer):
+    """A transformer or LSTM language model for shallow fusion (no per-utterance inputs)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        if self.spec.utterance_inputs:
+            raise ValueError(
+                f"{self.spec.source}: a recurrent LM takes no per-utterance inputs, but the model has "
+                f"{[u.name for u in self.spec.utterance_inputs]}; use the 'onnx-decoder' scorer type"
+            )

@@ -1,0 +1,14 @@
+"""Beam searches over batched label scorers (DESIGN §8).
+
+Python entry::
+
+    from gpudecode.search import LabelSyncOptions, label_sync_search
+    nbest = label_sync_search([("decoder", decoder, 1.0), ("lm", lm, 0.3)], utterances,
+                              LabelSyncOptions(beam_size=8, sentence_end=eos), xp=numpy)
+"""
+
+from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
+from gpudecode.search.results import Hypothesis
+from gpudecode.search.topk import top_k_indices
+
+__all__ = ["Hypothesis", "LabelSyncOptions", "label_sync_search", "top_k_indices"]

@@ -1,0 +1,279 @@
+"""Label-synchronous beam search over [utterances, beam] lanes, on numpy or CuPy.
+
+Per step, every live hypothesis is extended by every label: the scorers score all N lanes at
+once ([N, V] each), the combined score Σ scale · score is added to the hypothesis scores, and per
+utterance the best ``beam_size`` of its ``beam_size × V`` candidates survive (deterministic
+top-k: equal ranking scores go to the lower lane, then the lower label). A hypothesis that
+emits sentence-end is terminated: it stays in the beam as one candidate (itself, unchanged
+score and length, label -1 to the scorers) and competes with the open ones. Candidates are
+ranked by ``score / length ** length_norm_scale``. The search stops when every surviving
+hypothesis of every utterance is terminated, or after ``max_labels_per_input × input length``
+steps for an utterance (capped by ``max_labels``; open hypotheses are then force-ended without
+a sentence-end score).
+
+Hypotheses are device arrays (scores, per-scorer scores, lengths, parents, labels); the step has
+no Python loop over hypotheses, labels or utterances, and one small device→host transfer (the
+stop test). The label sequences are traced back once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+from gpudecode import defaults
+from gpudecode.backend import is_device_array, shared_stream, to_host
+from gpudecode.scorers.base import LaneLayout, UtteranceBatch
+from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.search.results import Hypothesis
+from gpudecode.search.topk import top_k_indices
+
+_NEG_INF = np.float32(-np.inf)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LabelSyncOptions:
+    """Settings of the label-synchronous search.
+
+    - ``beam_size``: hypotheses kept per utterance;
+    - ``sentence_end``: the label index that terminates a hypothesis;
+    - ``length_norm_scale``: rank by ``score / length ** length_norm_scale`` (length counts
+      labels including sentence-end); 0 ranks by the score itself;
+    - ``score_threshold``: drop candidates whose ranking score is worse than the utterance's
+      best candidate by more than this (None: off);
+    - ``max_labels_per_input``: at most ``floor(max_labels_per_input × input length)`` labels
+      per utterance (at least 1), and never more than ``max_labels``;
+    - ``nbest``: hypotheses returned per utterance (None: ``beam_size``).
+    """
+
+    beam_size: int
+    sentence_end: int
+    length_norm_scale: float = 0.0
+    score_threshold: float | None = None
+    max_labels_per_input: float = defaults.MAX_LABELS_PER_INPUT
+    max_labels: int = defaults.MAX_LABELS
+    nbest: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"LabelSyncOptions.{name}: expected {expected}, got "
+                              f"{getattr(self, name)!r}")
+
+        for name in ("beam_size", "sentence_end", "max_labels", "nbest"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                try:  # numpy integers are fine; floats are not
+                    object.__setattr__(self, name, operator.index(value))
+                except TypeError:
+                    raise bad(name, "an int") from None
+        if not isinstance(self.beam_size, int) or self.beam_size < 1:
+            raise bad("beam_size", "an int >= 1")
+        if not isinstance(self.sentence_end, int) or self.sentence_end < 0:
+            raise bad("sentence_end", "a label index >= 0")
+        if not (math.isfinite(self.length_norm_scale) and self.length_norm_scale >= 0):
+            raise bad("length_norm_scale", "a finite number >= 0")
+        if self.score_threshold is not None and not self.score_threshold > 0:
+            raise bad("score_threshold", "None or a number > 0")
+        if not (math.isfinite(self.max_labels_per_input) and self.max_labels_per_input > 0):
+            raise bad("max_labels_per_input", "a finite number > 0")
+        if not isinstance(self.max_labels, int) or self.max_labels < 1:
+            raise bad("max_labels", "an int >= 1")
+        if self.nbest is not None and not (isinstance(self.nbest, int)
+                                           and 1 <= self.nbest <= self.beam_size):
+            raise bad("nbest", f"None or an int in [1, beam_size={self.beam_size}]")
+
+    @property
+    def num_best(self) -> int:
+        return self.beam_size if self.nbest is None else self.nbest
+
+    def label_limits(self, input_lengths) -> np.ndarray:
+        """[U] int64: the most labels (search steps) per utterance."""
+        lengths = np.asarray(input_lengths, dtype=np.float64)
+        # round first so that e.g. 0.29 * 100 = 28.999999999999996 counts as 29
+        limits = np.floor(np.round(self.max_labels_per_input * lengths, 6)).astype(np.int64)
+        return np.clip(limits, 1, self.max_labels)
+
+
+def _to_host(*arrays) -> tuple[np.ndarray, ...]:
+    """Every device→host transfer of the search goes through here (tests count the calls)."""
+    return tuple(to_host(a) for a in arrays)
+
+
+def _all_ended(ended) -> bool:
+    """The per-step stop test: one small transfer (a single bool)."""
+    (flag,) = _to_host(ended.all())
+    return bool(flag)
+
+
+def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: LabelSyncOptions,
+                      xp: ModuleType = np) -> list[list[Hypothesis]]:
+    """Decode ``utterances`` together; per utterance the n-best list, best first.
+
+    ``scorers``: (name, scorer, scale) triples; the combined score is Σ scale · score. The
+    scorers are begun, admitted and released here (each utterance gets lane group = its index).
+    ``xp``: the array module of the run (numpy or cupy); the scorers' scores must live there.
+    """
+    entries = check_scorers(scorers)
+    vocab_size = int(entries[0].scorer.vocab_size)
+    if options.sentence_end >= vocab_size:
+        raise ValueError(f"LabelSyncOptions.sentence_end {options.sentence_end} is outside the "
+                         f"vocabulary [0, {vocab_size})")
+    num_utts = utterances.num_utterances
+    if num_utts == 0:
+        return []
+    layout = LaneLayout(num_groups=num_utts, beam_size=options.beam_size, xp=xp)
+
+    if xp is np:
+        return _search(entries, utterances, options, layout)
+    # On CuPy, all work runs on the stream shared with ONNX Runtime (and with to_host), after
+    # whatever the caller queued on its own stream (e.g. uploading the inputs).
+    stream = shared_stream(xp.cuda.Device().id)
+    stream.wait_event(xp.cuda.get_current_stream().record())
+    with stream:
+        return _search(entries, utterances, options, layout)
+
+
+def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
+            layout: LaneLayout) -> list[list[Hypothesis]]:
+    groups = np.arange(layout.num_groups, dtype=np.int64)
+    limits = options.label_limits(utterances.input_lengths)
+    begun: list[ScorerEntry] = []
+    try:
+        for entry in entries:
+            entry.scorer.begin(layout)
+            begun.append(entry)
+            entry.scorer.admit(utterances, groups)
+        contexts = [e.scorer.initial_context(groups) for e in entries]
+        beam, steps = _run(entries, contexts, layout, limits, options)
+    finally:
+        for entry in begun:
+            entry.scorer.release(groups)
+    return _nbest(entries, beam, steps, layout, options)
+
+
+@dataclass
+class _Beam:
+    """The hypotheses of all N lanes, as arrays on ``xp``."""
+
+    scores: object  # [N] float32 combined score; -inf: dead lane
+    scorer_scores: object  # [S, N] float32, each scorer's unscaled score
+    lengths: object  # [N] int64, labels including sentence-end
+    ended: object  # [N] bool, terminated (or dead)
+
+
+def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
+         options: LabelSyncOptions) -> tuple[_Beam, list[tuple[object, object]]]:
+    xp = layout.xp
+    num_utts, beam_size = layout.num_groups, layout.beam_size
+    num_lanes, vocab_size = layout.num_lanes, int(entries[0].scorer.vocab_size)
+    scales = [e.scale for e in entries]
+    lns = np.float32(options.length_norm_scale)
+    threshold = None if options.score_threshold is None else np.float32(options.score_threshold)
+
+    first_lane = (xp.arange(num_lanes) % beam_size) == 0
+    beam = _Beam(scores=xp.where(first_lane, np.float32(0), _NEG_INF).astype(np.float32),
+                 scorer_scores=xp.zeros((len(entries), num_lanes), dtype=np.float32),
+                 lengths=xp.zeros(num_lanes, dtype=np.int64),
+                 ended=~first_lane)
+    lane_limit = xp.asarray(np.repeat(limits, beam_size))
+    group_base = (xp.arange(num_utts, dtype=np.int64) * beam_size)[:, None]  # [U, 1]
+    steps: list[tuple[object, object]] = []  # (parents [N], labels [N]) per step
+
+    max_steps = int(limits.max())
+    for step in range(1, max_steps + 1):
+        log_probs = [_checked_scores(e, e.scorer.score(c), num_lanes, vocab_size, xp)
+                     for e, c in zip(entries, contexts)]
+        combined = combine_scores(log_probs, scales)  # [N, V]
+
+        # Candidates [N, V]: open lanes extend by every label; a terminated lane offers only
+        # itself (in column 0, mapped to label -1 below); dead lanes offer nothing.
+        open_lanes = ~beam.ended
+        candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, _NEG_INF)
+        candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
+        ranks = candidates
+        if lns != 0:
+            cand_lengths = (beam.lengths + open_lanes).astype(np.float32)
+            ranks = candidates / xp.power(xp.maximum(cand_lengths, np.float32(1)), lns)[:, None]
+        ranks = ranks.reshape(num_utts, beam_size * vocab_size)
+        if threshold is not None:
+            best = ranks.max(axis=1, keepdims=True)
+            ranks = xp.where(ranks >= best - threshold, ranks, _NEG_INF)
+
+        chosen = top_k_indices(ranks, beam_size)  # [U, B], lane-major then label
+        alive = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
+        parents = (group_base + chosen // vocab_size).reshape(-1)
+        cand_labels = (chosen % vocab_size).reshape(-1)
+        was_ended = beam.ended[parents]
+        labels = xp.where(alive & ~was_ended, cand_labels, -1)
+        emitted = labels >= 0
+        safe_labels = xp.maximum(labels, 0)
+
+        scores = xp.where(alive, candidates[parents, cand_labels], _NEG_INF)
+        scorer_scores = xp.stack([
+            beam.scorer_scores[s][parents]
+            + xp.where(emitted, logp[parents, safe_labels], np.float32(0))
+            for s, logp in enumerate(log_probs)])
+        ended = (was_ended | ~alive | (labels == options.sentence_end)
+                 | (lane_limit <= step))
+        beam = _Beam(scores=scores, scorer_scores=scorer_scores,
+                     lengths=beam.lengths[parents] + emitted, ended=ended)
+        steps.append((parents, labels))
+        contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
+        if step < max_steps and _all_ended(ended):
+            break
+    return beam, steps
+
+
+def _checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp):
+    if tuple(log_probs.shape) != (num_lanes, vocab_size):
+        raise ValueError(f"scorer {entry.name!r}: score() returned shape "
+                         f"{tuple(log_probs.shape)}, expected [N={num_lanes}, V={vocab_size}]")
+    if is_device_array(log_probs) != (xp is not np):
+        raise ValueError(f"scorer {entry.name!r}: score() returned a "
+                         f"{type(log_probs).__module__} array, but the search runs on "
+                         f"{xp.__name__}")
+    return log_probs.astype(np.float32, copy=False)
+
+
+def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,
+           options: LabelSyncOptions) -> list[list[Hypothesis]]:
+    xp = layout.xp
+    num_utts, beam_size = layout.num_groups, layout.beam_size
+    lns = np.float32(options.length_norm_scale)
+    ranks = beam.scores
+    if lns != 0:
+        lengths = xp.maximum(beam.lengths, 1).astype(np.float32)
+        ranks = beam.scores / xp.power(lengths, lns)
+    order = top_k_indices(ranks.reshape(num_utts, beam_size), beam_size)  # [U, B]
+    parents = xp.stack([p for p, _ in steps])  # [T, N]
+    labels = xp.stack([lab for _, lab in steps])  # [T, N]
+    (order, ranks, scores, scorer_scores, lengths, parents, labels) = _to_host(
+        order, ranks, beam.scores, beam.scorer_scores, beam.lengths, parents, labels)
+
+    # Backtrace: one vectorised gather per step over all lanes.
+    num_steps = labels.shape[0]
+    traced = np.empty_like(labels)  # [T, N]: traced[t, lane] = label at step t of lane's path
+    lane = np.arange(layout.num_lanes)
+    for t in range(num_steps - 1, -1, -1):
+        traced[t] = labels[t, lane]
+        lane = parents[t, lane]
+
+    results = []
+    for u in range(num_utts):
+        nbest = []
+        for lane in (u * beam_size + order[u]).tolist():
+            if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
+                break
+            seq = traced[:, lane]
+            seq = seq[(seq >= 0) & (seq != options.sentence_end)]
+            nbest.append(Hypothesis(
+                labels=seq.tolist(), score=float(scores[lane]),
+                scores={e.name: float(scorer_scores[s, lane]) for s, e in enumerate(entries)},
+                length=int(lengths[lane])))
+        results.append(nbest)
+    return results

@@ -1,0 +1,60 @@
+"""Deterministic top-k that selects identically on numpy and CuPy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpudecode.backend import get_array_module
+
+# On CuPy, rows at least this long are sorted as one flat radix sort of (row, key) — about 3×
+# faster than the row-wise sort at 64 × 80k on an H200, slower for short rows.
+_FLAT_SORT_MIN_COLUMNS = 16384
+
+
+def top_k_indices(keys, k: int):
+    """[R, k] int64: per row of ``keys`` [R, M] float32, the columns of the k largest keys,
+    best first.
+
+    Equal keys keep column order (lower column first) — DESIGN §8's tie-break when columns are
+    laid out lane-major, then label. NaN ranks like -inf; -0.0 equals +0.0. Implemented with
+    stable sorts, which numpy (``kind="stable"``) and CuPy (always stable) agree on.
+    """
+    xp = get_array_module(keys)
+    if keys.ndim != 2 or not 1 <= k <= keys.shape[1]:
+        raise ValueError(f"top_k_indices: expected keys [R, M] with 1 <= k <= M, got shape "
+                         f"{tuple(keys.shape)} and k={k}")
+    if xp is not np and keys.shape[1] >= _FLAT_SORT_MIN_COLUMNS:
+        return _top_k_flat(keys, k)
+    return _top_k_rows(keys, k)
+
+
+def _clean(keys):
+    """float32 keys with -0.0 folded into +0.0 (a radix sort would order them) and NaN -> -inf."""
+    xp = get_array_module(keys)
+    keys = keys.astype(np.float32, copy=False) + np.float32(0)
+    return xp.where(xp.isnan(keys), np.float32(-np.inf), keys)
+
+
+def _top_k_rows(keys, k: int):
+    """Row-wise stable argsort of the negated keys."""
+    xp = get_array_module(keys)
+    negated = -_clean(keys) + np.float32(0)
+    if xp is np:
+        order = np.argsort(negated, axis=1, kind="stable")
+    else:
+        order = xp.argsort(negated, axis=1)  # CuPy's sort is stable
+    return order[:, :k].astype(np.int64, copy=False)
+
+
+def _top_k_flat(keys, k: int):
+    """One flat stable sort of uint64 (row << 32 | descending-order bits of the key)."""
+    xp = get_array_module(keys)
+    num_rows, num_cols = keys.shape
+    bits = _clean(keys).view(np.uint32)
+    # order-preserving map float32 -> uint32 (ascending), then flipped for descending
+    ascending = xp.where(bits >> np.uint32(31) != 0, ~bits, bits | np.uint32(0x80000000))
+    flat = ((xp.arange(num_rows, dtype=np.uint64)[:, None] << np.uint64(32))
+            | (~ascending).astype(np.uint64)).reshape(-1)
+    order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat))
+    order = order.reshape(num_rows, num_cols)[:, :k].astype(np.int64, copy=False)
+    return order - xp.arange(num_rows, dtype=np.int64)[:, None] * num_cols

@@ -24,6 +24,48 @@ def main() -> None:
 
 
 @main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--features", type=click.Path(), default=None, help="Feature file or folder (overrides io.features.path).")
+@click.option("--output", type=click.Path(file_okay=False), default=None, help="Output folder (overrides io.output).")
+@click.option("--references", type=click.Path(dir_okay=False), default=None,
+              help="Reference transcripts 'utt-id words...' for WER/CER (overrides io.references).")
+@click.option("-o", "--override", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Override any config key, e.g. -o search.beam_size=8 -o runtime.device=cuda.")
+@click.option("--resume", is_flag=True, help="Continue a stopped run: skip utterances already in the output.")
+def decode(config: str, features: str | None, output: str | None, references: str | None,
+           overrides: tuple[str, ...], resume: bool) -> None:
+    """Decode the features named by CONFIG (YAML) and write text / n-best / CTM results."""
+    from pathlib import Path
+
+    from gpudecode.backend import GpuUnavailableError
+    from gpudecode.config import ConfigError, check_paths, load_config
+    from gpudecode.io import InputError
+    from gpudecode.run import run_decode
+    from gpudecode.session import ModelError, SessionError
+
+    extra = list(overrides)
+    for key, value in (("io.features.path", features), ("io.output", output), ("io.references", references)):
+        if value is not None:  # command-line paths are relative to the working directory
+            extra.append(f"{key}={Path(value).resolve()}")
+    try:
+        loaded = load_config(config, extra)
+        check_paths(loaded, source=config)
+        with click.progressbar(length=1, label="decoding", show_pos=True, file=click.get_text_stream("stderr")) as bar:
+            def progress(done: int, total: int) -> None:
+                bar.length = max(total, 1)
+                bar.update(done - bar.pos)
+
+            summary = run_decode(loaded, resume=resume, progress=progress)
+    except (ConfigError, InputError, ModelError, SessionError, GpuUnavailableError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    width = max(len(k) for k, _ in summary.rows())
+    for key, value in summary.rows():
+        click.echo(f"{key:<{width}}  {value}")
+    for problem in summary.skipped:
+        click.echo(f"skipped: {problem}", err=True)
+
+
+@main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--io-map", "io_map", multiple=True, metavar="LOGICAL=NAME",
               help="Map a logical tensor name (token, prefix-length, scores, ...) to the model's own.")

@@ -20,26 +20,7 @@ from typing import IO
 from gpudecode import defaults
 from gpudecode.io.errors import ResultFileError
 from gpudecode.io.vocabulary import Vocabulary, Word, merge_words
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hypothesis:
-    """One n-best entry.
-
-    ``labels``: label indices as the search produced them (special labels are dropped when
-    rendering words). ``score``: the total (combined, scaled) log-probability score.
-    ``scores``: per-scorer scores by scorer name. ``frames``: per label, the input frame index
-    at which it was emitted (time-synchronous searches), else ``None``.
-    """
-
-    labels: Sequence[int]
-    score: float
-    scores: Mapping[str, float] = field(default_factory=dict)
-    frames: Sequence[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.frames is not None and len(self.frames) != len(self.labels):
-            raise ValueError(f"{len(self.frames)} frame indices for {len(self.labels)} labels")
+from gpudecode.search.results import Hypothesis
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -13,10 +13,17 @@ class Hypothesis:
     - ``score``: the combined log score Σ scale · score (not length-normalised);
     - ``scores``: each scorer's own (unscaled) log score of the sequence, by scorer name;
     - ``length``: labels counted for length normalisation (including sentence-end when the
-      hypothesis emitted it; a hypothesis force-ended at the length cap has none).
+      hypothesis emitted it; a hypothesis force-ended at the length cap has none);
+    - ``frames``: per label, the input frame at which it was emitted (time-synchronous
+      searches), else ``None``.
     """
 
     labels: list[int]
     score: float
-    scores: dict[str, float]
-    length: int
+    scores: dict[str, float] = field(default_factory=dict)
+    length: int | None = None
+    frames: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.frames is not None and len(self.frames) != len(self.labels):
+            raise ValueError(f"{len(self.frames)} frame indices for {len(self.labels)} labels")

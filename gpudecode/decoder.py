@@ -1,0 +1,147 @@
+"""The Python API: an encoder, label scorers and a search built from one config.
+
+    from gpudecode import Decoder
+    decoder = Decoder.from_config("configs/example.yaml")
+    nbest = decoder.decode({"utt1": features_1, "utt2": features_2})   # id -> [Hypothesis, ...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from gpudecode.backend import array_module, to_host
+from gpudecode.config import Config, ConfigError, ScorerConfig, load_config, validate_config
+from gpudecode.io.vocabulary import Vocabulary
+from gpudecode.scorers import UtteranceBatch, create_scorer
+from gpudecode.search import Hypothesis, LabelSyncOptions, label_sync_search
+from gpudecode.session import OnnxSession, SessionOptions, discover_encoder
+from gpudecode.states.options import StateManagerOptions
+
+ONNX_SCORERS = ("onnx-decoder", "recurrent-lm")
+
+
+class Decoder:
+    """Decodes feature arrays with the models, scorers and search of a :class:`Config`."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        runtime = config.runtime
+        self.xp = array_module(runtime.device)
+        self.session_options = SessionOptions(
+            device=runtime.device, device_id=runtime.device_id, use_tf32=runtime.tf32,
+            arena_limit_bytes=runtime.ort_arena_limit_bytes,
+            cudnn_conv_algo_search=runtime.cudnn_conv_algo_search, dump_inputs=runtime.dump_inputs,
+        )
+        vocab = config.models.vocabulary
+        self.vocabulary = Vocabulary.load(
+            vocab.path, blank=vocab.blank, sentence_begin=vocab.sentence_begin,
+            sentence_end=vocab.sentence_end, unknown=vocab.unknown,
+        )
+        if config.search.type != "label-sync":
+            raise ConfigError(f"search.type: {config.search.type!r} is not available yet; valid now: label-sync")
+        if not config.scorers:
+            raise ConfigError("scorers: at least one label scorer is needed")
+        self.sentence_end = self._special("sentence_end")
+        self.encoder = None
+        if config.models.encoder is not None:
+            self.encoder = OnnxSession(config.models.encoder.path, self.session_options)
+            self.encoder_spec = discover_encoder(self.encoder.tensors, io_map=config.models.encoder.io_map)
+        self.scorers = [(s.name, self._build_scorer(i, s), s.scale) for i, s in enumerate(config.scorers)]
+        search = config.search
+        self.search_options = LabelSyncOptions(
+            beam_size=search.beam_size, sentence_end=self.sentence_end,
+            length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,
+            max_labels_per_input=search.max_labels_per_input, max_labels=search.max_labels,
+            nbest=search.nbest,
+        )
+
+    @property
+    def encoder_num_features(self) -> int | None:
+        """F the encoder declares (None without an encoder or for a dynamic F)."""
+        return self.encoder_spec.num_features if self.encoder is not None else None
+
+    @classmethod
+    def from_config(cls, config: Config | Mapping | str | Path, overrides: Sequence[str] = ()) -> Decoder:
+        """From a :class:`Config`, a dict (paths relative to the working directory) or a YAML file."""
+        if isinstance(config, (str, Path)):
+            config = load_config(config, overrides)
+        elif isinstance(config, Mapping):
+            config = validate_config(dict(config))
+        return cls(config)
+
+    def _special(self, role: str) -> int:
+        index = getattr(self.vocabulary, f"{role}_index")
+        if index is None:
+            raise ConfigError(f"models.vocabulary.{role}: the label-synchronous search needs a {role.replace('_', '-')} label")
+        return int(index)
+
+    def _build_scorer(self, index: int, scorer: ScorerConfig):
+        key = f"scorers[{index}]"
+        if scorer.type in ONNX_SCORERS:
+            if scorer.model is None or not isinstance(scorer.model, (str, Path)):
+                raise ConfigError(f"{key}.model: {scorer.type} needs the path of one ONNX step model")
+            start = scorer.start_labels or (self._special("sentence_begin"),)
+            state_manager = (scorer.state_manager.to_options(self.config.runtime.device_id)
+                             if scorer.state_manager else StateManagerOptions(device_id=self.config.runtime.device_id))
+            return create_scorer(
+                scorer.type, model=scorer.model, vocab_size=len(self.vocabulary),
+                start_labels=[self.vocabulary.resolve(label, f"{key}.start_labels") for label in start],
+                state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
+                scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size,
+            )
+        if scorer.type == "length-reward":
+            return create_scorer("length-reward", vocab_size=len(self.vocabulary), sentence_end=self.sentence_end,
+                                 **scorer.options)
+        return create_scorer(scorer.type, **scorer.options)
+
+    def encode(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> UtteranceBatch:
+        """Runs the encoder once over the padded batch; its outputs become per-utterance inputs."""
+        lengths = np.array([f.shape[0] for f in features], dtype=np.int32)
+        if self.encoder is None:
+            inputs = {"encoder-states": _pad(features)}
+            return UtteranceBatch(ids=ids, input_lengths=lengths,
+                                  inputs={k: self.xp.asarray(v) for k, v in inputs.items()})
+        names = self.encoder_spec.names
+        size_dtype = self.encoder.tensors.input(names["features-size"]).dtype
+        outputs = self.encoder.run({names["features"]: _pad(features), names["features-size"]: lengths.astype(size_dtype)})
+        sizes = to_host(outputs.pop(names["encoder-states-size"])).astype(np.int64)
+        inputs = {k: self.xp.asarray(v) for k, v in outputs.items()}
+        if names["encoder-states"] != "encoder-states":
+            inputs["encoder-states"] = inputs.pop(names["encoder-states"])
+        return UtteranceBatch(ids=ids, input_lengths=sizes, inputs=inputs)
+
+    def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> list[list[Hypothesis]]:
+        """N-best lists of one batch of utterances decoded together."""
+        return label_sync_search(self.scorers, self.encode(ids, features), self.search_options, xp=self.xp)
+
+    def decode(self, features: Mapping[str, np.ndarray] | Sequence[np.ndarray]) -> dict[str, list[Hypothesis]]:
+        """N-best lists by utterance id (``features``: id -> [T, F] array, or a list: ids "0", "1", ...).
+
+        Utterances are decoded in batches of ``search.batch_size``, longest first.
+        """
+        if not isinstance(features, Mapping):
+            features = {str(i): f for i, f in enumerate(features)}
+        order = sorted(features, key=lambda k: -features[k].shape[0])
+        results = {}
+        size = self.config.search.batch_size
+        for start in range(0, len(order), size):
+            ids = order[start:start + size]
+            for utt, nbest in zip(ids, self.decode_batch(ids, [np.asarray(features[i], np.float32) for i in ids])):
+                results[utt] = nbest
+        return {k: results[k] for k in features}
+
+    def close(self) -> None:
+        for _, scorer, _ in self.scorers:
+            getattr(scorer, "close", lambda: None)()
+
+
+def _pad(features: Sequence[np.ndarray]) -> np.ndarray:
+    """[U, T_max, F] float32, zero-padded at the end of time."""
+    num_features = features[0].shape[1]
+    batch = np.zeros((len(features), max(f.shape[0] for f in features), num_features), np.float32)
+    for i, f in enumerate(features):  # once per utterance at admission, not per search step
+        batch[i, : f.shape[0]] = f
+    return batch

@@ -114,3 +114,23 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(results))
     click.echo(f"written: {output}/state_copy.json, {output}/state_copy.png")
+
+
+@bench.command("decode")
+@click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Folder for decode.json and decode.png.")
+@click.option("--utterances", type=int, default=64, show_default=True)
+@click.option("--encoder-length", type=int, default=200, show_default=True)
+@click.option("--labels", "num_labels", type=int, default=50, show_default=True, help="Output labels per utterance.")
+@click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
+def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool) -> None:
+    """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
+    from gpudecode.backend import GpuUnavailableError
+    from gpudecode.bench.decode import format_table, run_decode_bench
+
+    try:
+        results = run_decode_bench(num_utts=utterances, encoder_length=encoder_length, num_labels=num_labels,
+                                   output_dir=output, quick=quick)
+    except GpuUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_table(results))

@@ -166,3 +166,14 @@ def test_lane_layout():
     assert layout.lanes_of([2, 0]).tolist() == [4, 5, 0, 1]
     with pytest.raises(ValueError, match="beam_size >= 1"):
         LaneLayout(num_groups=1, beam_size=0)
+
+
+def test_bench_fixed_length_scorer_fixes_the_output_length():
+    from gpudecode.bench.decode import EOS, FixedLengthScorer
+    from gpudecode.search import LabelSyncOptions, label_sync_search
+    from gpudecode.scorers import UtteranceBatch as Batch
+
+    scorer = FixedLengthScorer(vocab_size=7, num_labels=5)
+    nbest = label_sync_search([("fixed", scorer, 1.0)], Batch(ids=["a", "b"], input_lengths=[10, 12]),
+                              LabelSyncOptions(beam_size=2, sentence_end=EOS, max_labels_per_input=1.0))
+    assert [len(n[0].labels) for n in nbest] == [5, 5] and all(n[0].length == 6 for n in nbest)

@@ -34,13 +34,42 @@
 // Split semantics: new token p of row b is read at time index src_time - num_new + p and written to
 // slot new_slots[b * num_new + p] (skipped where the slot is < 0).
 //
-// Thread mapping: one warp copies one token state (one (variable, row, time) triple); blockIdx.y
-// selects the state variable; blocks grid-stride over rows x time.  Lanes walk the token's spans in
-// vectors of up to 16 bytes (chosen at run time from the alignment of every address involved).
+// Thread mapping: the (variable, token) copies of a launch are numbered variable-major and split
+// into one contiguous, equal range per warp (the grid is sized by the launcher to the resident
+// warps of the device, so every warp gets the same work and no wave tail is left).  A warp takes
+// its range in batches of up to 32 tokens: lane j resolves token j of the batch (slot, slab
+// address, tensor index: the only integer divisions, once per token), then the warp copies the
+// batch's tokens, GROUP of them at a time, in 16-byte vectors (the fast path: storage dtype == model
+// dtype and 16-byte aligned tensor, spans and token).  Within a token the lanes walk the vectors f = lane,
+// lane + 32, ... of its contiguous form; the matching tensor offset (span q = f / inner_vecs, its
+// pre / mid indices) is advanced incrementally (a Walk, set up once per variable) — no division per
+// vector — and UNROLL vectors of each of the GROUP tokens are loaded before any is stored, so a lane
+// keeps UNROLL * GROUP independent loads in flight.  Data read once are loaded with the streaming
+// cache hint.  Everything else (dtype conversions, narrower alignment, a token whose slab address is
+// not 16-byte aligned) takes the generic per-vector path (copy_raw / copy_convert / zero_raw, widest
+// aligned unit), in a second pass over the warp's range that runs only where such tokens exist.
 
 #define MAX_STATE_VARIABLES 128
 #define GEOMETRY_FIELDS 8
-#define WARPS_PER_BLOCK 8
+#ifndef WARPS_PER_BLOCK
+#define WARPS_PER_BLOCK 8        // gpudecode/states/cuda.py
+#endif
+#ifndef MIN_BLOCKS_PER_SM
+#define MIN_BLOCKS_PER_SM 3      // __launch_bounds__ residency (<= 80 registers at 256 threads)
+#endif
+#ifndef STATE_COPY_UNROLL
+#define STATE_COPY_UNROLL 4      // vectors per token loaded before the stores
+#endif
+#ifndef STATE_COPY_GROUP
+#define STATE_COPY_GROUP 1       // tokens copied together (1 or 2)
+#endif
+#ifndef STATE_COPY_LOAD_CS
+#define STATE_COPY_LOAD_CS 1     // ld.global.cs (evict-first) for the data read once
+#endif
+#ifndef STATE_COPY_STORE_CS
+#define STATE_COPY_STORE_CS 0    // st.global.cs for the data written
+#endif
+#define TOKENS_PER_BATCH 32
 
 // dtype codes shared with gpudecode/states/cuda.py; equal codes copy raw bytes.
 #define DTYPE_OTHER 0
@@ -234,19 +263,315 @@ __device__ __forceinline__ SpanGeometry span_geometry(const long long* geo, int 
     return g;
 }
 
+// ---- fast path: streaming vector loads / stores ---------------------------------------------------
+template <typename P>
+__device__ __forceinline__ P load_once(const P* p) {
+#if STATE_COPY_LOAD_CS
+    if constexpr (sizeof(P) == 16) {
+        union { uint4 u; P p; } v;
+        asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.u.x), "=r"(v.u.y), "=r"(v.u.z), "=r"(v.u.w) : "l"(p));
+        return v.p;
+    } else if constexpr (sizeof(P) == 8) {
+        union { uint2 u; P p; } v;
+        asm("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(v.u.x), "=r"(v.u.y) : "l"(p));
+        return v.p;
+    } else if constexpr (sizeof(P) == 4) {
+        union { unsigned int u; P p; } v;
+        asm("ld.global.cs.u32 %0, [%1];" : "=r"(v.u) : "l"(p));
+        return v.p;
+    }
+#endif
+    return *p;
+}
+
+template <typename P>
+__device__ __forceinline__ void store_vec(P* p, const P& value) {
+#if STATE_COPY_STORE_CS
+    if constexpr (sizeof(P) == 16) {
+        union { uint4 u; P p; } v;
+        v.p = value;
+        asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
+                     :: "l"(p), "r"(v.u.x), "r"(v.u.y), "r"(v.u.z), "r"(v.u.w) : "memory");
+        return;
+    } else if constexpr (sizeof(P) == 8) {
+        union { uint2 u; P p; } v;
+        v.p = value;
+        asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(v.u.x), "r"(v.u.y) : "memory");
+        return;
+    } else if constexpr (sizeof(P) == 4) {
+        union { unsigned int u; P p; } v;
+        v.p = value;
+        asm volatile("st.global.cs.u32 [%0], %1;" :: "l"(p), "r"(v.u) : "memory");
+        return;
+    }
+#endif
+    *p = value;
+}
+
+// ---- fast path: the per-lane walk over one token's vectors ----------------------------------------
+// Vectors (of the variable's vector size) of a token: f = q * V + iv, span q = a * mid + m.  Lane
+// `lane` visits f = lane, lane + 32, ...; per step of 32 the span advances by dq = 32 / V
+// (= da * mid + dm) and iv by r = 32 % V, with at most one carry into m and one into a, so the tensor
+// offset (vectors) a * stride_a + m * stride_m + iv follows by additions only.
+struct Walk {
+    int total;            // vectors per token: num_spans * V
+    int V;                // vectors per span
+    int mid;
+    int r;                // 32 % V
+    int dm;               // (32 / V) % mid
+    int iv0, m0;          // this lane's first vector
+    int off0;             // its tensor offset (vectors; the plan checks that all offsets fit an int)
+    int step;             // r + dm * stride_m + da * stride_a
+    int carry_iv;         // stride_m - V
+    int carry_m;          // stride_a - mid * stride_m
+};
+
+__device__ __forceinline__ Walk make_walk(int V, int mid, int num_spans, int stride_m, int stride_a, int lane) {
+    Walk w;
+    w.total = num_spans * V;
+    w.V = V;
+    w.mid = mid;
+    const int dq = 32 / V;
+    w.r = 32 - dq * V;
+    const int da = dq / mid;
+    w.dm = dq - da * mid;
+    const int q0 = lane / V;
+    w.iv0 = lane - q0 * V;
+    const int a0 = q0 / mid;
+    w.m0 = q0 - a0 * mid;
+    w.off0 = a0 * stride_a + w.m0 * stride_m + w.iv0;
+    w.step = w.r + w.dm * stride_m + da * stride_a;
+    w.carry_iv = stride_m - V;
+    w.carry_m = stride_a - mid * stride_m;
+    return w;
+}
+
+__device__ __forceinline__ void walk_advance(const Walk& w, int& iv, int& m, int& off) {
+    iv += w.r;
+    m += w.dm;
+    off += w.step;
+    if (iv >= w.V) {
+        iv -= w.V;
+        m += 1;
+        off += w.carry_iv;
+    }
+    if (m >= w.mid) {
+        m -= w.mid;
+        off += w.carry_m;
+    }
+}
+
+// G tokens at once: tok[g] = the token's contiguous form, ten[g] = its span (0, 0) in the tensor.
+template <bool TO_TENSOR, typename Tin, typename Tout, int K, int G>
+__device__ __forceinline__ void copy_walk(const unsigned long long (&tok)[G], const unsigned long long (&ten)[G],
+                                          const Walk& w, int lane) {
+    using PIn = Pack<Tin, K>;
+    using POut = Pack<Tout, K>;
+    constexpr int U = STATE_COPY_UNROLL;
+    int f = lane, iv = w.iv0, m = w.m0, off = w.off0;
+#pragma unroll 1
+    while (f < w.total) {
+        int fo[U];
+        int to[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            fo[u] = f;
+            to[u] = off;
+            f += 32;
+            walk_advance(w, iv, m, off);
+        }
+        PIn in[U][G];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (fo[u] < w.total) {
+                    const PIn* s = TO_TENSOR ? reinterpret_cast<const PIn*>(tok[g]) + fo[u]
+                                             : reinterpret_cast<const PIn*>(ten[g]) + to[u];
+                    in[u][g] = load_once(s);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (fo[u] < w.total) {
+                    POut out;
+#pragma unroll
+                    for (int k = 0; k < K; ++k) out.v[k] = Convert<Tin, Tout>::run(in[u][g].v[k]);
+                    POut* d = TO_TENSOR ? reinterpret_cast<POut*>(ten[g]) + to[u] : reinterpret_cast<POut*>(tok[g]) + fo[u];
+                    store_vec(d, out);
+                }
+            }
+        }
+    }
+}
+
+// Zeros into one token's spans of a tensor (merge padding), in vectors of Z.
+template <typename Z>
+__device__ __forceinline__ void zero_walk(unsigned long long ten, const Walk& w, int lane) {
+    Z* d = reinterpret_cast<Z*>(ten);
+    int f = lane, iv = w.iv0, m = w.m0, off = w.off0;
+    const Z zero{};
+#pragma unroll 1
+    for (; f < w.total; f += 32) {
+        store_vec(d + off, zero);
+        walk_advance(w, iv, m, off);
+    }
+}
+
+// The fast path copies raw 16-byte vectors (storage dtype == model dtype, 16-byte aligned spans).
+// Anything else (conversions, narrower alignment, tensors of more than 2^31 vectors) takes the
+// generic per-vector path (copy_slow / zero_slow), whose semantics are the same.
+
+template <bool TO_TENSOR, int G>
+__device__ __forceinline__ void copy_fast(const unsigned long long (&tok)[G], const unsigned long long (&ten)[G],
+                                          const Walk& w, int lane) {
+    copy_walk<TO_TENSOR, uint4, uint4, 1, G>(tok, ten, w, lane);
+}
+
+// Per-variable plan of the fast path (uniform across the warp).
+struct VarPlan {
+    Walk w;
+    bool fast;                // 16-byte raw vectors; else every token takes the generic path
+    long long span_bytes;     // inner * model itemsize: tensor bytes per (row, time) index step
+    long long token_bytes;
+    const unsigned long long* slabs;
+};
+
+__device__ __forceinline__ VarPlan plan_variable(const long long* geo, unsigned long long tensor,
+                                                 const unsigned long long* slabs, int rows, int time, int lane) {
+    VarPlan p;
+    const int pre = (int)geo[0];
+    const int mid = (int)geo[1];
+    const int model_size = (int)geo[7];
+    p.span_bytes = geo[2] * model_size;
+    p.token_bytes = geo[3] * geo[6];
+    p.slabs = slabs;
+    const int V = (int)(p.span_bytes / 16);
+    const long long stride_m = (long long)time * V;
+    const long long stride_a = (long long)rows * mid * stride_m;
+    // same dtype, 16-byte aligned tensor and spans (token addresses are checked per token), and
+    // every tensor offset in 16-byte vectors within an int
+    p.fast = geo[4] == geo[5] && ((tensor | (unsigned long long)p.span_bytes) & 15ull) == 0 &&
+             stride_a * pre <= 0x7fffffffll;
+    p.w = make_walk(max(V, 1), mid, pre * mid, (int)stride_m, (int)stride_a, lane);
+    return p;
+}
+
+// Generic per-vector path for a token whose slab address is less aligned than its variable's plan.
+template <bool TO_TENSOR>
+__device__ __forceinline__ void copy_slow(const long long* geo, unsigned long long tensor, unsigned long long token,
+                                       long long tensor_base, int rows, int time, int lane) {
+    const SpanGeometry g = span_geometry(geo, rows, time);
+    const int storage_code = (int)geo[4];
+    const int model_code = (int)geo[5];
+    const int storage_size = (int)geo[6];
+    const int model_size = (int)geo[7];
+    const unsigned long long tensor_addresses = tensor | (unsigned long long)((long long)g.stride_m * model_size) |
+                                                (unsigned long long)((long long)g.inner * model_size);
+    const unsigned long long token_addresses = token | (unsigned long long)((long long)g.inner * storage_size);
+    if (TO_TENSOR) {
+        if (storage_code == model_code)
+            copy_raw<true>(reinterpret_cast<const void*>(token), reinterpret_cast<void*>(tensor), model_size, tensor_base,
+                           g, lane, token_addresses | tensor_addresses);
+        else
+            copy_convert<true>(reinterpret_cast<const void*>(token), reinterpret_cast<void*>(tensor), storage_code,
+                               model_code, tensor_base, g, lane, token_addresses, tensor_addresses);
+    } else {
+        if (storage_code == model_code)
+            copy_raw<false>(reinterpret_cast<const void*>(tensor), reinterpret_cast<void*>(token), model_size, tensor_base,
+                            g, lane, token_addresses | tensor_addresses);
+        else
+            copy_convert<false>(reinterpret_cast<const void*>(tensor), reinterpret_cast<void*>(token), model_code,
+                                storage_code, tensor_base, g, lane, tensor_addresses, token_addresses);
+    }
+}
+
+__device__ __forceinline__ void zero_slow(const long long* geo, unsigned long long tensor, long long tensor_base, int rows,
+                                       int time, int lane) {
+    const SpanGeometry g = span_geometry(geo, rows, time);
+    const int model_size = (int)geo[7];
+    const unsigned long long tensor_addresses = tensor | (unsigned long long)((long long)g.stride_m * model_size) |
+                                                (unsigned long long)((long long)g.inner * model_size);
+    zero_raw(reinterpret_cast<void*>(tensor), model_size, tensor_base, g, lane, tensor_addresses);
+}
+
+#define KIND_NONE 0   // merge: zeros; split: skipped
+#define KIND_FAST 1
+#define KIND_SLOW 2
+
+// The warp's tokens of one batch: lane j resolved token j (kind, token address, tensor index).  Two
+// passes keep the generic path's registers out of the fast loop: SLOW = false copies the fast
+// tokens (and zero-fills those of fast variables) and returns whether any token was left for the
+// SLOW = true pass, which a warp runs over its range again only then (never for CuPy allocations).
+template <bool TO_TENSOR, bool SLOW>
+__device__ __forceinline__ bool copy_batch(const VarPlan& p, const long long* geo, unsigned long long tensor,
+                                           int n, int kind, unsigned long long token, long long index,
+                                           int rows, int time, int lane) {
+    if (SLOW) {
+        for (int j = 0; j < n; ++j) {
+            const int kind_j = __shfl_sync(0xffffffffu, kind, j);
+            const unsigned long long token_j = __shfl_sync(0xffffffffu, token, j);
+            const long long index_j = __shfl_sync(0xffffffffu, index, j);
+            if (kind_j == KIND_SLOW) copy_slow<TO_TENSOR>(geo, tensor, token_j, index_j * geo[2], rows, time, lane);
+            else if (TO_TENSOR && kind_j == KIND_NONE && !p.fast) zero_slow(geo, tensor, index_j * geo[2], rows, time, lane);
+        }
+        return false;
+    }
+    const bool left = __any_sync(0xffffffffu, lane < n && (kind == KIND_SLOW || (TO_TENSOR && kind == KIND_NONE && !p.fast)));
+    for (int j = 0; j < n;) {
+        const int kind_j = __shfl_sync(0xffffffffu, kind, j);
+        const unsigned long long token_j = __shfl_sync(0xffffffffu, token, j);
+        const long long index_j = __shfl_sync(0xffffffffu, index, j);
+        const unsigned long long ten_j = tensor + (unsigned long long)(index_j * p.span_bytes);
+#if STATE_COPY_GROUP >= 2
+        const int kind_k = __shfl_sync(0xffffffffu, kind, (j + 1) & 31);
+        if (kind_j == KIND_FAST && kind_k == KIND_FAST && j + 1 < n) {
+            const unsigned long long token_k = __shfl_sync(0xffffffffu, token, j + 1);
+            const long long index_k = __shfl_sync(0xffffffffu, index, j + 1);
+            const unsigned long long tok2[2] = {token_j, token_k};
+            const unsigned long long ten2[2] = {ten_j, tensor + (unsigned long long)(index_k * p.span_bytes)};
+            copy_fast<TO_TENSOR, 2>(tok2, ten2, p.w, lane);
+            j += 2;
+            continue;
+        }
+#endif
+        if (kind_j == KIND_FAST) {
+            const unsigned long long tok1[1] = {token_j};
+            const unsigned long long ten1[1] = {ten_j};
+            copy_fast<TO_TENSOR, 1>(tok1, ten1, p.w, lane);
+        } else if (TO_TENSOR && kind_j == KIND_NONE && p.fast) {
+            zero_walk<uint4>(ten_j, p.w, lane);
+        }
+        j += 1;
+    }
+    return left;
+}
+
+template <bool B> struct PassTag { static constexpr bool slow = B; };
+
+// This warp's contiguous share [begin, end) of total (variable, token) copies.
+__device__ __forceinline__ void warp_range(long long total, long long& begin, long long& end) {
+    const long long warps = (long long)gridDim.x * WARPS_PER_BLOCK;
+    const long long warp = (long long)blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
+    begin = total / warps * warp + min(warp, total % warps);
+    end = begin + total / warps + (warp < total % warps ? 1 : 0);
+}
+
 // ---- merge ----------------------------------------------------------------------------------------
-// grid: (x: row tiles, y: state variables), block: 32 * WARPS_PER_BLOCK threads.
-extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, 4)
+// grid: 1-D, sized to the resident blocks of the device; block: 32 * WARPS_PER_BLOCK threads.
+extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS_PER_SM)
 merge_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
              int capacity, StatePointers outputs,
              const int* __restrict__ history, int history_width, const int* __restrict__ lengths,
              int num_rows, int out_rows, int out_time, int max_history, int keep_first,
-             int* __restrict__ prefix_lengths) {
-    const int var = blockIdx.y;
+             int* __restrict__ prefix_lengths, int num_variables) {
     const int lane = threadIdx.x & 31;
-    // prefix lengths: written once per row by the threads of variable 0.
-    if (var == 0 && prefix_lengths != nullptr) {
+    if (prefix_lengths != nullptr) {
         for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < out_rows; b += gridDim.x * blockDim.x) {
             int kept = 0;
             if (b < num_rows) {
@@ -256,94 +581,103 @@ merge_states(const long long* __restrict__ geometry,
             prefix_lengths[b] = kept;
         }
     }
-    const long long* geo = geometry + (long long)var * GEOMETRY_FIELDS;
-    const SpanGeometry g = span_geometry(geo, out_rows, out_time);
-    const int storage_code = (int)geo[4];
-    const int model_code = (int)geo[5];
-    const int storage_size = (int)geo[6];
-    const int model_size = (int)geo[7];
-    const long long token_bytes = geo[3] * storage_size;
-    void* out = reinterpret_cast<void*>(outputs.ptr[var]);
-    const unsigned long long* slabs = slab_table + (long long)var * chunk_stride;
-    const unsigned long long out_addresses = outputs.ptr[var] | (unsigned long long)((long long)g.stride_m * model_size) |
-                                             (unsigned long long)((long long)g.inner * model_size);
-
-    const long long total_rows = (long long)out_rows * out_time;
-    const long long warp_global = (long long)blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
-    const long long warp_stride = (long long)gridDim.x * WARPS_PER_BLOCK;
-    for (long long r = warp_global; r < total_rows; r += warp_stride) {
-        const int b = (int)(r / out_time);
-        const int t = (int)(r - (long long)b * out_time);
-        int slot = -1;
-        if (b < num_rows) {
-            const int length = min(max(lengths[b], 0), history_width);
-            const int kept = min(length, max_history);
-            const int pad = out_time - kept;
-            if (t >= pad) {
-                const int j = t - pad;
-                const int position = (keep_first && j == 0) ? 0 : length - kept + j;
-                slot = history[(long long)b * history_width + position];
-                if (slot >= capacity) slot = -1;
+    const long long per_var = (long long)out_rows * out_time;
+    long long begin, end;
+    warp_range(per_var * num_variables, begin, end);
+    auto pass = [&](auto tag) -> bool {
+        long long s = begin;
+        bool left = false;
+        int planned = -1;
+        VarPlan p;
+        while (s < end) {
+            const int var = (int)(s / per_var);
+            const long long r0 = s - var * per_var;
+            const int n = (int)min(min((long long)TOKENS_PER_BATCH, end - s), per_var - r0);
+            const long long* geo = geometry + (long long)var * GEOMETRY_FIELDS;
+            const unsigned long long tensor = outputs.ptr[var];
+            if (var != planned) {
+                p = plan_variable(geo, tensor, slab_table + (long long)var * chunk_stride, out_rows, out_time, lane);
+                planned = var;
             }
+            int kind = KIND_NONE;
+            unsigned long long token = 0;
+            long long index = 0;
+            if (lane < n) {
+                const long long r = r0 + lane;
+                const int b = (int)(r / out_time);
+                const int t = (int)(r - (long long)b * out_time);
+                index = (long long)b * p.w.mid * out_time + t;
+                if (b < num_rows) {
+                    const int length = min(max(lengths[b], 0), history_width);
+                    const int kept = min(length, max_history);
+                    const int pad = out_time - kept;
+                    if (t >= pad) {
+                        const int j = t - pad;
+                        const int position = (keep_first && j == 0) ? 0 : length - kept + j;
+                        const int slot = history[(long long)b * history_width + position];
+                        if (slot >= 0 && slot < capacity) {
+                            const int chunk = slot / slots_per_chunk;
+                            const int row = slot - chunk * slots_per_chunk;
+                            token = p.slabs[chunk] + (unsigned long long)((long long)row * p.token_bytes);
+                            kind = (p.fast && (token & 15ull) == 0) ? KIND_FAST : KIND_SLOW;
+                        }
+                    }
+                }
+            }
+            left |= copy_batch<true, decltype(tag)::slow>(p, geo, tensor, n, kind, token, index, out_rows, out_time, lane);
+            s += n;
         }
-        const long long tensor_base = (((long long)b * g.mid) * out_time + t) * g.inner;
-        if (slot < 0) {
-            zero_raw(out, model_size, tensor_base, g, lane, out_addresses);
-            continue;
-        }
-        const int chunk = slot / slots_per_chunk;
-        const int row = slot - chunk * slots_per_chunk;
-        const char* token = reinterpret_cast<const char*>(slabs[chunk]) + (long long)row * token_bytes;
-        const unsigned long long token_addresses = reinterpret_cast<unsigned long long>(token) |
-                                                   (unsigned long long)((long long)g.inner * storage_size);
-        if (storage_code == model_code) {
-            copy_raw<true>(token, out, model_size, tensor_base, g, lane, token_addresses | out_addresses);
-        } else {
-            copy_convert<true>(token, out, storage_code, model_code, tensor_base, g, lane, token_addresses, out_addresses);
-        }
-    }
+        return left;
+    };
+    if (pass(PassTag<false>{})) pass(PassTag<true>{});
 }
 
 // ---- split ----------------------------------------------------------------------------------------
-// grid: (x: row tiles, y: state variables), block: 32 * WARPS_PER_BLOCK threads.
-extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, 4)
+// grid: 1-D, sized to the resident blocks of the device; block: 32 * WARPS_PER_BLOCK threads.
+extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS_PER_SM)
 split_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
              int capacity, StatePointers sources,
-             int num_rows, int src_time, int num_new, const int* __restrict__ new_slots) {
-    const int var = blockIdx.y;
+             int num_rows, int src_time, int num_new, const int* __restrict__ new_slots, int num_variables) {
     const int lane = threadIdx.x & 31;
-    const long long* geo = geometry + (long long)var * GEOMETRY_FIELDS;
-    const SpanGeometry g = span_geometry(geo, num_rows, src_time);
-    const int storage_code = (int)geo[4];
-    const int model_code = (int)geo[5];
-    const int storage_size = (int)geo[6];
-    const int model_size = (int)geo[7];
-    const long long token_bytes = geo[3] * storage_size;
-    const void* src = reinterpret_cast<const void*>(sources.ptr[var]);
-    const unsigned long long* slabs = slab_table + (long long)var * chunk_stride;
-    const unsigned long long src_addresses = sources.ptr[var] | (unsigned long long)((long long)g.stride_m * model_size) |
-                                             (unsigned long long)((long long)g.inner * model_size);
-
-    const long long total = (long long)num_rows * num_new;
-    const long long warp_global = (long long)blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
-    const long long warp_stride = (long long)gridDim.x * WARPS_PER_BLOCK;
-    for (long long r = warp_global; r < total; r += warp_stride) {
-        const int slot = new_slots[r];
-        if (slot < 0 || slot >= capacity) continue;
-        const int b = (int)(r / num_new);
-        const int p = (int)(r - (long long)b * num_new);
-        const int t = src_time - num_new + p;
-        const long long tensor_base = (((long long)b * g.mid) * src_time + t) * g.inner;
-        const int chunk = slot / slots_per_chunk;
-        const int row = slot - chunk * slots_per_chunk;
-        char* token = reinterpret_cast<char*>(slabs[chunk]) + (long long)row * token_bytes;
-        const unsigned long long token_addresses = reinterpret_cast<unsigned long long>(token) |
-                                                   (unsigned long long)((long long)g.inner * storage_size);
-        if (storage_code == model_code) {
-            copy_raw<false>(src, token, model_size, tensor_base, g, lane, token_addresses | src_addresses);
-        } else {
-            copy_convert<false>(src, token, model_code, storage_code, tensor_base, g, lane, src_addresses, token_addresses);
+    const long long per_var = (long long)num_rows * num_new;
+    long long begin, end;
+    warp_range(per_var * num_variables, begin, end);
+    auto pass = [&](auto tag) -> bool {
+        long long s = begin;
+        bool left = false;
+        int planned = -1;
+        VarPlan p;
+        while (s < end) {
+            const int var = (int)(s / per_var);
+            const long long r0 = s - var * per_var;
+            const int n = (int)min(min((long long)TOKENS_PER_BATCH, end - s), per_var - r0);
+            const long long* geo = geometry + (long long)var * GEOMETRY_FIELDS;
+            const unsigned long long tensor = sources.ptr[var];
+            if (var != planned) {
+                p = plan_variable(geo, tensor, slab_table + (long long)var * chunk_stride, num_rows, src_time, lane);
+                planned = var;
+            }
+            int kind = KIND_NONE;
+            unsigned long long token = 0;
+            long long index = 0;
+            if (lane < n) {
+                const long long r = r0 + lane;
+                const int slot = new_slots[r];
+                if (slot >= 0 && slot < capacity) {
+                    const int b = (int)(r / num_new);
+                    const int t = src_time - num_new + (int)(r - (long long)b * num_new);
+                    index = (long long)b * p.w.mid * src_time + t;
+                    const int chunk = slot / slots_per_chunk;
+                    const int row = slot - chunk * slots_per_chunk;
+                    token = p.slabs[chunk] + (unsigned long long)((long long)row * p.token_bytes);
+                    kind = (p.fast && (token & 15ull) == 0) ? KIND_FAST : KIND_SLOW;
+                }
+            }
+            left |= copy_batch<false, decltype(tag)::slow>(p, geo, tensor, n, kind, token, index, num_rows, src_time, lane);
+            s += n;
         }
-    }
+        return left;
+    };
+    if (pass(PassTag<false>{})) pass(PassTag<true>{});
 }

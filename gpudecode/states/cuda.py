@@ -21,7 +21,7 @@ from gpudecode.states.pool import StatePool
 MAX_STATE_VARIABLES = 128  # kernels/state_copy.cu
 WARPS_PER_BLOCK = 8
 THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
-RESIDENT_BLOCKS_PER_SM = 4  # __launch_bounds__(256, 4)
+RESIDENT_BLOCKS_PER_SM = 3  # __launch_bounds__(256, MIN_BLOCKS_PER_SM): the guaranteed residency
 
 DTYPE_OTHER, DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 = 0, 1, 2, 3
 _CONVERSIONS = {
@@ -71,6 +71,20 @@ def _kernel(name: str, device_id: int):
     return load_module("state_copy", (), device_id).get_function(name)
 
 
+def _resident_blocks(kernel, device_id: int) -> int:
+    """Blocks of ``kernel`` resident per SM (the occupancy API; the launch bounds' minimum if absent)."""
+    try:
+        from cupy.cuda import driver
+
+        with require_cupy().cuda.Device(device_id):
+            blocks = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, THREADS_PER_BLOCK, 0))
+        if blocks > 0:
+            return blocks
+    except Exception:  # noqa: BLE001 - an older CuPy without the occupancy call
+        pass
+    return RESIDENT_BLOCKS_PER_SM
+
+
 class CudaStateCopy:
     """Merge and split on CuPy arrays for the variables ``layouts`` stored in ``pool``."""
 
@@ -97,12 +111,18 @@ class CudaStateCopy:
         self._pointers = np.zeros(1, dtype=_POINTERS)
         self._merge = _kernel("merge_states", device_id)
         self._split = _kernel("split_states", device_id)
+        # one resident wave: each warp takes an equal contiguous share of the (variable, token) copies
+        self._full_grid = {
+            "merge": _num_sms(device_id) * _resident_blocks(self._merge, device_id),
+            "split": _num_sms(device_id) * _resident_blocks(self._split, device_id),
+        }
         self.num_launches = 0  # kernel launches issued (for tests and benchmarks)
 
-    def _grid(self, total_warps: int, min_blocks: int = 1) -> tuple[int, int]:
-        target = max(1, RESIDENT_BLOCKS_PER_SM * _num_sms(self.device_id) * 2 // len(self.layouts))
-        blocks = -(-total_warps // WARPS_PER_BLOCK)
-        return max(1, min_blocks, min(blocks, target)), len(self.layouts)
+    def _grid(self, kind: str, num_tokens: int, min_blocks: int = 1) -> tuple[int]:
+        """A 1-D grid: the resident blocks of the device, fewer when there are fewer token copies
+        (one warp copies one token at a time) than resident warps."""
+        blocks = -(-num_tokens * len(self.layouts) // WARPS_PER_BLOCK)
+        return (max(1, min_blocks, min(blocks, self._full_grid[kind])),)
 
     def _pointer_struct(self, arrays) -> np.ndarray:
         pointers = self._pointers.copy()
@@ -121,7 +141,8 @@ class CudaStateCopy:
         prefix_lengths,
     ) -> None:
         pool = self.pool
-        grid = self._grid(out_rows * time_size, min_blocks=-(-out_rows // THREADS_PER_BLOCK))
+        grid = self._grid("merge", out_rows * time_size, min_blocks=min(-(-out_rows // THREADS_PER_BLOCK),
+                                                                         self._full_grid["merge"]))
         with self.cupy.cuda.Device(self.device_id), shared_stream(self.device_id):
             self._merge(
                 grid, (THREADS_PER_BLOCK,),
@@ -131,6 +152,7 @@ class CudaStateCopy:
                     histories.table, np.int32(histories.width), histories.lengths,
                     np.int32(histories.num_rows), np.int32(out_rows), np.int32(time_size),
                     np.int32(max_history), np.int32(bool(keep_first)), prefix_lengths,
+                    np.int32(len(self.layouts)),
                 ),
             )
         self.num_launches += 1
@@ -142,11 +164,12 @@ class CudaStateCopy:
             return
         with self.cupy.cuda.Device(self.device_id), shared_stream(self.device_id):
             self._split(
-                self._grid(num_rows * num_new), (THREADS_PER_BLOCK,),
+                self._grid("split", num_rows * num_new), (THREADS_PER_BLOCK,),
                 (
                     self.geometry, pool.slab_table, np.int32(pool.chunk_stride), np.int32(pool.slots_per_chunk),
                     np.int32(pool.capacity), self._pointer_struct(sources),
                     np.int32(num_rows), np.int32(source_time), np.int32(num_new), new_slots,
+                    np.int32(len(self.layouts)),
                 ),
             )
         self.num_launches += 1

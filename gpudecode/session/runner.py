@@ -164,6 +164,9 @@ class OnnxSession:
     def _run_cuda(self, inputs: Mapping[str, object], names: list[str], outputs: dict) -> dict:
         cupy = backend.require_cupy()
         device_id = self.options.device_id
+        current = cupy.cuda.get_current_stream()
+        if current.ptr != self.stream.ptr:  # inputs made on another stream are ready first
+            self.stream.wait_event(current.record())
         binding = self.session.io_binding()
         for name, value in inputs.items():
             if backend.is_device_array(value):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gpudecode.backend import array_module
+from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import Context, LabelScorer, LaneLayout, UtteranceBatch
 from gpudecode.scorers.registry import register_scorer
 from gpudecode.session import OnnxSession, SessionOptions, discover_step_model, hf_attention_inputs
@@ -231,14 +231,18 @@ class OnnxDecoderScorer(LabelScorer):
         xp = self.states.xp
         if ctx.new_slots is None:
             raise AssertionError("extend() before score(): the parents' new token states are unknown")
-        parents = xp.asarray(parents).astype(np.int64)
-        labels = xp.asarray(labels).astype(np.int64)
+        parents = self._on_states(parents).astype(np.int64)
+        labels = self._on_states(labels).astype(np.int64)
         append = labels >= 0
         histories = self.states.extend(ctx.histories, ctx.new_slots, parents, append=append)
         next_labels = xp.where(append, labels, ctx.next_labels[parents])
         self.states.retain(histories)
         self._ctx = DecoderContext(histories, next_labels)
         return self._ctx
+
+    def _on_states(self, array):
+        """``array`` where the state manager keeps its histories (host or device)."""
+        return to_host(array) if self.states.device == "cpu" else self.states.xp.asarray(array)
 
     def close(self) -> None:
         """Returns the state pool's memory."""

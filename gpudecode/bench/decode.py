@@ -172,6 +172,7 @@ def plot_decode(results: dict, path) -> str | None:
     ax.plot([c["beam"] for c in cpu], [c["step_ms"] for c in cpu], "s", label="transformer-cpu (same CUDA session)")
     ax.set_xlabel("beam size")
     ax.set_ylabel("ms per search step")
+    ax.set_yscale("log")
     ax.set_title(f"{results['config']['utterances']} utterances, d={results['config']['model_dim']}, "
                  f"V={results['config']['vocab_size']}")
     ax.legend()

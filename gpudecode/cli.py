@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from gpudecode import __version__
@@ -50,7 +52,7 @@ def decode(config: str, features: str | None, output: str | None, references: st
     try:
         loaded = load_config(config, extra)
         check_paths(loaded, source=config)
-        with click.progressbar(length=1, label="decoding", show_pos=True, file=click.get_text_stream("stderr")) as bar:
+        with click.progressbar(length=1, label="decoding", show_pos=True, file=sys.stderr) as bar:
             def progress(done: int, total: int) -> None:
                 bar.length = max(total, 1)
                 bar.update(done - bar.pos)

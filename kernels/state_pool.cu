@@ -86,6 +86,32 @@ allocate_slots(const int* __restrict__ token_counts, int num_rows, int max_token
     }
 }
 
+// Every row gets max_tokens slots (no token_counts): slot i = free_stack[num_free - 1 - i], a
+// grid-stride loop with coalesced writes; finish_allocation then updates the counters (so every
+// thread block reads num_free before it changes).
+extern "C" __global__ void allocate_uniform(int total, const int* __restrict__ free_stack,
+                                            int* __restrict__ counters, unsigned char* __restrict__ allocated,
+                                            int* __restrict__ new_slots) {
+    const int num_free = counters[0];
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const int position = num_free - 1 - i;
+        int slot = -1;
+        if (position >= 0) {
+            slot = free_stack[position];
+            allocated[slot] = 1;
+        } else {
+            counters[2] = 1;
+        }
+        new_slots[i] = slot;
+    }
+}
+
+extern "C" __global__ void finish_allocation(int total, int* __restrict__ counters, int capacity) {
+    const int remaining = max(counters[0] - total, 0);
+    counters[0] = remaining;
+    counters[1] = max(counters[1], capacity - remaining);
+}
+
 // grid-stride over history entries: marks every slot inside a row's window.
 extern "C" __global__ void mark_slots(const int* __restrict__ history, int history_width,
                                       const int* __restrict__ lengths, int num_rows, int max_history,

@@ -17,9 +17,10 @@ synchronises with the host:
   pruned branches and the slots that left every ``max_history`` window are free again within the
   step (:meth:`retain` = mark + sweep).
 
-The host keeps only an upper bound of the live slots (live after the last sync + slots allocated
-since). It reads the true count (one sync) only when that bound would exceed the capacity, and
-then grows by whole chunks.
+The host keeps only an upper bound of the live slots: the live count after the last sweep (copied
+to pinned host memory asynchronously, read once that copy has landed) plus the slots allocated
+since. It reads the true count (one sync) only when that bound would exceed the capacity, and then
+grows by whole chunks.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class StatePool:
         self._host_slab_table = np.zeros((len(self.token_shapes), 0), dtype=np.uint64)
         self.num_chunks = 0
         self._live_bound = 0
+        self._allocated_total = 0  # slots handed out so far (host count, upper bound per call)
+        self._snapshot = None  # (event, pinned counters, capacity, allocated_total) after a sweep
         self._closed = False
         self.generation = 0  # bumped whenever chunks are added (the slab table changes)
 
@@ -153,9 +156,23 @@ class StatePool:
         self._live_bound = live
         return live
 
+    def _refresh_bound(self) -> None:
+        """Tightens the live bound from the last sweep's counters if their copy has landed."""
+        if self._snapshot is None:
+            return
+        event, counters, capacity, allocated_total = self._snapshot
+        if not event.done:
+            return
+        live_at_sweep = capacity - int(counters[_FREE])
+        self._live_bound = min(self._live_bound, live_at_sweep + self._allocated_total - allocated_total)
+        self._snapshot = None
+
     def reserve(self, num_slots: int) -> None:
         """Makes sure ``num_slots`` more slots can be allocated without growing (may synchronise)."""
         self._check_open()
+        if self._live_bound + num_slots <= self.capacity:
+            return
+        self._refresh_bound()
         if self._live_bound + num_slots <= self.capacity:
             return
         live = self.live_slots()
@@ -214,6 +231,7 @@ class StatePool:
             need = num_rows * max_tokens
         self.reserve(need)
         self._live_bound += need
+        self._allocated_total += need
         with self._on_device():
             new_slots = xp.empty((num_rows, max_tokens), dtype=np.int32)
             if token_counts is not None:
@@ -222,6 +240,15 @@ class StatePool:
                 return new_slots
             if self._cupy is None:
                 self._allocate_numpy(num_rows, max_tokens, token_counts, new_slots)
+            elif token_counts is None:
+                total = num_rows * max_tokens
+                grid = min(math.ceil(total / _THREADS), 4096)
+                _pool_kernel("allocate_uniform", self.device_id)(
+                    (grid,), (_THREADS,), (np.int32(total), self.free_stack, self.counters, self.allocated, new_slots)
+                )
+                _pool_kernel("finish_allocation", self.device_id)(
+                    (1,), (1,), (np.int32(total), self.counters, np.int32(self.capacity))
+                )
             else:
                 kernel = _pool_kernel("allocate_slots", self.device_id)
                 kernel(
@@ -294,6 +321,7 @@ class StatePool:
             self.counters[_FREE] = num_free + released.size
             self.allocated[released] = 0
             self.marks[:] = 0
+            self._live_bound = self.capacity - int(self.counters[_FREE])
             return
         with self._on_device():
             grid = min(math.ceil(self.capacity / _THREADS), 4096)
@@ -301,6 +329,28 @@ class StatePool:
                 (grid,), (_THREADS,),
                 (self.marks, self.allocated, self.free_stack, self.counters, np.int32(self.capacity)),
             )
+            self._snapshot_counters()
+
+    def _snapshot_counters(self) -> None:
+        """Queues a copy of the counters to pinned host memory (read later by ``_refresh_bound``)."""
+        from gpudecode.backend import shared_stream
+
+        cupy = self._cupy
+        stream = shared_stream(self.device_id)
+        if stream.is_capturing():
+            return  # inside a CUDA graph capture: no event queries, no extra nodes
+        if self._snapshot is not None and not self._snapshot[0].done:
+            return  # the previous copy is still in flight; its buffer must not be reused yet
+        if getattr(self, "_pinned_counters", None) is None:
+            memory = cupy.cuda.alloc_pinned_memory(self.counters.nbytes)
+            self._pinned_counters = np.frombuffer(memory, np.int32, self.counters.size)
+            self._pinned_memory = memory
+        self._pinned_counters[...] = -1
+        cupy.cuda.runtime.memcpyAsync(
+            self._pinned_counters.ctypes.data, self.counters.data.ptr, self.counters.nbytes,
+            cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr,
+        )
+        self._snapshot = (stream.record(), self._pinned_counters, self.capacity, self._allocated_total)
 
     def retain(self, *histories: StateHistory, max_history: int | None = None, keep_first: bool = False) -> None:
         """Keeps exactly the slots inside the windows of ``histories`` and frees all others."""

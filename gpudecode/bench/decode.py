@@ -103,13 +103,47 @@ def measure_search(session, reference, manager: str, beam: int, utts: int, *, en
         stream.synchronize()
         timings.append((time.perf_counter() - wall, time.thread_time() - cpu))
     wall, cpu = min(timings)
+    phases = _phase_times(decoder, stream, lambda: search(num_labels)) if manager.endswith("cuda") else {}
     steps = num_labels + 1
     assert all(len(n[0].labels) == num_labels for n in nbest), "the fixed output length was not kept"
     decoder.close()
     cupy.get_default_memory_pool().free_all_blocks()
     return {"state_manager": manager, "beam": beam, "utterances": utts, "hypotheses": beam * utts,
             "seconds": wall, "step_ms": 1000 * wall / steps, "host_cpu_ms_per_step": 1000 * cpu / steps,
-            "utterances_per_s": utts / wall}
+            "utterances_per_s": utts / wall,
+            **{f"{name}_ms_per_step": 1000 * seconds / steps for name, seconds in phases.items()}}
+
+
+def _phase_times(decoder, stream, run) -> dict[str, float]:
+    """GPU seconds per phase (model, merge, split; the rest of the step is search) of one more run,
+    from CUDA events around the scorer's merge, model call and split on the shared stream."""
+    import cupy
+
+    marks: dict[str, list] = {"model": [], "merge": [], "split": []}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = stream.record()
+            result = fn(*args, **kwargs)
+            marks[name].append((start, stream.record()))
+            return result
+        return wrapper
+
+    originals = (decoder.session.run, decoder.states.merge, decoder.states.split)
+    decoder.session.run = timed("model", originals[0])
+    decoder.states.merge = timed("merge", originals[1])
+    decoder.states.split = timed("split", originals[2])
+    try:
+        stream.synchronize()
+        begin = stream.record()
+        run()
+        end = stream.record()
+        end.synchronize()
+    finally:
+        del decoder.session.run, decoder.states.merge, decoder.states.split
+    seconds = {name: sum(cupy.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1000 for name, pairs in marks.items()}
+    seconds["rest"] = cupy.cuda.get_elapsed_time(begin, end) / 1000 - sum(seconds.values())
+    return seconds
 
 
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
@@ -183,11 +217,13 @@ def plot_decode(results: dict, path) -> str | None:
 
 
 def format_table(results: dict) -> str:
-    lines = ["| state manager | beam | utterances | ms/step | host CPU ms/step | utterances/s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| state manager | beam | utterances | ms/step | host CPU ms/step | utterances/s | GPU ms/step: "
+             "model / merge / split / rest (search, idle) |", "|---|---|---|---|---|---|---|"]
     for c in results["cells"]:
+        split = " / ".join(f"{c[f'{p}_ms_per_step']:.2f}" for p in ("model", "merge", "split", "rest")
+                           if f"{p}_ms_per_step" in c) or "–"
         lines.append(f"| {c['state_manager']} | {c['beam']} | {c['utterances']} | {c['step_ms']:.2f} | "
-                     f"{c['host_cpu_ms_per_step']:.2f} | {c['utterances_per_s']:.1f} |")
+                     f"{c['host_cpu_ms_per_step']:.2f} | {c['utterances_per_s']:.1f} | {split} |")
     r = results["ratios"]
     lines.append("")
     lines.append(f"CUDA ÷ CPU state manager (beam 8): {r['cuda_over_cpu_manager_beam8']:.3f}; "

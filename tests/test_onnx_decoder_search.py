@@ -264,3 +264,27 @@ def test_cuda_managers_give_the_cpu_nbest_and_pool_stays_bounded():
     stats = gpu_scorers[0][1].states.statistics()
     assert stats.live_slots == 0
     assert stats.capacity_slots <= -(-stats.peak_live_slots // stats.slots_per_chunk) * stats.slots_per_chunk
+
+
+@pytest.mark.gpu
+def test_pool_capacity_follows_peak_live_over_2000_utterances():
+    import cupy
+
+    reference = build_transformer_decoder(21, vocab_size=12)
+    scorer = OnnxDecoderScorer(model=reference.serialized(), vocab_size=12, start_labels=[BOS],
+                               state_manager=StateManagerOptions(type="transformer-cuda", slots_per_chunk=512),
+                               session_options=SessionOptions(device="cuda"))
+    rng = np.random.default_rng(21)
+    decoded = 0
+    for start in range(0, 2000, 250):
+        frames = rng.integers(3, 12, 250)
+        shape = (250, reference.num_heads, int(frames.max()), reference.head_dim)
+        inputs = {f"cross-{kind}-{layer}": cupy.asarray(rng.standard_normal(shape, dtype=np.float32))
+                  for layer in range(reference.num_layers) for kind in ("key", "value")}
+        batch = UtteranceBatch(ids=[str(start + i) for i in range(250)], input_lengths=frames, inputs=inputs)
+        nbest = search([("decoder", scorer, 1.0)], batch, xp=cupy, beam_size=3)
+        decoded += sum(1 for n in nbest if n)
+        stats = scorer.states.statistics()
+        assert stats.live_slots == 0
+        assert stats.capacity_slots <= -(-stats.peak_live_slots // 512) * 512
+    assert decoded == 2000

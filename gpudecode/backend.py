@@ -90,3 +90,25 @@ def shared_stream(device_id: int = 0):
     cupy = require_cupy()
     with cupy.cuda.Device(device_id):
         return cupy.cuda.Stream(non_blocking=True)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for CuPy's and ONNX Runtime's GPU out-of-memory errors."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return True
+    message = str(error).lower()
+    return "out of memory" in message or "failed to allocate memory" in message
+
+
+def release_cached_memory() -> None:
+    """Returns CuPy's cached free blocks to the device (live arrays are untouched)."""
+    cupy, _ = _import_cupy()
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def device_memory_in_use() -> int | None:
+    """Bytes CuPy's pool holds on the current device (None without a GPU)."""
+    cupy, _ = _import_cupy()
+    return None if cupy is None else int(cupy.get_default_memory_pool().total_bytes())

@@ -39,10 +39,12 @@ def decode(config: str, features: str | None, output: str | None, references: st
     """Decode the features named by CONFIG (YAML) and write text / n-best / CTM results."""
     from pathlib import Path
 
-    from gpudecode.backend import GpuUnavailableError
+    import time
+
+    from gpudecode.backend import GpuUnavailableError, device_memory_in_use
     from gpudecode.config import ConfigError, check_paths, load_config
     from gpudecode.io import InputError
-    from gpudecode.run import run_decode
+    from gpudecode.run import OutOfMemory, run_decode
     from gpudecode.session import ModelError, SessionError
 
     extra = list(overrides)
@@ -53,12 +55,18 @@ def decode(config: str, features: str | None, output: str | None, references: st
         loaded = load_config(config, extra)
         check_paths(loaded, source=config)
         with click.progressbar(length=1, label="decoding", show_pos=True, file=sys.stderr) as bar:
+            started = time.perf_counter()
+
             def progress(done: int, total: int) -> None:
+                rate = done / max(time.perf_counter() - started, 1e-9)
+                memory = device_memory_in_use() if loaded.runtime.device == "cuda" else None
+                bar.label = f"decoding, {rate:.1f} utt/s" + (f", GPU {memory / 2**20:.0f} MiB" if memory else "")
                 bar.length = max(total, 1)
                 bar.update(done - bar.pos)
 
             summary = run_decode(loaded, resume=resume, progress=progress)
-    except (ConfigError, InputError, ModelError, SessionError, GpuUnavailableError, FileNotFoundError) as exc:
+    except (ConfigError, InputError, ModelError, SessionError, GpuUnavailableError, FileNotFoundError,
+            OutOfMemory) as exc:
         raise click.ClickException(str(exc)) from exc
     width = max(len(k) for k, _ in summary.rows())
     for key, value in summary.rows():

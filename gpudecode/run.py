@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpudecode import defaults
+from gpudecode import backend, defaults
 from gpudecode.config import Config, ConfigError, dump_resolved
 from gpudecode.decoder import Decoder
 from gpudecode.io import ResultWriter, UtteranceResult, open_features, read_done_ids, score_wer
@@ -29,6 +29,8 @@ class RunSummary:
     frame_shift_s: float = 0.0
     wer: dict | None = None
     output: Path | None = None
+    gpu_memory_bytes: int | None = None  # CuPy pool bytes at the end (GPU runs)
+    retried_batches: int = 0  # batches split after running out of GPU memory
 
     @property
     def utterances_per_second(self) -> float:
@@ -49,6 +51,10 @@ class RunSummary:
         if self.wer is not None:
             rows.append(("WER", f"{100 * self.wer['wer']:.2f} %"))
             rows.append(("CER", f"{100 * self.wer['cer']:.2f} %"))
+        if self.gpu_memory_bytes is not None:
+            rows.append(("GPU memory (CuPy pool)", f"{self.gpu_memory_bytes / 2**20:.1f} MiB"))
+        if self.retried_batches:
+            rows.append(("batches split (out of GPU memory)", str(self.retried_batches)))
         rows.append(("output", str(self.output)))
         return rows
 
@@ -83,18 +89,47 @@ def run_decode(config: Config, *, resume: bool = False,
                                   frame_shift_s=front_end.frame_shift_s, resume=resume) as writer:
             total = len([u for u in source.ids() if u not in done])
             for batch in source.batches(config.search.batch_size, exclude=done):
-                ids = [u.id for u in batch]
-                nbests = decoder.decode_batch(ids, [u.features for u in batch])
-                for utterance, nbest in zip(batch, nbests):
+                for utterance, nbest in _decode_fitting(decoder, batch, summary, io.on_bad_input):
                     writer.write(UtteranceResult(id=utterance.id, nbest=nbest))
                     summary.frames += utterance.num_frames
-                summary.decoded += len(batch)
+                    summary.decoded += 1
                 if progress:
                     progress(summary.decoded, total)
-            summary.skipped = [str(error) for error in source.skipped]
+            summary.skipped = [str(error) for error in source.skipped] + summary.skipped
     finally:
         summary.seconds = time.perf_counter() - start
+        if config.runtime.device == "cuda":
+            summary.gpu_memory_bytes = backend.device_memory_in_use()
         decoder.close()
     if io.references is not None and "text" in io.formats:
         summary.wer = score_wer(output / defaults.TEXT_FILE, io.references, output / defaults.WER_FILE)
     return summary
+
+
+class OutOfMemory(RuntimeError):
+    """One utterance alone does not fit in GPU memory."""
+
+
+def _decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: str):
+    """(utterance, n-best) pairs of ``batch``; on GPU out-of-memory the cached free memory is
+    released (never live states) and the batch is decoded in halves; an utterance that fails
+    alone is reported (``stop``) or skipped (``skip``)."""
+    try:
+        nbests = decoder.decode_batch([u.id for u in batch], [u.features for u in batch])
+    except Exception as error:
+        if not backend.is_out_of_memory(error):
+            raise
+        backend.release_cached_memory()
+        if len(batch) == 1:
+            message = (f"utterance {batch[0].id!r} ({batch[0].num_frames} frames) does not fit in GPU memory "
+                       f"even alone: {error}")
+            if on_bad_input == "skip":
+                summary.skipped.append(message)
+                return
+            raise OutOfMemory(message) from error
+        summary.retried_batches += 1
+        half = len(batch) // 2
+        yield from _decode_fitting(decoder, batch[:half], summary, on_bad_input)
+        yield from _decode_fitting(decoder, batch[half:], summary, on_bad_input)
+        return
+    yield from zip(batch, nbests)

@@ -162,3 +162,32 @@ def test_missing_files_corrupt_model_vocabulary_mismatch_and_cuda(tmp_path, monk
     result = decode(EXAMPLE, "--output", tmp_path / "d", "-o", "runtime.device=cuda")
     assert result.exit_code == 1 and "the GPU was requested but cannot be used" in result.output
     assert not (tmp_path / "d" / "text").exists()
+
+
+class FakeOutOfMemory(RuntimeError):
+    pass
+
+
+FakeOutOfMemory.__name__ = "OutOfMemoryError"
+
+
+def test_out_of_memory_splits_batches_and_names_the_utterance_that_never_fits(tmp_path, monkeypatch):
+    calls = []
+    original = Decoder.decode_batch
+
+    def decode_batch(self, ids, features):
+        calls.append(len(ids))
+        if len(ids) > 1 or "example-0" in ids:
+            raise FakeOutOfMemory("out of memory allocating 1 GiB")
+        return original(self, ids, features)
+
+    monkeypatch.setattr(Decoder, "decode_batch", decode_batch)
+    result = decode(EXAMPLE, "--output", tmp_path / "skip", "-o", "io.on_bad_input=skip")
+    assert result.exit_code == 0, result.output
+    assert calls[0] == 3 and 1 in calls
+    assert "batches split (out of GPU memory)  2" in result.output
+    assert "utterance 'example-0' (48 frames) does not fit in GPU memory even alone" in result.output
+    assert sorted(line.split()[0] for line in (tmp_path / "skip" / "text").read_text().splitlines()) == [
+        "example-1", "example-2"]
+    result = decode(EXAMPLE, "--output", tmp_path / "stop")
+    assert result.exit_code == 1 and "utterance 'example-0' (48 frames) does not fit in GPU memory" in result.output

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from gpudecode import __version__
+from gpudecode import __version__, defaults
 
 
 def _parse_pairs(pairs: tuple[str, ...], option: str) -> dict[str, str]:
@@ -34,15 +34,30 @@ def main() -> None:
 @click.option("-o", "--override", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override any config key, e.g. -o search.beam_size=8 -o runtime.device=cuda.")
 @click.option("--resume", is_flag=True, help="Continue a stopped run: skip utterances already in the output.")
+@click.option("--engine", type=click.Choice(defaults.ENGINES), default=None,
+              help=f"Where to decode (overrides runtime.engine.type; default {defaults.ENGINE}): this "
+                   "process, or a pool of decoder actors on a Ray cluster (needs the `ray` extra).")
+@click.option("--address", default=None,
+              help="Ray cluster to use (overrides runtime.engine.address): host:port of a head started "
+                   "with `ray start --head`, 'auto', or 'local' for a new local cluster.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Decoder actors on Ray (overrides runtime.engine.workers; default: one per GPU, or per "
+                   "CPU, of the cluster).")
+@click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=None,
+              help="GPUs per Ray worker (overrides runtime.engine.gpus_per_worker; 0.5: two workers share "
+                   "a GPU).")
 def decode(config: str, features: str | None, output: str | None, references: str | None,
-           overrides: tuple[str, ...], resume: bool) -> None:
+           overrides: tuple[str, ...], resume: bool, engine: str | None, address: str | None,
+           workers: int | None, gpus_per_worker: float | None) -> None:
     """Decode the features named by CONFIG (YAML) and write text / n-best / CTM results."""
+    import json
     from pathlib import Path
 
     import time
 
     from gpudecode.backend import GpuUnavailableError, device_memory_in_use
     from gpudecode.config import ConfigError, check_paths, load_config
+    from gpudecode.engines import EngineError
     from gpudecode.io import InputError
     from gpudecode.run import OutOfMemory, run_decode
     from gpudecode.session import ModelError, SessionError
@@ -51,22 +66,34 @@ def decode(config: str, features: str | None, output: str | None, references: st
     for key, value in (("io.features.path", features), ("io.output", output), ("io.references", references)):
         if value is not None:  # command-line paths are relative to the working directory
             extra.append(f"{key}={Path(value).resolve()}")
+    for key, value in (("type", engine), ("address", address), ("workers", workers),
+                       ("gpus_per_worker", gpus_per_worker)):
+        if value is not None:  # JSON is YAML: an address like host:port stays a string
+            extra.append(f"runtime.engine.{key}={json.dumps(value)}")
     try:
         loaded = load_config(config, extra)
         check_paths(loaded, source=config)
         with click.progressbar(length=1, label="decoding", show_pos=True, file=sys.stderr) as bar:
             started = time.perf_counter()
+            pool = ""  # per-worker counts on Ray
 
             def progress(done: int, total: int) -> None:
                 rate = done / max(time.perf_counter() - started, 1e-9)
-                memory = device_memory_in_use() if loaded.runtime.device == "cuda" else None
-                bar.label = f"decoding, {rate:.1f} utt/s" + (f", GPU {memory / 2**20:.0f} MiB" if memory else "")
+                on_ray = loaded.runtime.engine.type != "local"
+                memory = device_memory_in_use() if loaded.runtime.device == "cuda" and not on_ray else None
+                bar.label = (f"decoding, {rate:.1f} utt/s" + (f", GPU {memory / 2**20:.0f} MiB" if memory else "")
+                             + pool)
                 bar.length = max(total, 1)
                 bar.update(done - bar.pos)
 
-            summary = run_decode(loaded, resume=resume, progress=progress)
+            def on_status(workers) -> None:
+                nonlocal pool
+                counts = [f"{w.decoded}" for w in sorted(workers.values(), key=lambda w: w.name)]
+                pool = f", workers: {' '.join(counts[:8])}{' ...' if len(counts) > 8 else ''} utt"
+
+            summary = run_decode(loaded, resume=resume, progress=progress, on_status=on_status)
     except (ConfigError, InputError, ModelError, SessionError, GpuUnavailableError, FileNotFoundError,
-            OutOfMemory) as exc:
+            OutOfMemory, EngineError) as exc:
         raise click.ClickException(str(exc)) from exc
     width = max(len(k) for k, _ in summary.rows())
     for key, value in summary.rows():

@@ -37,8 +37,8 @@ from pydantic import (
 from gpudecode import defaults
 
 __all__ = [
-    "Config", "ConfigError", "EncoderConfig", "FeaturesConfig", "FrontEndConfig", "IoConfig",
-    "ModelsConfig", "RuntimeConfig", "ScorerConfig", "SearchConfig", "StateManagerConfig",
+    "Config", "ConfigError", "EncoderConfig", "EngineConfig", "FeaturesConfig", "FrontEndConfig",
+    "IoConfig", "ModelsConfig", "RuntimeConfig", "ScorerConfig", "SearchConfig", "StateManagerConfig",
     "VocabularyConfig", "apply_overrides", "check_paths", "dump_resolved", "load_config",
     "validate_config",
 ]
@@ -102,6 +102,29 @@ class _Section(BaseModel):
 
 # --- sections ----------------------------------------------------------------------------------
 
+class EngineConfig(_Section):
+    """``runtime.engine``: where decoding runs: ``local`` (this process) or ``ray`` (a pool of
+    decoder actors on a Ray cluster; see ``gpudecode.engines.ray_engine``). The other keys apply
+    to ``ray`` only."""
+
+    type: Literal[defaults.ENGINES] = defaults.ENGINE
+    address: str | None = defaults.ENGINE_ADDRESS
+    workers: PositiveInt | None = defaults.ENGINE_WORKERS
+    gpus_per_worker: Annotated[float, Field(ge=0)] | None = defaults.GPUS_PER_WORKER
+    cpus_per_worker: PositiveFloat = defaults.CPUS_PER_WORKER
+    batches_per_shard: PositiveInt = defaults.BATCHES_PER_SHARD
+    max_restarts: Annotated[int, Field(ge=-1)] = defaults.WORKER_MAX_RESTARTS
+    max_task_retries: Annotated[int, Field(ge=-1)] = defaults.SHARD_MAX_RETRIES
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _whole_or_fraction(cls, value: float | None) -> float | None:
+        if value is not None and value > 1 and not float(value).is_integer():
+            raise ValueError(f"{value} GPUs per worker: Ray takes a fraction of one GPU (e.g. 0.5 "
+                             "for two workers sharing one) or a whole number")
+        return value
+
+
 class RuntimeConfig(_Section):
     """Where and how models run."""
 
@@ -115,6 +138,14 @@ class RuntimeConfig(_Section):
     cudnn_conv_algo_search: Literal[defaults.CUDNN_CONV_ALGO_SEARCHES] = (
         defaults.CUDNN_CONV_ALGO_SEARCH)
     dump_inputs: ConfigPath | None = None  # folder for .npz dumps of every model call's inputs
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> RuntimeConfig:
+        if self.engine.type == "ray" and self.device == "cuda" and self.engine.gpus_per_worker == 0:
+            raise _KeyedError(["engine", "gpus_per_worker"], "runtime.device is cuda, so each Ray "
+                              "worker needs a GPU (or a fraction of one, e.g. 0.5)")
+        return self
 
 
 class EncoderConfig(_Section):

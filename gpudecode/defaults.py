@@ -101,3 +101,16 @@ JSONL_FILE = "nbest.jsonl"
 CTM_FILE = "hyp.ctm"
 WER_FILE = "wer.json"
 RESOLVED_CONFIG_FILE = "config.resolved.yaml"
+
+# --- engine: where decoding runs ------------------------------------------------------------
+ENGINES = ("local", "ray")
+ENGINE = "local"  # local: this process; ray: a pool of decoder actors on a Ray cluster
+# None: RAY_ADDRESS, else the latest cluster started on this machine (`ray start`), else a new
+# local one; "local": always a new local one; "auto": an existing one or an error.
+ENGINE_ADDRESS: str | None = None
+ENGINE_WORKERS: int | None = None  # None: as many as the cluster's GPUs (or CPUs) allow
+GPUS_PER_WORKER: float | None = None  # None: 1 with runtime.device=cuda, else 0
+CPUS_PER_WORKER = 1.0
+BATCHES_PER_SHARD = 4  # search batches per shard: the unit decoded again after a worker dies
+WORKER_MAX_RESTARTS = -1  # a dead worker is restarted; -1: without limit
+SHARD_MAX_RETRIES = 3  # a shard whose worker died is decoded again at most this often

@@ -7,7 +7,7 @@ interrupted run loses nothing; with ``resume`` the utterances already in the out
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,11 +60,14 @@ class RunSummary:
 
 
 def run_decode(config: Config, *, resume: bool = False,
-               progress: Callable[[int, int], None] | None = None) -> RunSummary:
+               progress: Callable[[int, int], None] | None = None,
+               on_status: Callable[[Mapping], None] | None = None) -> RunSummary:
     """Decode every utterance of ``config.io.features`` into ``config.io.output``.
 
     ``progress(done, total)`` is called after each batch. Without ``resume``, an output folder
     that already holds results is an error (results already written are never overwritten).
+    With ``runtime.engine.type: ray`` the work runs on a Ray cluster (``gpudecode.engines``) and
+    ``on_status(workers)`` gets each worker's status (worker name -> ``WorkerStatus``).
     """
     io = config.io
     if io.features is None:
@@ -76,6 +79,10 @@ def run_decode(config: Config, *, resume: bool = False,
             f"io.output: {output} already holds results for {len(done)} utterance(s); "
             "pass --resume to continue that run, or choose another --output"
         )
+    if config.runtime.engine.type != "local":
+        from gpudecode.engines import run_on_engine
+
+        return run_on_engine(config, done=done, resume=resume, progress=progress, on_status=on_status)
     decoder = Decoder(config)
     front_end = config.models.front_end
     summary = RunSummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output)

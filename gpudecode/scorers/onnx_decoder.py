@@ -33,6 +33,11 @@ class DecoderContext:
     histories: StateHistory
     next_labels: Any  # [N] int64
     new_slots: Any = None  # [N, 1] int32, set by score()
+    #: [N] bool on the states' array module, or None: lanes whose history already holds their
+    #: whole prompt (a prefill) and whose first scores come from elsewhere; their children do not
+    #: append the step's new token state (see ``prefix-lm``).
+    fresh: Any = None
+    all_fresh: bool = False  # every lane is fresh: the step model need not run
 
 
 def _log_softmax(xp, x):
@@ -53,6 +58,8 @@ class OnnxDecoderScorer(LabelScorer):
     (log-probabilities, negative log-probabilities, or logits that get a log-softmax).
     """
 
+    _uses_start_labels = True
+
     def __init__(
         self,
         *,
@@ -69,7 +76,7 @@ class OnnxDecoderScorer(LabelScorer):
     ) -> None:
         if scores_kind not in SCORES_KINDS:
             raise ValueError(f"scores_kind: expected one of {', '.join(SCORES_KINDS)}, got {scores_kind!r}")
-        if not start_labels:
+        if self._uses_start_labels and not start_labels:
             raise ValueError("start_labels: at least one label (e.g. sentence-begin) is needed")
         self.session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
         self.spec = discover_step_model(
@@ -94,28 +101,62 @@ class OnnxDecoderScorer(LabelScorer):
         super().begin(layout)
         self._lane_inputs = {}
         self._ctx = None  # the latest context, whose histories hold the live slots
+        # host upper bound of each group's history length: the table is trimmed to their max, so
+        # merges never pad to the width of groups that have left (continuous batching)
+        self._group_bound = np.zeros(layout.num_groups, dtype=np.int64)
 
     def admit(self, utterances: UtteranceBatch, groups) -> None:
         """Writes the utterances' per-utterance inputs into their groups' lanes (once)."""
+        self._write_utterance_inputs(utterances, groups)
+
+    def _write_utterance_inputs(self, utterances: UtteranceBatch, groups, produced=None, sizes=None) -> None:
+        """Per-utterance inputs of ``utterances`` -> the lanes of ``groups``.
+
+        Each input comes from ``produced`` (e.g. an initializer's outputs, [U, ...]) when it holds
+        the input's source, else from ``utterances.inputs``. ``encoder_attention_mask`` is built
+        from the sizes when nobody brings it; ``encoder-states-size`` always is.
+        """
+        produced = produced or {}
         lanes = self._xp.asarray(self.layout.lanes_of(groups))
         size_name = self.io_map.get("encoder-states-size", "encoder-states-size")
-        sizes_source = None
+        sizes_source, mask_input, time_size = None, None, None
         for u in self.spec.utterance_inputs:
             if u.name == size_name:
                 continue
-            source = u.source or u.name
-            if source not in utterances.inputs:
+            source = self._source_of(u, produced)
+            if source in produced:
+                data = produced[source]
+            elif source in utterances.inputs:
+                data = utterances.inputs[source]
+                sizes_source = source
+            elif u.name == "encoder_attention_mask":
+                mask_input = u
+                continue
+            else:
                 raise ValueError(
                     f"{self.spec.source}: per-utterance input '{u.name}' needs '{source}' from the encoder, "
                     f"but the utterances bring {sorted(utterances.inputs)}"
+                    + (f" and the initializer {sorted(produced)}" if produced else "")
                 )
-            data = self._xp.asarray(utterances.inputs[source]).astype(u.dtype, copy=False)
+            data = self._xp.asarray(data).astype(u.dtype, copy=False)
+            if u.time_axis is not None:
+                time_size = data.shape[u.time_axis]
             self._write_lanes(u.name, data, lanes, u.time_axis)
-            sizes_source = source
+        if sizes is None:
+            sizes = utterances.size_of(sizes_source) if sizes_source else utterances.input_lengths
+        if mask_input is not None:
+            if time_size is None:
+                raise ValueError(f"{self.spec.source}: 'encoder_attention_mask' has no encoder input to "
+                                 "take its length from")
+            valid = self._xp.arange(time_size)[None, :] < self._xp.asarray(sizes).reshape(-1, 1)
+            self._write_lanes(mask_input.name, valid.astype(mask_input.dtype), lanes, mask_input.time_axis)
         size_input = next((u for u in self.spec.utterance_inputs if u.name == size_name), None)
         if size_input is not None:
-            sizes = utterances.size_of(sizes_source) if sizes_source else utterances.input_lengths
             self._write_lanes(size_name, self._xp.asarray(sizes).astype(size_input.dtype), lanes, None)
+
+    def _source_of(self, u, produced) -> str:
+        """The name of the encoder (or initializer) output that per-utterance input ``u`` takes."""
+        return u.source or u.name
 
     def _write_lanes(self, name: str, data, lanes, time_axis: int | None) -> None:
         """buffer[lanes] = each utterance's data repeated beam times; buffers grow by rounding up."""
@@ -154,18 +195,35 @@ class OnnxDecoderScorer(LabelScorer):
         kept = StateHistory(table=ctx.histories.table, lengths=lengths)
         self.states.retain(kept)
         self._ctx = DecoderContext(kept, ctx.next_labels)
+        self._group_bound[np.asarray(groups, dtype=np.int64)] = 0
 
     # --- scoring -------------------------------------------------------------------------------
     def initial_context(self, groups, ctx: Context | None = None) -> DecoderContext:
+        """Lanes of ``groups`` restart from ``start_labels``; the other lanes keep ``ctx``."""
         xp, num_lanes = self.states.xp, self.layout.num_lanes
-        histories = self.states.initial_histories(num_lanes)
-        next_labels = xp.full(num_lanes, self.start_labels[0], dtype=np.int64)
-        context = self._ctx = DecoderContext(histories, next_labels)
-        for label in self.start_labels[1:]:  # a few fixed prompt labels, fed to every lane
+        self._group_bound[np.asarray(groups, dtype=np.int64)] = 0
+        if ctx is None:
+            context = self._ctx = DecoderContext(self.states.initial_histories(num_lanes),
+                                                 xp.full(num_lanes, self.start_labels[0], dtype=np.int64))
+            reset = None
+        else:
+            lanes = xp.asarray(self.layout.lanes_of(groups))
+            table, lengths = ctx.histories.table.copy(), ctx.histories.lengths.copy()
+            lengths[lanes] = 0
+            if table.shape[1]:
+                table[lanes] = -1
+            next_labels = ctx.next_labels.copy()
+            next_labels[lanes] = self.start_labels[0]
+            context = self._ctx = DecoderContext(StateHistory(table=table, lengths=lengths), next_labels)
+            self.states.retain(context.histories)
+            reset = xp.zeros(num_lanes, dtype=bool)
+            reset[lanes] = True
+        for label in self.start_labels[1:]:  # a few fixed prompt labels, fed to the reset lanes
             self.score(context)
-            context = self.extend(context, xp.arange(num_lanes), xp.full(num_lanes, label, dtype=np.int64))
-        if ctx is not None:
-            raise NotImplementedError("admitting into a running search comes with continuous batching")
+            labels = xp.full(num_lanes, label, dtype=np.int64)
+            if reset is not None:  # other lanes carry their context unchanged
+                labels = xp.where(reset, labels, -1)
+            context = self.extend(context, xp.arange(num_lanes), labels)
         return context
 
     def score(self, ctx: DecoderContext):
@@ -234,11 +292,24 @@ class OnnxDecoderScorer(LabelScorer):
         parents = self._on_states(parents).astype(np.int64)
         labels = self._on_states(labels).astype(np.int64)
         append = labels >= 0
-        histories = self.states.extend(ctx.histories, ctx.new_slots, parents, append=append)
         next_labels = xp.where(append, labels, ctx.next_labels[parents])
+        if ctx.fresh is not None:  # a fresh parent's history already ends with its whole prompt
+            append &= ~self._on_states(ctx.fresh)[parents]
+        histories = self._trimmed(self.states.extend(ctx.histories, ctx.new_slots, parents, append=append))
         self.states.retain(histories)
         self._ctx = DecoderContext(histories, next_labels)
         return self._ctx
+
+    def _trimmed(self, histories: StateHistory) -> StateHistory:
+        """``histories`` cut to the longest possible history (a host bound; no sync)."""
+        self._group_bound += 1
+        if self.states.family != "transformer":
+            return histories
+        need = int(self._group_bound.max())
+        if histories.width <= need:
+            return histories
+        table = self.states.xp.ascontiguousarray(histories.table[:, :need])
+        return StateHistory(table=table, lengths=histories.lengths)
 
     def _on_states(self, array):
         """``array`` where the state manager keeps its histories (host or device)."""

@@ -18,8 +18,10 @@ from gpudecode.scorers.base import LabelScorer
 #: Built-in type name -> the module that registers it. The lead adds ``onnx-decoder`` and
 #: ``recurrent-lm`` here when their modules exist.
 _BUILTIN_MODULES: dict[str, str] = {
+    "ctc-prefix": "gpudecode.scorers.ctc_prefix",
     "length-reward": "gpudecode.scorers.length_reward",
     "onnx-decoder": "gpudecode.scorers.onnx_decoder",
+    "prefix-lm": "gpudecode.scorers.prefix_lm",
     "recurrent-lm": "gpudecode.scorers.onnx_decoder",
 }
 

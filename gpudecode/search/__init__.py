@@ -7,8 +7,17 @@ Python entry::
                               LabelSyncOptions(beam_size=8, sentence_end=eos), xp=numpy)
 """
 
+from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
 
-__all__ = ["Hypothesis", "LabelSyncOptions", "label_sync_search", "top_k_indices"]
+__all__ = [
+    "CtcPrefixOptions",
+    "Hypothesis",
+    "LabelSyncOptions",
+    "ctc_greedy_search",
+    "ctc_prefix_search",
+    "label_sync_search",
+    "top_k_indices",
+]

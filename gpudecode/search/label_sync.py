@@ -111,12 +111,19 @@ def _all_ended(ended) -> bool:
 
 
 def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: LabelSyncOptions,
-                      xp: ModuleType = np) -> list[list[Hypothesis]]:
+                      xp: ModuleType = np, *, max_active_utterances: int | None = None,
+                      admission_order: str = "longest-first") -> list[list[Hypothesis]]:
     """Decode ``utterances`` together; per utterance the n-best list, best first.
 
     ``scorers``: (name, scorer, scale) triples; the combined score is Σ scale · score. The
     scorers are begun, admitted and released here (each utterance gets lane group = its index).
     ``xp``: the array module of the run (numpy or cupy); the scorers' scores must live there.
+
+    ``max_active_utterances`` K (opt-in continuous batching, :mod:`gpudecode.search.batching`):
+    at most K utterances are decoded at once; when one finishes, its lanes are released and the
+    next waiting utterance (in ``admission_order``: ``longest-first``, ``shortest-first`` or
+    ``input``) is admitted into them while the others go on. Results are the same as decoding
+    each utterance alone (up to float rounding) and come back in input order.
     """
     entries = check_scorers(scorers)
     vocab_size = int(entries[0].scorer.vocab_size)
@@ -124,18 +131,40 @@ def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: La
         raise ValueError(f"LabelSyncOptions.sentence_end {options.sentence_end} is outside the "
                          f"vocabulary [0, {vocab_size})")
     num_utts = utterances.num_utterances
+    if max_active_utterances is not None:
+        from gpudecode.search.batching import ADMISSION_ORDERS
+
+        if isinstance(max_active_utterances, bool) or not isinstance(max_active_utterances, int) \
+                or max_active_utterances < 1:
+            raise ValueError(f"max_active_utterances: expected None or an int >= 1, got "
+                             f"{max_active_utterances!r}")
+        if admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order: expected one of {', '.join(ADMISSION_ORDERS)}, "
+                             f"got {admission_order!r}")
     if num_utts == 0:
         return []
-    layout = LaneLayout(num_groups=num_utts, beam_size=options.beam_size, xp=xp)
+    if max_active_utterances is None:
+        layout = LaneLayout(num_groups=num_utts, beam_size=options.beam_size, xp=xp)
+
+        def search():
+            return _search(entries, utterances, options, layout)
+    else:
+        from gpudecode.search.batching import continuous_search
+
+        layout = LaneLayout(num_groups=min(max_active_utterances, num_utts),
+                            beam_size=options.beam_size, xp=xp)
+
+        def search():
+            return continuous_search(entries, utterances, options, layout, admission_order)
 
     if xp is np:
-        return _search(entries, utterances, options, layout)
+        return search()
     # On CuPy, all work runs on the stream shared with ONNX Runtime (and with to_host), after
     # whatever the caller queued on its own stream (e.g. uploading the inputs).
     stream = shared_stream(xp.cuda.Device().id)
     stream.wait_event(xp.cuda.get_current_stream().record())
     with stream:
-        return _search(entries, utterances, options, layout)
+        return search()
 
 
 def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
@@ -170,10 +199,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
          options: LabelSyncOptions) -> tuple[_Beam, list[tuple[object, object]]]:
     xp = layout.xp
     num_utts, beam_size = layout.num_groups, layout.beam_size
-    num_lanes, vocab_size = layout.num_lanes, int(entries[0].scorer.vocab_size)
-    scales = [e.scale for e in entries]
-    lns = np.float32(options.length_norm_scale)
-    threshold = None if options.score_threshold is None else np.float32(options.score_threshold)
+    num_lanes = layout.num_lanes
 
     first_lane = (xp.arange(num_lanes) % beam_size) == 0
     beam = _Beam(scores=xp.where(first_lane, np.float32(0), _NEG_INF).astype(np.float32),
@@ -181,52 +207,68 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
                  lengths=xp.zeros(num_lanes, dtype=np.int64),
                  ended=~first_lane)
     lane_limit = xp.asarray(np.repeat(limits, beam_size))
-    group_base = (xp.arange(num_utts, dtype=np.int64) * beam_size)[:, None]  # [U, 1]
     steps: list[tuple[object, object]] = []  # (parents [N], labels [N]) per step
 
     max_steps = int(limits.max())
     for step in range(1, max_steps + 1):
-        log_probs = [_checked_scores(e, e.scorer.score(c), num_lanes, vocab_size, xp)
-                     for e, c in zip(entries, contexts)]
-        combined = combine_scores(log_probs, scales)  # [N, V]
-
-        # Candidates [N, V]: open lanes extend by every label; a terminated lane offers only
-        # itself (in column 0, mapped to label -1 below); dead lanes offer nothing.
-        open_lanes = ~beam.ended
-        candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, _NEG_INF)
-        candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
-        ranks = candidates
-        if lns != 0:
-            cand_lengths = (beam.lengths + open_lanes).astype(np.float32)
-            ranks = candidates / xp.power(xp.maximum(cand_lengths, np.float32(1)), lns)[:, None]
-        ranks = ranks.reshape(num_utts, beam_size * vocab_size)
-        if threshold is not None:
-            best = ranks.max(axis=1, keepdims=True)
-            ranks = xp.where(ranks >= best - threshold, ranks, _NEG_INF)
-
-        chosen = top_k_indices(ranks, beam_size)  # [U, B], lane-major then label
-        alive = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
-        parents = (group_base + chosen // vocab_size).reshape(-1)
-        cand_labels = (chosen % vocab_size).reshape(-1)
-        was_ended = beam.ended[parents]
-        labels = xp.where(alive & ~was_ended, cand_labels, -1)
-        emitted = labels >= 0
-        safe_labels = xp.maximum(labels, 0)
-
-        scores = xp.where(alive, candidates[parents, cand_labels], _NEG_INF)
-        scorer_scores = xp.stack([
-            beam.scorer_scores[s][parents]
-            + xp.where(emitted, logp[parents, safe_labels], np.float32(0))
-            for s, logp in enumerate(log_probs)])
-        ended = (was_ended | ~alive | (labels == options.sentence_end)
-                 | (lane_limit <= step))
-        beam = _Beam(scores=scores, scorer_scores=scorer_scores,
-                     lengths=beam.lengths[parents] + emitted, ended=ended)
+        beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options,
+                                                  at_limit=lane_limit <= step)
         steps.append((parents, labels))
-        contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
-        if step < max_steps and _all_ended(ended):
+        if step < max_steps and _all_ended(beam.ended):
             break
     return beam, steps
+
+
+def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSyncOptions,
+            at_limit) -> tuple[_Beam, object, object, list]:
+    """One search step over all N lanes: score, combine, prune per utterance, extend contexts.
+
+    ``at_limit``: [N] bool, lanes whose utterance reaches its label limit with this step.
+    Returns the new beam, parents [N] and labels [N] (-1: carried) and the new contexts.
+    """
+    xp = layout.xp
+    num_groups, beam_size = layout.num_groups, layout.beam_size
+    num_lanes, vocab_size = layout.num_lanes, int(entries[0].scorer.vocab_size)
+    lns = np.float32(options.length_norm_scale)
+    threshold = None if options.score_threshold is None else np.float32(options.score_threshold)
+    log_probs = [_checked_scores(e, e.scorer.score(c), num_lanes, vocab_size, xp)
+                 for e, c in zip(entries, contexts)]
+    combined = combine_scores(log_probs, [e.scale for e in entries])  # [N, V]
+
+    # Candidates [N, V]: open lanes extend by every label; a terminated lane offers only
+    # itself (in column 0, mapped to label -1 below); dead lanes offer nothing.
+    open_lanes = ~beam.ended
+    candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, _NEG_INF)
+    candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
+    ranks = candidates
+    if lns != 0:
+        cand_lengths = (beam.lengths + open_lanes).astype(np.float32)
+        ranks = candidates / xp.power(xp.maximum(cand_lengths, np.float32(1)), lns)[:, None]
+    ranks = ranks.reshape(num_groups, beam_size * vocab_size)
+    if threshold is not None:
+        best = ranks.max(axis=1, keepdims=True)
+        ranks = xp.where(ranks >= best - threshold, ranks, _NEG_INF)
+
+    chosen = top_k_indices(ranks, beam_size)  # [U, B], lane-major then label
+    alive = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
+    group_base = (xp.arange(num_groups, dtype=np.int64) * beam_size)[:, None]  # [U, 1]
+    parents = (group_base + chosen // vocab_size).reshape(-1)
+    cand_labels = (chosen % vocab_size).reshape(-1)
+    was_ended = beam.ended[parents]
+    labels = xp.where(alive & ~was_ended, cand_labels, -1)
+    emitted = labels >= 0
+    safe_labels = xp.maximum(labels, 0)
+
+    scores = xp.where(alive, candidates[parents, cand_labels], _NEG_INF)
+    scorer_scores = xp.stack([
+        beam.scorer_scores[s][parents]
+        + xp.where(emitted, logp[parents, safe_labels], np.float32(0))
+        for s, logp in enumerate(log_probs)])
+    ended = (was_ended | ~alive | (labels == options.sentence_end) | at_limit)
+    beam = _Beam(scores=scores, scorer_scores=scorer_scores,
+                 lengths=beam.lengths[parents] + emitted, ended=ended)
+    contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
+    return beam, parents, labels, contexts
 
 
 def _checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp):

@@ -3,17 +3,23 @@
 Built with ``onnx.helper`` (opset 17, IR version 9), deterministic from a seed; no PyTorch.
 """
 
+from gpudecode.testing.ctc import build_ctc_encoder
 from gpudecode.testing.encoder import build_encoder
 from gpudecode.testing.examples import write_examples
 from gpudecode.testing.lstm import build_lstm_lm
+from gpudecode.testing.prefill import PrefillPair, build_optimum_pair, build_prefix_lm
 from gpudecode.session.hf import hf_attention_inputs
 from gpudecode.testing.reference import ReferenceModel
 from gpudecode.testing.transformer import build_transformer_decoder, build_transformer_lm
 
 __all__ = [
+    "PrefillPair",
     "ReferenceModel",
+    "build_ctc_encoder",
     "build_encoder",
     "build_lstm_lm",
+    "build_optimum_pair",
+    "build_prefix_lm",
     "build_transformer_decoder",
     "build_transformer_lm",
     "hf_attention_inputs",

@@ -1,0 +1,233 @@
+"""Continuous vs static batching of the label-synchronous search on varied output lengths.
+
+An attention decoder (6 layers, d = 512, 8 heads, vocabulary 10k, precomputed cross-attention
+K/V; random weights) decodes a set of utterances whose output lengths vary between
+``min_labels`` and ``max_labels`` (a length scorer forbids sentence-end before the utterance's
+target length and forces it there). Input lengths — the sort key of both runs — correlate with
+the output lengths only loosely, as in real data. Both runs take the utterances in the same
+length-sorted (longest-first) order and keep at most K utterances in flight:
+
+- **static**: consecutive batches of K utterances, each decoded until its longest is done;
+- **continuous**: ``label_sync_search(..., max_active_utterances=K)``, finished utterances'
+  lanes refilled at once.
+
+Reported: utterances/s of both and their ratio (continuous ÷ static), search steps, lane
+occupancy, state-pool capacity and peak live token states, CuPy pool bytes. JSON + PNG.
+
+Run: ``python -m gpudecode.bench.batching [--quick] [--output out/bench]`` (GPU), or
+``--device cpu --quick`` for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpudecode.scorers import LabelScorer, UtteranceBatch
+
+BOS, EOS = 0, 1
+
+
+class TargetLengthScorer(LabelScorer):
+    """Forbids sentence-end before each utterance's ``num-labels`` and forces it there.
+
+    Per-utterance input ``num-labels`` [U] (written per lane at admission); context: [N] labels
+    emitted so far.
+    """
+
+    def __init__(self, *, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def begin(self, layout):
+        super().begin(layout)
+        xp = layout.xp
+        self._target = xp.zeros(layout.num_lanes, dtype=np.int64)
+        self._forbid = xp.zeros(self.vocab_size, np.float32)
+        self._forbid[EOS] = -1e9
+        self._force = xp.full(self.vocab_size, -1e9, np.float32)
+        self._force[EOS] = 0.0
+
+    def admit(self, utterances, groups):
+        xp = self.layout.xp
+        targets = xp.asarray(np.asarray(utterances.inputs["num-labels"]), dtype=np.int64)
+        self._target[xp.asarray(self.layout.lanes_of(groups))] = xp.repeat(targets, self.layout.beam_size)
+
+    def initial_context(self, groups, ctx=None):
+        xp = self.layout.xp
+        count = xp.zeros(self.layout.num_lanes, dtype=np.int64) if ctx is None else ctx.copy()
+        count[xp.asarray(self.layout.lanes_of(groups))] = 0
+        return count
+
+    def score(self, count):
+        return self.layout.xp.where((count >= self._target)[:, None], self._force, self._forbid)
+
+    def extend(self, count, parents, labels):
+        return count[parents] + (labels >= 0)
+
+
+def make_lengths(num_utts: int, min_labels: int, max_labels: int, seed: int = 0):
+    """(input lengths, target output lengths): outputs uniform in [min, max], inputs ≈ 2 × output
+    × lognormal(0, 0.4) noise (so sorting by input only roughly sorts by output)."""
+    rng = np.random.default_rng(seed)
+    targets = rng.integers(min_labels, max_labels + 1, num_utts)
+    inputs = np.maximum(np.round(2 * targets * rng.lognormal(0.0, 0.4, num_utts)), 1).astype(np.int64)
+    return inputs, targets
+
+
+def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
+                       max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
+                       quick: bool = False, output_dir=None) -> dict:
+    """Runs both modes in one process (after a warm-up); returns (and writes) the results."""
+    from gpudecode.backend import array_module, shared_stream
+    from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
+    from gpudecode.search import LabelSyncOptions, label_sync_search
+    from gpudecode.search.batching import admission_order
+    from gpudecode.session import OnnxSession, SessionOptions
+    from gpudecode.states.options import StateManagerOptions
+    from gpudecode.testing import build_transformer_decoder
+
+    xp = array_module(device)
+    dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
+    if quick:
+        dims = dict(vocab_size=500, model_dim=64, num_layers=2, num_heads=4, ffn_dim=128)
+    reference = build_transformer_decoder(0, max_positions=max_labels + 8, **dims)
+    session = OnnxSession(reference.serialized(), SessionOptions(device=device, use_tf32=False))
+    inputs, targets = make_lengths(num_utts, min_labels, max_labels)
+    rng = np.random.default_rng(1)
+    shape = (num_utts, reference.num_heads, encoder_length, reference.head_dim)
+    cross = {f"cross-{kind}-{layer}": xp.asarray(rng.standard_normal(shape, dtype=np.float32))
+             for layer in range(reference.num_layers) for kind in ("key", "value")}
+    batch = UtteranceBatch(ids=[str(u) for u in range(num_utts)], input_lengths=inputs,
+                           inputs={**cross, "num-labels": targets},
+                           sizes={k: np.full(num_utts, encoder_length) for k in cross})
+    manager = "transformer-cuda" if device == "cuda" else "transformer-cpu"
+    decoder = OnnxDecoderScorer(model=session, vocab_size=reference.vocab_size, start_labels=[BOS],
+                                state_manager=StateManagerOptions(type=manager, slots_per_chunk=16384))
+    options = LabelSyncOptions(beam_size=beam, sentence_end=EOS, max_labels_per_input=8.0,
+                               max_labels=max_labels + 1)
+    steps = {"count": 0}
+    original_score = decoder.score
+
+    def counting_score(ctx):
+        steps["count"] += 1
+        return original_score(ctx)
+
+    decoder.score = counting_score
+    scorers = [("decoder", decoder, 1.0), ("length", TargetLengthScorer(vocab_size=reference.vocab_size), 1.0)]
+    order = admission_order(inputs, "longest-first")
+
+    def sync():
+        if device == "cuda":
+            shared_stream(0).synchronize()
+
+    def static():
+        results = [None] * num_utts
+        for start in range(0, num_utts, max_active):
+            chosen = order[start:start + max_active]
+            for u, nbest in zip(chosen, label_sync_search(scorers, batch.select(chosen), options, xp=xp)):
+                results[u] = nbest
+        return results
+
+    def continuous():
+        return label_sync_search(scorers, batch, options, xp=xp, max_active_utterances=max_active,
+                                 admission_order="longest-first")
+
+    warm = batch.select(order[:max_active])
+    label_sync_search(scorers, warm, options, xp=xp)  # compilation, first allocations
+    label_sync_search(scorers, warm, options, xp=xp, max_active_utterances=max_active // 2 or 1)
+    cells = {}
+    for name, run in (("static", static), ("continuous", continuous)):
+        if device == "cuda":
+            xp.get_default_memory_pool().free_all_blocks()
+        steps["count"] = 0
+        sync()
+        wall = time.perf_counter()
+        results = run()
+        sync()
+        seconds = time.perf_counter() - wall
+        got = np.array([len(r[0].labels) for r in results])
+        assert (got == targets).all(), "the target output lengths were not kept"
+        stats = decoder.states.statistics()
+        cells[name] = {
+            "seconds": seconds, "utterances_per_s": num_utts / seconds, "steps": steps["count"],
+            "lane_occupancy": float(targets.sum() + num_utts) / (steps["count"] * max_active),
+            "pool_capacity_slots": stats.capacity_slots, "pool_peak_live_slots": stats.peak_live_slots,
+            "pool_bytes": stats.bytes,
+            "cupy_pool_bytes": int(xp.get_default_memory_pool().total_bytes()) if device == "cuda" else None,
+        }
+    decoder.close()
+    results = {
+        "benchmark": "batching",
+        "config": {**dims, "device": device, "utterances": num_utts, "max_active_utterances": max_active,
+                   "beam": beam, "output_labels": [min_labels, max_labels], "encoder_length": encoder_length,
+                   "order": "longest-first by input length (both runs)",
+                   "input_output_length_correlation": float(np.corrcoef(inputs, targets)[0, 1])},
+        "cells": cells,
+        "ratios": {"continuous_over_static_throughput":
+                   cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
+    }
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "batching.json").write_text(json.dumps(results, indent=2))
+        results["png"] = plot_batching(results, output_dir / "batching.png")
+    return results
+
+
+def plot_batching(results: dict, path) -> str | None:
+    """Utterances/s and lane occupancy, static vs continuous."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = ["static", "continuous"]
+    cells = results["cells"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    axes[0].bar(names, [cells[n]["utterances_per_s"] for n in names], color=["#999999", "#1f77b4"])
+    axes[0].set_ylabel("utterances / s")
+    axes[0].set_title(f"continuous ÷ static = {results['ratios']['continuous_over_static_throughput']:.2f}")
+    axes[1].bar(names, [100 * cells[n]["lane_occupancy"] for n in names], color=["#999999", "#1f77b4"])
+    axes[1].set_ylabel("busy lane groups per step (%)")
+    c = results["config"]
+    fig.suptitle(f"{c['utterances']} utterances, K={c['max_active_utterances']}, beam {c['beam']}, "
+                 f"{c['output_labels'][0]}–{c['output_labels'][1]} labels")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def format_table(results: dict) -> str:
+    lines = ["| mode | utterances/s | seconds | steps | lane occupancy | pool capacity / peak live slots |",
+             "|---|---|---|---|---|---|"]
+    for name, c in results["cells"].items():
+        lines.append(f"| {name} | {c['utterances_per_s']:.1f} | {c['seconds']:.2f} | {c['steps']} | "
+                     f"{100 * c['lane_occupancy']:.0f}% | {c['pool_capacity_slots']} / {c['pool_peak_live_slots']} |")
+    lines.append("")
+    lines.append(f"continuous ÷ static throughput: {results['ratios']['continuous_over_static_throughput']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="out/bench")
+    parser.add_argument("--utterances", type=int, default=512)
+    parser.add_argument("--max-active", type=int, default=64)
+    parser.add_argument("--beam", type=int, default=8)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    results = run_batching_bench(num_utts=args.utterances, max_active=args.max_active, beam=args.beam,
+                                 device=args.device, quick=args.quick, output_dir=args.output)
+    print(format_table(results))
+
+
+if __name__ == "__main__":
+    main()

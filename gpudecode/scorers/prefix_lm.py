@@ -1,0 +1,359 @@
+"""``prefix-lm``: a step model whose prompt is run once per utterance by a prefill model.
+
+At admission the **prefill** (initializer) model runs once over the admitted utterances: it takes
+the prompt — prompt labels, encoder states, suffix prompt labels, in whatever way the model
+combines them — and has no state inputs. It outputs the scores of the first label and one state
+output per state variable of the step model (named like the step model's state outputs) over all
+prompt positions, packed to the left (row n's positions first, padding after). Its states are
+split into one pool slot per prompt position (``token_counts`` per row; host outputs are
+uploaded) and become the history of the utterance's lanes, so the prompt length counts into the
+history length and the step model's ``prefix-length``. From then on the step model decodes as in
+``onnx-decoder``.
+
+The same mechanism runs an Optimum seq2seq export: ``decoder_model`` is the prefill (``input_ids``
+= the decoder start labels), its ``present.{i}.encoder.*`` outputs become the step model's
+``past_key_values.{i}.encoder.*`` per-utterance inputs, and ``decoder_with_past_model`` is the
+step model (DESIGN §5).
+
+Prefill inputs, by logical name (``prefill_io_map`` maps them to the model's own names):
+
+- ``prompt`` / ``input_ids`` [U, P]: ``initial_prompt_labels`` for every utterance, or the
+  utterances' own ``prompt`` input (ragged, with its sizes) when they bring one;
+- ``prompt-size`` [U]: prompt lengths; ``suffix`` [U, Q] + ``suffix-size`` [U]:
+  ``suffix_prompt_labels``;
+- ``encoder-states`` / ``encoder_hidden_states`` [U, S, E] (the utterances' ``encoder-states``),
+  ``encoder-states-size`` [U], ``encoder_attention_mask`` [U, S] (built from the sizes);
+- anything else: the utterances' input of that name.
+
+Prefill outputs: ``scores`` (or ``logits``) [U, V], [U, 1, V] or [U, P, V] (then the row's last
+prompt position is taken), the step model's state outputs, and optionally ``prefix-length`` [U]
+(prompt positions per row; without it a row has as many positions as prompt + suffix labels —
+the layout of an encoder–decoder whose encoder states are attended to, not prepended).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gpudecode.backend import array_module, to_host
+from gpudecode.scorers.base import Context, LaneLayout, UtteranceBatch
+from gpudecode.scorers.onnx_decoder import SCORES_KINDS, DecoderContext, OnnxDecoderScorer
+from gpudecode.scorers.registry import register_scorer
+from gpudecode.session import OnnxSession, SessionOptions
+from gpudecode.states.history import StateHistory
+from gpudecode.states.options import StateManagerOptions
+
+_LABEL_PROMPTS = ("prompt", "input_ids")
+_ENCODER_STATES = ("encoder-states", "encoder_hidden_states")
+
+
+def _on(xp, array):
+    """``array`` on the array module ``xp`` (upload or download)."""
+    if xp is np:
+        return to_host(array)
+    return xp.asarray(array)
+
+
+@register_scorer("prefix-lm")
+class PrefixLmScorer(OnnxDecoderScorer):
+    """A prompted decoder: ``prefill_model`` once per admitted utterance, ``model`` per step.
+
+    ``initial_prompt_labels``: prompt labels before the encoder states (for an Optimum pair: the
+    decoder start labels, e.g. ``[decoder_start_token_id]``); ``suffix_prompt_labels``: labels
+    after them. ``prefill_session_options`` (default: ``session_options``) may put the prefill on
+    another device, e.g. the CPU while the step model runs on the GPU; its outputs are then
+    uploaded. ``prefill_scores_kind`` (default: ``scores_kind``) says what the prefill's scores
+    are. Other options as :class:`OnnxDecoderScorer`.
+    """
+
+    _uses_start_labels = False
+
+    def __init__(
+        self,
+        *,
+        model,
+        prefill_model,
+        vocab_size: int,
+        initial_prompt_labels: Sequence[int] = (),
+        suffix_prompt_labels: Sequence[int] = (),
+        state_manager: StateManagerOptions = StateManagerOptions(),
+        session_options: SessionOptions = SessionOptions(),
+        prefill_session_options: SessionOptions | None = None,
+        io_map: Mapping[str, str] | None = None,
+        prefill_io_map: Mapping[str, str] | None = None,
+        scores_kind: str = "log-probs",
+        prefill_scores_kind: str | None = None,
+        max_batch_size: int | None = None,
+        state_patterns: Sequence[tuple[str, str]] = (),
+        utterance_patterns: Sequence[str] = (),
+    ) -> None:
+        super().__init__(
+            model=model, vocab_size=vocab_size, start_labels=(), state_manager=state_manager,
+            session_options=session_options, io_map=io_map, scores_kind=scores_kind,
+            max_batch_size=max_batch_size, state_patterns=state_patterns,
+            utterance_patterns=utterance_patterns,
+        )
+        prefill_scores_kind = prefill_scores_kind or scores_kind
+        if prefill_scores_kind not in SCORES_KINDS:
+            raise ValueError(f"prefill_scores_kind: expected one of {', '.join(SCORES_KINDS)}, "
+                             f"got {prefill_scores_kind!r}")
+        self.prefill_scores_kind = prefill_scores_kind
+        self.initial_prompt_labels = [int(label) for label in initial_prompt_labels]
+        self.suffix_prompt_labels = [int(label) for label in suffix_prompt_labels]
+        if isinstance(prefill_model, OnnxSession):
+            self.prefill = prefill_model
+        else:
+            self.prefill = OnnxSession(prefill_model, prefill_session_options or session_options)
+        self._prefill_names = self._check_prefill(dict(prefill_io_map or {}))
+        outputs = {t.name for t in self.prefill.tensors.outputs}
+        #: prefill outputs that become per-utterance inputs of the step model
+        self._produced = sorted({self._source_of(u) for u in self.spec.utterance_inputs} & outputs)
+        self._pending: list[tuple[np.ndarray, Any, Any]] = []  # (groups, slots [G, W], counts [G])
+        self._prefill_scores = None
+
+    # --- the prefill model's contract --------------------------------------------------------------
+    def _check_prefill(self, io_map: dict[str, str]) -> dict[str, str]:
+        """Logical name -> prefill tensor name; raises ValueError naming what is missing."""
+        tensors, source = self.prefill.tensors, self.prefill.source
+        by_model = {io_map.get(k, k): k for k in (
+            *_LABEL_PROMPTS, "prompt-size", "suffix", "suffix-size", *_ENCODER_STATES,
+            "encoder-states-size", "encoder_attention_mask", "scores", "logits", "prefix-length")}
+        names = {}
+        for info in [*tensors.inputs, *tensors.outputs]:
+            if info.name in by_model:
+                names[by_model[info.name]] = info.name
+        score_output = names.get("scores") or names.get("logits")
+        if score_output is None or tensors.output(score_output) is None:
+            raise ValueError(f"{source}: the prefill model has no 'scores' (or 'logits') output; its outputs "
+                             f"are {[t.name for t in tensors.outputs]}; map yours with prefill_io_map")
+        names["scores"] = score_output
+        missing = [v.output_name for v in self.spec.state_variables if tensors.output(v.output_name) is None]
+        if missing:
+            raise ValueError(f"{source}: the prefill model lacks the step model's state outputs {missing} "
+                             f"(its outputs are {[t.name for t in tensors.outputs]})")
+        if any(tensors.input(v.input_name) is not None for v in self.spec.state_variables):
+            raise ValueError(f"{source}: a prefill model takes no state inputs")
+        label_prompt = next((names[k] for k in _LABEL_PROMPTS if k in names and tensors.input(names[k])), None)
+        if label_prompt is None and self.initial_prompt_labels:
+            raise ValueError(f"{source}: initial_prompt_labels are given, but the prefill model has no "
+                             f"'prompt' (or 'input_ids') input")
+        if label_prompt is not None and "prompt-size" not in names and not self.initial_prompt_labels:
+            raise ValueError(f"{source}: the prefill input '{label_prompt}' has no 'prompt-size' input, so "
+                             "its prompt cannot be empty; give initial_prompt_labels")
+        if self.suffix_prompt_labels and "suffix" not in names:
+            raise ValueError(f"{source}: suffix_prompt_labels are given, but the prefill model has no "
+                             "'suffix' input")
+        return names
+
+    def _prefill_feeds(self, utterances: UtteranceBatch):
+        """Feeds of the prefill for ``utterances`` and the host token counts per row (or None)."""
+        tensors, names, source = self.prefill.tensors, self._prefill_names, self.prefill.source
+        xp, num_utts = self._prefill_xp, utterances.num_utterances
+        feeds, counted = {}, np.zeros(num_utts, np.int64)
+        taken = set()
+
+        def labels_input(logical: str, size_logical: str, static: list[int], own: str | None):
+            name = names[logical]
+            info = tensors.input(name)
+            if own is not None and own in utterances.inputs:  # the utterances' own prompts
+                labels = to_host(utterances.inputs[own]).astype(np.int64)
+                sizes = to_host(utterances.size_of(own)).astype(np.int64)
+            else:
+                labels = np.tile(np.asarray(static, np.int64), (num_utts, 1))
+                sizes = np.full(num_utts, len(static), np.int64)
+            if size_logical not in names and (sizes != labels.shape[1]).any():
+                raise ValueError(f"{source}: the prompts of '{name}' differ in length but the model has "
+                                 f"no '{size_logical}' input")
+            feeds[name] = xp.asarray(labels.astype(info.dtype))
+            taken.add(name)
+            if size_logical in names:
+                size_name = names[size_logical]
+                feeds[size_name] = xp.asarray(sizes.astype(tensors.input(size_name).dtype))
+                taken.add(size_name)
+            return sizes
+
+        label_logical = next((k for k in _LABEL_PROMPTS if k in names and tensors.input(names[k])), None)
+        if label_logical is not None:
+            counted += labels_input(label_logical, "prompt-size", self.initial_prompt_labels, "prompt")
+        if "suffix" in names:
+            counted += labels_input("suffix", "suffix-size", self.suffix_prompt_labels, None)
+        states_logical = next((k for k in _ENCODER_STATES if k in names and tensors.input(names[k])), None)
+        sizes = utterances.input_lengths
+        if states_logical is not None:
+            name = names[states_logical]
+            own = self.io_map.get("encoder-states", "encoder-states")
+            if own not in utterances.inputs:
+                raise ValueError(f"{source}: the prefill input '{name}' needs the utterances' '{own}', but "
+                                 f"they bring {sorted(utterances.inputs)}")
+            states = utterances.inputs[own]
+            sizes = to_host(utterances.size_of(own)).astype(np.int64)
+            feeds[name] = _on(xp, states).astype(tensors.input(name).dtype, copy=False)
+            taken.add(name)
+            for logical in ("encoder-states-size", "encoder_attention_mask"):
+                if logical not in names or tensors.input(names[logical]) is None:
+                    continue
+                target = names[logical]
+                if logical == "encoder-states-size":
+                    value = sizes
+                else:
+                    value = np.arange(states.shape[1])[None, :] < sizes[:, None]
+                feeds[target] = xp.asarray(value.astype(tensors.input(target).dtype))
+                taken.add(target)
+        for info in tensors.inputs:
+            if info.name in taken:
+                continue
+            if info.name not in utterances.inputs:
+                raise ValueError(f"{source}: prefill input '{info.name}' {info.describe()} is provided by "
+                                 f"nothing (the utterances bring {sorted(utterances.inputs)})")
+            feeds[info.name] = _on(xp, utterances.inputs[info.name]).astype(info.dtype, copy=False)
+        if "prefix-length" in names and self.prefill.tensors.output(names["prefix-length"]) is not None:
+            return feeds, None, sizes
+        if (counted < 1).any():
+            bad = utterances.ids[int(np.argmax(counted < 1))]
+            raise ValueError(f"{source}: utterance {bad!r} has an empty prompt (no label to prefill)")
+        return feeds, counted, sizes
+
+    @property
+    def _prefill_xp(self):
+        return array_module(self.prefill.provider)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def begin(self, layout: LaneLayout) -> None:
+        super().begin(layout)
+        self._pending = []
+        self._prefill_scores = layout.xp.zeros((layout.num_lanes, self.vocab_size), dtype=np.float32)
+
+    def admit(self, utterances: UtteranceBatch, groups) -> None:
+        """Runs the prefill over the utterances (in ``max_batch_size`` chunks), splits its states into
+        slots (held until :meth:`initial_context`) and writes the step model's per-utterance inputs."""
+        groups = np.asarray(groups, dtype=np.int64).reshape(-1)
+        chunk = self.max_batch_size or max(len(groups), 1)
+        for start in range(0, len(groups), chunk):
+            rows = np.arange(start, min(start + chunk, len(groups)))
+            part = utterances if len(rows) == len(groups) else utterances.select(rows)
+            self._admit_chunk(part, groups[rows])
+
+    def _admit_chunk(self, utterances: UtteranceBatch, groups: np.ndarray) -> None:
+        names, spec = self._prefill_names, self.spec
+        feeds, counts, sizes = self._prefill_feeds(utterances)
+        state_outputs = [v.output_name for v in spec.state_variables]
+        wanted = [names["scores"], *state_outputs, *self._produced]
+        if counts is None:
+            wanted.append(names["prefix-length"])
+        outputs = self.prefill.run(feeds, wanted)
+        if counts is None:
+            counts = outputs[names["prefix-length"]]
+        time_axis = spec.state_variables[0].time_axis
+        width = int(outputs[state_outputs[0]].shape[time_axis])
+        token_counts = _on(self.states.xp, counts).astype(np.int32)
+        slots = self.states.split({k: outputs[k] for k in state_outputs}, num_new_tokens=width,
+                                  token_counts=token_counts)
+        self._pending.append((groups, slots, token_counts))
+        # first-label scores: the row's last prompt position
+        xp = self.layout.xp
+        raw = _on(xp, outputs[names["scores"]]).astype(np.float32)
+        raw = raw.reshape(raw.shape[0], -1, raw.shape[-1])
+        last = xp.clip(_on(xp, counts).astype(np.int64) - 1, 0, raw.shape[1] - 1) if raw.shape[1] > 1 else None
+        raw = raw[:, -1] if last is None else raw[xp.arange(raw.shape[0]), last]
+        scores = self._convert(raw, self.prefill_scores_kind)
+        lanes = xp.asarray(self.layout.lanes_of(groups))
+        self._prefill_scores[lanes] = xp.repeat(scores, self.layout.beam_size, axis=0)
+        produced = {name: outputs[name] for name in self._produced}
+        self._write_utterance_inputs(utterances, groups, produced=produced, sizes=sizes)
+
+    def _source_of(self, u, produced=None) -> str:
+        """Metadata first; ``past_key_values.{i}.encoder.*`` take the prefill's
+        ``present.{i}.encoder.*``; else the input's own name."""
+        if u.source:
+            return u.source
+        renamed = re.sub(r"^past_key_values\.", "present.", u.name)
+        if self.prefill.tensors.output(renamed) is not None:
+            return renamed
+        return u.name
+
+    def _convert(self, scores, kind: str):
+        from gpudecode.scorers.onnx_decoder import _log_softmax
+
+        if kind == "neg-log-probs":
+            return -scores
+        if kind == "logits":
+            return _log_softmax(self.layout.xp, scores)
+        return scores
+
+    def release(self, groups) -> None:
+        """Frees the lanes' slots, and the prefill slots of groups not yet started."""
+        gone = np.asarray(groups, dtype=np.int64).reshape(-1)
+        self._pending = [p for p in self._pending if not np.isin(p[0], gone).any()]
+        ctx, keep = self._ctx, self._pending_histories()
+        if ctx is not None:
+            xp = self.states.xp
+            lengths = ctx.histories.lengths.copy()
+            lengths[xp.asarray(self.layout.lanes_of(gone))] = 0
+            kept = StateHistory(table=ctx.histories.table, lengths=lengths)
+            self._ctx = DecoderContext(kept, ctx.next_labels)
+            self._group_bound[gone] = 0
+            keep.append(kept)
+        if self.layout is not None:
+            self.states.retain(*keep)
+
+    def _pending_histories(self) -> list[StateHistory]:
+        return [StateHistory(table=self.states.xp.ascontiguousarray(slots), lengths=counts)
+                for _, slots, counts in self._pending]
+
+    # --- scoring -----------------------------------------------------------------------------------
+    def initial_context(self, groups, ctx: Context | None = None) -> DecoderContext:
+        """Lanes of ``groups`` get their prefilled prompt as history (fresh: the first scores come
+        from the prefill); the other lanes keep ``ctx``."""
+        xp, layout = self.states.xp, self.layout
+        num_lanes, beam = layout.num_lanes, layout.beam_size
+        groups = np.asarray(groups, dtype=np.int64).reshape(-1)
+        pending = [p for p in self._pending if np.isin(p[0], groups).all()]
+        self._pending = [p for p in self._pending if not np.isin(p[0], groups).all()]
+        width = max([ctx.histories.width if ctx is not None else 0] + [s.shape[1] for _, s, _ in pending])
+        table = xp.full((num_lanes, width), -1, dtype=np.int32)
+        if ctx is None:
+            lengths = xp.zeros(num_lanes, dtype=np.int32)
+            next_labels = xp.zeros(num_lanes, dtype=np.int64)
+            fresh = xp.zeros(num_lanes, dtype=bool)
+        else:
+            old = ctx.histories
+            table[:, :old.width] = old.table
+            lengths, next_labels = old.lengths.copy(), ctx.next_labels.copy()
+            fresh = (xp.zeros(num_lanes, dtype=bool) if ctx.fresh is None
+                     else xp.asarray(self._on_states(ctx.fresh)).copy())
+            lanes = xp.asarray(layout.lanes_of(groups))
+            table[lanes] = -1
+            lengths[lanes] = 0
+            next_labels[lanes] = 0
+            fresh[lanes] = False
+        self._group_bound[groups] = 0
+        for pgroups, slots, counts in pending:
+            self._group_bound[pgroups] = slots.shape[1]
+            lanes = xp.asarray(layout.lanes_of(pgroups))
+            table[lanes, :slots.shape[1]] = xp.repeat(xp.asarray(slots), beam, axis=0)
+            lengths[lanes] = xp.repeat(xp.asarray(counts), beam)
+            fresh[lanes] = True
+        histories = StateHistory(table=table, lengths=lengths)
+        self.states.retain(histories, *self._pending_histories())
+        context = DecoderContext(histories, next_labels, fresh=_on(self.layout.xp, fresh),
+                                 all_fresh=ctx is None)
+        self._ctx = context
+        return context
+
+    def score(self, ctx: DecoderContext):
+        """[N, V]: the prefill's scores for fresh lanes, the step model's for the others."""
+        if ctx.fresh is None:
+            return super().score(ctx)
+        if ctx.all_fresh:  # first step of every lane: nothing for the step model to do
+            ctx.new_slots = self.states.xp.full((self.layout.num_lanes, 1), -1, dtype=np.int32)
+            return self._prefill_scores.copy()
+        scores = super().score(ctx)
+        return self.layout.xp.where(ctx.fresh[:, None], self._prefill_scores, scores)
+
+    def close(self) -> None:
+        super().close()
+        self._pending = []

@@ -1,0 +1,249 @@
+"""Continuous batching for the label-synchronous search.
+
+K lane groups (``max_active_utterances``) decode at once. Per step the search runs exactly as the
+static one (:func:`gpudecode.search.label_sync._expand` over all N = K · beam lanes) and reads one
+small array back: which groups have finished (every lane terminated, or the utterance's label
+limit reached). For each finished group, in the same step:
+
+1. its n-best is **finalised**: ranks, scores, lengths and the label rows of its lanes are
+   gathered on the device (no transfer; they are read back in bulk later);
+2. its lanes are **released** in every scorer (``release``: states freed);
+3. the next waiting utterances are **admitted** (``admit``: per-utterance inputs written into the
+   group's lanes, a prefill run) — if the GPU runs out of memory there, fewer are admitted and
+   the rest wait for the next free group;
+4. every released group's lanes are reset (``initial_context(groups, ctx)``), the other groups
+   go on untouched.
+
+Label sequences are kept per lane in a [N, capacity] table (capacity = the longest label limit
+admitted so far, rounded up to a power of two; it grows at admission, never per step), gathered
+by the parents each step and written at the lane's own step index — so a group that restarted
+mid-search needs no backtrace over other utterances' steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from gpudecode.scorers.base import LaneLayout, UtteranceBatch
+from gpudecode.search import label_sync
+from gpudecode.search.label_sync import _NEG_INF, LabelSyncOptions, _Beam, _expand
+from gpudecode.search.results import Hypothesis
+from gpudecode.search.topk import top_k_indices
+
+ADMISSION_ORDERS = ("longest-first", "shortest-first", "input")
+
+#: Finished lanes kept on the device before their results are read back in one transfer.
+_MAX_PENDING_LANES = 1 << 16
+
+
+def admission_order(input_lengths, order: str) -> np.ndarray:
+    """[U] int64: the order in which utterances enter the search (stable for equal lengths)."""
+    lengths = np.asarray(input_lengths, dtype=np.int64)
+    if order == "input":
+        return np.arange(lengths.size, dtype=np.int64)
+    if order == "longest-first":
+        return np.argsort(-lengths, kind="stable").astype(np.int64)
+    if order == "shortest-first":
+        return np.argsort(lengths, kind="stable").astype(np.int64)
+    raise ValueError(f"admission_order: expected one of {', '.join(ADMISSION_ORDERS)}, got {order!r}")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CuPy's OutOfMemoryError (a MemoryError), a host MemoryError, or ONNX Runtime's failed
+    allocation (a RuntimeError whose message says so)."""
+    if isinstance(exc, MemoryError):
+        return True
+    message = str(exc).lower()
+    return "failed to allocate memory" in message or "out of memory" in message
+
+
+def _round_up(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+class _Lanes:
+    """Per-lane bookkeeping of a continuous search (device arrays) and per-group host arrays."""
+
+    def __init__(self, layout: LaneLayout, num_scorers: int):
+        xp, num_lanes = layout.xp, layout.num_lanes
+        self.layout = layout
+        self.beam = _Beam(scores=xp.full(num_lanes, _NEG_INF, dtype=np.float32),
+                          scorer_scores=xp.zeros((num_scorers, num_lanes), dtype=np.float32),
+                          lengths=xp.zeros(num_lanes, dtype=np.int64),
+                          ended=xp.ones(num_lanes, dtype=bool))
+        self.start = xp.zeros(num_lanes, dtype=np.int64)  # step before the utterance's first
+        self.limit = xp.zeros(num_lanes, dtype=np.int64)  # label limit of the lane's utterance
+        self.tokens = xp.full((num_lanes, 1), -1, dtype=np.int32)  # labels per lane, by step
+        self.spare = self.tokens.copy()
+        self.group_utterance = np.full(layout.num_groups, -1, dtype=np.int64)  # host
+        self.group_limit = np.zeros(layout.num_groups, dtype=np.int64)  # host
+
+    def reset(self, groups: np.ndarray, admitted: np.ndarray, utterances: np.ndarray,
+              limits: np.ndarray, step: int) -> None:
+        """Lanes of ``groups`` restart at ``step``; ``admitted`` (a subset) hold ``utterances``."""
+        xp, layout = self.layout.xp, self.layout
+        capacity = _round_up(int(limits.max())) if limits.size else 1
+        if capacity > self.tokens.shape[1]:  # grows at admission only, rounded up
+            grown = xp.full((layout.num_lanes, capacity), -1, dtype=np.int32)
+            grown[:, :self.tokens.shape[1]] = self.tokens
+            self.tokens, self.spare = grown, grown.copy()
+        lanes = xp.asarray(layout.lanes_of(groups))
+        beam = self.beam
+        beam.scores[lanes] = _NEG_INF
+        beam.scorer_scores[:, lanes] = 0
+        beam.lengths[lanes] = 0
+        beam.ended[lanes] = True
+        self.tokens[lanes] = -1
+        self.start[lanes] = step
+        self.limit[lanes] = 0
+        self.group_utterance[groups] = -1
+        if admitted.size:
+            firsts = xp.asarray(layout.first_lanes(admitted))
+            beam.scores[firsts] = 0
+            beam.ended[firsts] = False
+            self.limit[xp.asarray(layout.lanes_of(admitted))] = xp.asarray(
+                np.repeat(limits, layout.beam_size))
+            self.group_utterance[admitted] = utterances
+            self.group_limit[admitted] = limits
+
+    def record(self, step: int, parents, labels) -> None:
+        """Lane i's path = its parent's path + ``labels[i]`` at the lane's own step index."""
+        xp = self.layout.xp
+        xp.take(self.tokens, parents, axis=0, out=self.spare)
+        self.tokens, self.spare = self.spare, self.tokens
+        column = xp.clip(step - 1 - self.start, 0, self.tokens.shape[1] - 1)
+        self.tokens[xp.arange(self.tokens.shape[0]), column] = labels
+
+    def at_limit(self, step: int):
+        """[N] bool: lanes whose utterance reaches its label limit with ``step``."""
+        return self.limit <= step - self.start
+
+
+def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
+                      layout: LaneLayout, order: str = "longest-first") -> list[list[Hypothesis]]:
+    """Decode ``utterances`` with ``layout.num_groups`` lane groups refilled as utterances finish.
+
+    Returns the n-best lists in input order. One small transfer per step (the finished-groups
+    mask), plus one bulk transfer of finished results every ``_MAX_PENDING_LANES`` lanes and at
+    the end.
+    """
+    xp = layout.xp
+    num_groups, beam_size = layout.num_groups, layout.beam_size
+    limits = options.label_limits(utterances.input_lengths)
+    queue = deque(admission_order(utterances.input_lengths, order).tolist())
+    lanes = _Lanes(layout, len(entries))
+    results: list[list[Hypothesis] | None] = [None] * utterances.num_utterances
+    pending: list[tuple] = []
+    num_pending = 0
+    begun = []
+    try:
+        for entry in entries:
+            entry.scorer.begin(layout)
+            begun.append(entry)
+        free = np.arange(num_groups, dtype=np.int64)
+        admitted, taken = _admit(entries, utterances, free, queue, any_active=False)
+        lanes.reset(free, admitted, taken, limits[taken], step=0)
+        contexts = [e.scorer.initial_context(admitted) for e in entries]
+        step = 0
+        while (lanes.group_utterance >= 0).any():
+            step += 1
+            lanes.beam, parents, labels, contexts = _expand(
+                entries, contexts, lanes.beam, layout, options, at_limit=lanes.at_limit(step))
+            lanes.record(step, parents, labels)
+            finished = lanes.beam.ended.reshape(num_groups, beam_size).all(axis=1)
+            (finished,) = label_sync._to_host(finished)  # the one small transfer per step
+            done = np.flatnonzero(finished & (lanes.group_utterance >= 0))
+            if done.size == 0:
+                continue
+            pending.append(_finalise(lanes, done, options))
+            num_pending += done.size * beam_size
+            for entry in entries:
+                entry.scorer.release(done)
+            free = np.flatnonzero(lanes.group_utterance < 0)
+            free = np.union1d(free, done)
+            admitted, taken = _admit(entries, utterances, free, queue,
+                                     any_active=bool((lanes.group_utterance >= 0).sum() > done.size))
+            reset = np.union1d(done, admitted)
+            lanes.reset(reset, admitted, taken, limits[taken], step=step)
+            contexts = [e.scorer.initial_context(reset, c) for e, c in zip(entries, contexts)]
+            if num_pending >= _MAX_PENDING_LANES:
+                _collect(pending, results, entries, options)
+                pending, num_pending = [], 0
+    finally:
+        for entry in begun:
+            entry.scorer.release(np.arange(num_groups, dtype=np.int64))
+    _collect(pending, results, entries, options)
+    if queue or any(r is None for r in results):
+        raise AssertionError("continuous search: utterances left undecoded (a bug in the admission loop)")
+    return results
+
+
+def _admit(entries, utterances: UtteranceBatch, free: np.ndarray, queue: deque, *,
+           any_active: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Admits the next waiting utterances into the ``free`` groups, halving the number on out of
+    memory. Returns (groups, utterance indices), possibly empty while others are still active."""
+    take = min(len(free), len(queue))
+    while take > 0:
+        groups = free[:take]
+        indices = np.asarray([queue[i] for i in range(take)], dtype=np.int64)
+        batch = utterances.select(indices)
+        try:
+            for entry in entries:
+                entry.scorer.admit(batch, groups)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            for entry in entries:  # undo what was admitted; these groups stay free
+                entry.scorer.release(groups)
+            if take == 1:
+                if any_active:
+                    break  # wait until more utterances finish
+                raise
+            take //= 2
+            continue
+        for _ in range(take):
+            queue.popleft()
+        return groups, indices
+    return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+
+
+def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions) -> tuple:
+    """Device gathers of the finished groups' results (read back later by :func:`_collect`)."""
+    layout, beam = lanes.layout, lanes.beam
+    xp = layout.xp
+    rows = xp.asarray(layout.lanes_of(done))
+    lns = np.float32(options.length_norm_scale)
+    scores = beam.scores[rows]
+    ranks = scores
+    if lns != 0:
+        ranks = scores / xp.power(xp.maximum(beam.lengths[rows], 1).astype(np.float32), lns)
+    order = top_k_indices(ranks.reshape(done.size, layout.beam_size), layout.beam_size)
+    width = int(lanes.group_limit[done].max())
+    return (lanes.group_utterance[done].copy(), order, ranks, scores, beam.scorer_scores[:, rows],
+            beam.lengths[rows], lanes.tokens[rows, :width])
+
+
+def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOptions) -> None:
+    """One transfer of every pending finished group; n-best lists into ``results``."""
+    if not pending:
+        return
+    arrays = [a for p in pending for a in p[1:]]
+    host = label_sync._to_host(*arrays)
+    for i, item in enumerate(pending):
+        utts = item[0]
+        order, ranks, scores, scorer_scores, lengths, tokens = host[6 * i: 6 * i + 6]
+        beam_size = order.shape[1]
+        for g, u in enumerate(utts.tolist()):
+            nbest = []
+            for lane in (g * beam_size + order[g]).tolist():
+                if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
+                    break
+                seq = tokens[lane]
+                seq = seq[(seq >= 0) & (seq != options.sentence_end)]
+                nbest.append(Hypothesis(
+                    labels=seq.tolist(), score=float(scores[lane]),
+                    scores={e.name: float(scorer_scores[s, lane]) for s, e in enumerate(entries)},
+                    length=int(lengths[lane])))
+            results[u] = nbest

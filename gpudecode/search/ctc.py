@@ -1,0 +1,580 @@
+"""Time-synchronous CTC decoding over [utterances, beam] lanes, on numpy or CuPy.
+
+**Prefix beam search** (:func:`ctc_prefix_search`). Every lane holds one label sequence (a
+*prefix*) with two path scores: ``blank_logp`` (alignments of the prefix that end in blank) and
+``label_logp`` (alignments that end in the prefix's last label). Per frame ``t`` with frame
+log-probs ``x`` each lane offers
+
+- its own prefix, unchanged ("stay", kept in the candidate column of the blank label):
+  ``blank_logp' = logaddexp(blank_logp, label_logp) + x[blank]`` and
+  ``label_logp' = label_logp + x[last]`` (the last label repeated: a loop);
+- every extension by a label ``c != blank``: ``label_logp' = logaddexp(blank_logp, label_logp)
+  + x[c]``, or only ``blank_logp + x[c]`` when ``c`` repeats the last label (a repeated label
+  needs a blank in between).
+
+An extension that yields a label sequence already held by another lane of the utterance is
+*recombined* into that lane's stay candidate (log-sum-exp of the path scores) before ranking.
+Sequences are compared on the device: a rolling hash of the label sequence finds the candidate
+pairs, and a collision check confirms each pair by comparing the label histories (the tree of
+emitted labels, walked from both ends until the two paths meet). A label's frame (for CTM times)
+is the frame at which it entered the prefix, moved to a later frame when an extension merged
+there outweighs all the prefix's earlier paths. Per utterance the best
+``beam_size`` candidates survive (deterministic top-k, ties to the lower lane, then the lower
+label), ranked by ``logaddexp(blank_logp, label_logp) + Σ scale · lm_score``.
+
+**LM fusion**: any label scorer (``(name, scorer, scale)``) is scored on label emission. Scorer
+contexts move with :meth:`~gpudecode.scorers.LabelScorer.extend_transitions`: an emitted label
+is a ``LABEL`` transition, a stay is ``BLANK`` or ``LOOP`` and carries the context. A context
+that did not change keeps its score vector (the cache, ``max_cached_score_vectors``): the search
+calls a scorer only on frames after some lane emitted, and takes new rows only for those lanes.
+
+**Batching**: U utterances × ``beam_size`` lanes; the frame loop has no Python loop over
+utterances, lanes or labels, and — without scorers — no device→host transfer at all. Utterances
+shorter than the batch's longest are frozen after their last frame (a frame whose only label is
+blank with log-prob 0, which leaves their scores unchanged).
+
+**Greedy** (:func:`ctc_greedy_search`): the best path — argmax per frame, repeats collapsed,
+blanks dropped — for all utterances at once.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+from gpudecode import defaults
+from gpudecode.backend import is_device_array, shared_stream, to_host
+from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
+from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.search.results import Hypothesis
+from gpudecode.search.topk import top_k_indices
+
+_NEG_INF = np.float32(-np.inf)
+#: The rolling hash: hash(prefix + c) = (hash(prefix) * _HASH_MULTIPLIER + c + 1) % modulus.
+_HASH_MULTIPLIER = 1_000_003
+#: The name of the CTC score in :attr:`Hypothesis.scores`.
+CTC_SCORE_NAME = "ctc"
+#: The input name under which the search hands the frame log-probs to its scorers' ``admit``.
+LOG_PROBS_INPUT = "log-probs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CtcPrefixOptions:
+    """Settings of the CTC prefix beam search.
+
+    - ``beam_size``: prefixes kept per utterance;
+    - ``blank``: the blank label index;
+    - ``score_threshold``: drop candidates whose score is worse than the utterance's best
+      candidate by more than this (None: off);
+    - ``blank_skip_threshold_logp``: a frame whose blank log-prob exceeds this is treated as a pure
+      blank frame (no label, no loop: only the blank transition; no scoring, no pruning); None:
+      off. Must be <= 0 (log 0.999 ≈ -0.001);
+    - ``sentence_end``: where set, each scorer's score of this label is added at the end of the
+      utterance (the LM's end-of-sentence probability); None: nothing is added;
+    - ``max_cached_score_vectors``: score vectors of unchanged scorer contexts are kept and
+      reused when this is at least the number of lanes (utterances × beam); below that (e.g. 0)
+      every scorer scores every lane at every frame;
+    - ``nbest``: hypotheses returned per utterance (None: ``beam_size``);
+    - ``hash_modulus``: modulus of the rolling label-sequence hash (small values force
+      collisions, which the collision check resolves; for tests);
+    - ``history_compare_steps``: label-history comparisons per frame for pairs whose hashes
+      match but whose emission nodes differ; pairs still undecided after that many steps make
+      the search run again with the comparison taken to the end (with host synchronisation).
+      None: always to the end.
+    """
+
+    beam_size: int
+    blank: int = 0
+    score_threshold: float | None = None
+    blank_skip_threshold_logp: float | None = None
+    sentence_end: int | None = None
+    max_cached_score_vectors: int = defaults.MAX_CACHED_SCORE_VECTORS
+    nbest: int | None = None
+    hash_modulus: int = 2**31 - 1
+    history_compare_steps: int | None = 2
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"CtcPrefixOptions.{name}: expected {expected}, got "
+                              f"{getattr(self, name)!r}")
+
+        for name in ("beam_size", "blank", "sentence_end", "max_cached_score_vectors", "nbest",
+                     "hash_modulus", "history_compare_steps"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                try:
+                    object.__setattr__(self, name, operator.index(value))
+                except TypeError:
+                    raise bad(name, "an int") from None
+        if not isinstance(self.beam_size, int) or self.beam_size < 1:
+            raise bad("beam_size", "an int >= 1")
+        if not isinstance(self.blank, int) or self.blank < 0:
+            raise bad("blank", "a label index >= 0")
+        if self.sentence_end is not None and not (isinstance(self.sentence_end, int)
+                                                  and self.sentence_end >= 0):
+            raise bad("sentence_end", "None or a label index >= 0")
+        if self.score_threshold is not None and not self.score_threshold > 0:
+            raise bad("score_threshold", "None or a number > 0")
+        if self.blank_skip_threshold_logp is not None and not (
+                math.isfinite(self.blank_skip_threshold_logp) and self.blank_skip_threshold_logp <= 0):
+            raise bad("blank_skip_threshold_logp", "None or a log-probability <= 0")
+        if not isinstance(self.max_cached_score_vectors, int) or self.max_cached_score_vectors < 0:
+            raise bad("max_cached_score_vectors", "an int >= 0")
+        if self.nbest is not None and not (isinstance(self.nbest, int)
+                                           and 1 <= self.nbest <= self.beam_size):
+            raise bad("nbest", f"None or an int in [1, beam_size={self.beam_size}]")
+        if not isinstance(self.hash_modulus, int) or not 1 <= self.hash_modulus <= 2**31 - 1:
+            raise bad("hash_modulus", "an int in [1, 2**31 - 1]")
+        if self.history_compare_steps is not None and not (
+                isinstance(self.history_compare_steps, int) and self.history_compare_steps >= 0):
+            raise bad("history_compare_steps", "None or an int >= 0")
+
+    @property
+    def num_best(self) -> int:
+        return self.beam_size if self.nbest is None else self.nbest
+
+
+def _to_host(*arrays) -> tuple[np.ndarray, ...]:
+    """Every device→host transfer of the CTC searches goes through here (tests count the calls)."""
+    return tuple(to_host(a) for a in arrays)
+
+
+def _check_log_probs(log_probs, lengths, xp) -> tuple[object, np.ndarray]:
+    if log_probs.ndim != 3:
+        raise ValueError(f"log_probs: expected [U, T, V], got shape {tuple(log_probs.shape)}")
+    if is_device_array(log_probs) != (xp is not np):
+        raise ValueError(f"log_probs: a {type(log_probs).__module__} array, but the search runs "
+                         f"on {xp.__name__}")
+    num_utts, num_frames, _ = log_probs.shape
+    (lengths,) = _to_host(lengths)
+    lengths = np.asarray(lengths).astype(np.int64, copy=False)
+    if lengths.shape != (num_utts,):
+        raise ValueError(f"lengths: expected shape ({num_utts},) for log_probs of shape "
+                         f"{tuple(log_probs.shape)}, got {lengths.shape}")
+    if ((lengths < 0) | (lengths > num_frames)).any():
+        u = int(np.argmax((lengths < 0) | (lengths > num_frames)))
+        raise ValueError(f"lengths[{u}] = {lengths[u]} is outside [0, T={num_frames}]")
+    return log_probs.astype(np.float32, copy=False), lengths
+
+
+def _on_shared_stream(xp, run):
+    """``run()`` on the stream shared with ONNX Runtime (CuPy), after the caller's queued work."""
+    if xp is np:
+        return run()
+    stream = shared_stream(xp.cuda.Device().id)
+    stream.wait_event(xp.cuda.get_current_stream().record())
+    with stream:
+        return run()
+
+
+# --- greedy ----------------------------------------------------------------------------------
+def ctc_greedy_search(log_probs, lengths, *, blank: int = 0,
+                      xp: ModuleType = np) -> list[list[Hypothesis]]:
+    """Best-path decoding of all utterances at once; per utterance a one-entry n-best list.
+
+    ``log_probs`` [U, T, V] float on ``xp``, ``lengths`` [U] valid frames. The hypothesis is the
+    argmax label per frame with repeats collapsed and blanks dropped; its score (and
+    ``scores["ctc"]``) is the best path's log-probability (the sum of the frame maxima), and
+    ``frames`` holds the first frame of each emitted label. Equal maxima go to the lower label.
+    """
+    log_probs, lengths = _check_log_probs(log_probs, lengths, xp)
+    num_utts, num_frames, vocab_size = log_probs.shape
+    if not 0 <= blank < vocab_size:
+        raise ValueError(f"blank {blank} is outside the vocabulary [0, {vocab_size})")
+    if num_utts == 0:
+        return []
+
+    def run():
+        best = log_probs.argmax(axis=2)  # [U, T]; numpy and CuPy both take the first maximum
+        best_logp = xp.take_along_axis(log_probs, best[:, :, None], axis=2)[:, :, 0]
+        valid = xp.arange(num_frames)[None, :] < xp.asarray(lengths)[:, None]
+        previous = xp.concatenate([xp.full((num_utts, 1), -1, dtype=best.dtype), best[:, :-1]], axis=1)
+        emitted = valid & (best != blank) & (best != previous)
+        score = xp.where(valid, best_logp, np.float32(0)).sum(axis=1, dtype=np.float32)
+        return _to_host(best, emitted, score)
+
+    best, emitted, score = _on_shared_stream(xp, run)
+    results = []
+    for u in range(num_utts):
+        frames = np.flatnonzero(emitted[u])
+        results.append([Hypothesis(labels=best[u, frames].tolist(), score=float(score[u]),
+                                   scores={CTC_SCORE_NAME: float(score[u])}, length=len(frames),
+                                   frames=frames.tolist())])
+    return results
+
+
+# --- prefix beam search ----------------------------------------------------------------------
+def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers: Sequence = (),
+                      xp: ModuleType = np, *, ids: Sequence[str] | None = None
+                      ) -> list[list[Hypothesis]]:
+    """CTC prefix beam search of all utterances at once; per utterance the n-best, best first.
+
+    ``log_probs`` [U, T, V] float frame log-probabilities on ``xp``; ``lengths`` [U] valid frames
+    per utterance; ``lm_scorers``: (name, scorer, scale) triples fused on label emission (their
+    ``vocab_size`` must be V; the name ``"ctc"`` is taken). The scorers are begun with the lane
+    layout, admitted (``UtteranceBatch.inputs["log-probs"]`` holds ``log_probs``) and released
+    here. ``ids``: utterance ids handed to the scorers (default ``"0"``, ``"1"``, ...).
+
+    Each hypothesis has ``score`` = CTC log-prob + Σ scale · scorer score, ``scores["ctc"]`` and
+    each scorer's unscaled score, and ``frames``: the frame at which each label was emitted.
+    """
+    log_probs, lengths = _check_log_probs(log_probs, lengths, xp)
+    num_utts, _, vocab_size = log_probs.shape
+    if options.blank >= vocab_size:
+        raise ValueError(f"CtcPrefixOptions.blank {options.blank} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    if options.sentence_end is not None and options.sentence_end >= vocab_size:
+        raise ValueError(f"CtcPrefixOptions.sentence_end {options.sentence_end} is outside the "
+                         f"vocabulary [0, {vocab_size})")
+    entries = check_scorers(lm_scorers) if len(lm_scorers) else ()
+    for entry in entries:
+        if entry.name == CTC_SCORE_NAME:
+            raise ValueError(f"scorer name {CTC_SCORE_NAME!r} is taken by the CTC score; rename "
+                             "the scorer")
+        if int(entry.scorer.vocab_size) != vocab_size:
+            raise ValueError(f"scorer {entry.name!r}: vocab_size {entry.scorer.vocab_size} does not "
+                             f"match the log-probs' V={vocab_size}")
+    if num_utts == 0:
+        return []
+    ids = [str(u) for u in range(num_utts)] if ids is None else list(ids)
+    if len(ids) != num_utts:
+        raise ValueError(f"ids: {len(ids)} ids for {num_utts} utterances")
+    layout = LaneLayout(num_groups=num_utts, beam_size=options.beam_size, xp=xp)
+    utterances = UtteranceBatch(ids=ids, input_lengths=lengths, inputs={LOG_PROBS_INPUT: log_probs})
+
+    def run():
+        search = _PrefixSearch(log_probs, lengths, options, entries, layout)
+        result = search.run(utterances, exact=options.history_compare_steps is None)
+        if result is None:  # a pair stayed undecided within history_compare_steps: compare fully
+            result = _PrefixSearch(log_probs, lengths, options, entries, layout).run(utterances, exact=True)
+        return result
+
+    return _on_shared_stream(xp, run)
+
+
+class _PrefixSearch:
+    """One run of the prefix beam search; lane state as arrays on ``xp`` (N = U × beam lanes).
+
+    Emission nodes: every emitted label becomes node ``1 + k * N + lane`` (k: the index of the
+    frame among the frames that are searched in full), with its parent node and label in
+    ``node_parent`` / ``node_label``; node 0 is the empty prefix. A lane's node is its prefix's
+    last emission; the tree gives the collision check and the final label sequences.
+    """
+
+    def __init__(self, log_probs, lengths: np.ndarray, options: CtcPrefixOptions,
+                 entries: Sequence[ScorerEntry], layout: LaneLayout) -> None:
+        self.log_probs, self.lengths, self.options = log_probs, lengths, options
+        self.entries, self.layout = tuple(entries), layout
+        self.xp = layout.xp
+        self.scales = [e.scale for e in self.entries]
+
+    # --- the frame loop ----------------------------------------------------------------------
+    def run(self, utterances: UtteranceBatch, *, exact: bool):
+        """The n-best lists, or None when ``exact`` is False and a comparison stayed undecided."""
+        xp, layout, options = self.xp, self.layout, self.options
+        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        vocab_size, blank = self.log_probs.shape[2], options.blank
+        frame_kinds = self._frame_kinds()  # host [T]: 0 idle, 1 blank only, 2 full
+        num_full = int((frame_kinds == 2).sum())
+
+        groups = np.arange(num_utts, dtype=np.int64)
+        lanes = xp.arange(num_lanes, dtype=np.int64)
+        self.lane_group = lanes // beam
+        self.group_base = (xp.arange(num_utts, dtype=np.int64) * beam)[:, None]
+        first = (lanes % beam) == 0
+        self.blank_logp = xp.where(first, np.float32(0), _NEG_INF).astype(np.float32)
+        self.label_logp = xp.full(num_lanes, _NEG_INF, dtype=np.float32)
+        self.last = xp.full(num_lanes, -1, dtype=np.int64)
+        self.length = xp.zeros(num_lanes, dtype=np.int64)
+        self.hash = xp.zeros(num_lanes, dtype=np.int64)
+        self.prev_hash = xp.zeros(num_lanes, dtype=np.int64)
+        self.node = xp.zeros(num_lanes, dtype=np.int64)
+        self.node_parent = xp.zeros(1 + num_full * num_lanes, dtype=np.int64)
+        self.node_label = xp.full(1 + num_full * num_lanes, -1, dtype=np.int64)
+        self.node_frames: list[int] = []  # per full frame k: its frame index t
+        self.unresolved = xp.zeros((), dtype=bool)
+        self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
+        self.lengths_dev = xp.asarray(self.lengths)
+        self.blank_column = xp.arange(vocab_size) == blank
+
+        begun: list[ScorerEntry] = []
+        try:
+            for entry in self.entries:
+                entry.scorer.begin(layout)
+                begun.append(entry)
+                entry.scorer.admit(utterances, groups)
+            self.contexts = [e.scorer.initial_context(groups) for e in self.entries]
+            # contexts[s] covers the lanes of the frame at which it was made; scorer_lane maps
+            # each current lane to its lane there (identity right after an extension)
+            self.scorer_lane = lanes.copy()
+            self.cache_enabled = options.max_cached_score_vectors >= num_lanes
+            self.cache = [xp.zeros((num_lanes, vocab_size), dtype=np.float32) for _ in self.entries]
+            self.changed = xp.ones(num_lanes, dtype=bool)  # lanes whose scorer context is new
+            self.rescore = bool(self.entries)  # host: some lane's context is new
+
+            for t, kind in enumerate(frame_kinds.tolist()):
+                if kind == 1:
+                    self._blank_frame(t)
+                elif kind == 2:
+                    self._full_frame(t, exact)
+            if options.sentence_end is not None and self.entries:
+                self._score_contexts(self.lengths_dev[self.lane_group])
+                end = xp.stack([c[:, options.sentence_end] for c in self.cache])  # [S, N]
+                self.lm_scores = self.lm_scores + end
+            return self._nbest(exact)
+        finally:
+            for entry in begun:
+                entry.scorer.release(groups)
+
+    def _frame_kinds(self) -> np.ndarray:
+        """Host [T] int8: 0 no utterance has the frame, 1 every utterance that has it skips it
+        (blank only), 2 searched in full. One transfer, before the frame loop."""
+        xp, lp = self.xp, self.log_probs
+        num_frames = lp.shape[1]
+        active = np.arange(num_frames)[None, :] < self.lengths[:, None]  # [U, T] host
+        threshold = self.options.blank_skip_threshold_logp
+        if threshold is None:
+            full = active.any(axis=0)
+            return np.where(full, 2, 0).astype(np.int8)
+        (skip,) = _to_host(lp[:, :, self.options.blank] > np.float32(threshold))
+        self.skip = xp.asarray(skip)
+        full = (active & ~skip).any(axis=0)
+        return np.where(full, 2, np.where(active.any(axis=0), 1, 0)).astype(np.int8)
+
+    def _frame_log_probs(self, t: int):
+        """[U, V]: frame t's log-probs; utterances past their end see a blank of log-prob 0,
+        skipped frames only their blank."""
+        xp, lp, blank = self.xp, self.log_probs, self.options.blank
+        x = lp[:, t, :]
+        active = t < self.lengths_dev  # [U]
+        keep = active
+        if self.options.blank_skip_threshold_logp is not None:
+            keep = active & ~self.skip[:, t]
+        blank_value = xp.where(active, x[:, blank], np.float32(0))
+        only_blank = xp.where(self.blank_column[None, :], blank_value[:, None], _NEG_INF)
+        return xp.where(keep[:, None], x, only_blank)
+
+    def _blank_frame(self, t: int) -> None:
+        """A frame every active utterance skips: only the blank transition, lanes keep order."""
+        xp, blank = self.xp, self.options.blank
+        active = t < self.lengths_dev
+        blank_logp = xp.where(active, self.log_probs[:, t, blank], np.float32(0))[self.lane_group]
+        total = xp.logaddexp(self.blank_logp, self.label_logp)
+        self.blank_logp = total + blank_logp
+        self.label_logp = xp.full_like(self.label_logp, _NEG_INF)
+
+    def _full_frame(self, t: int, exact: bool) -> None:
+        xp, options = self.xp, self.options
+        layout = self.layout
+        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        vocab_size, blank = self.log_probs.shape[2], options.blank
+        x = self._frame_log_probs(t)  # [U, V]
+        if self.rescore:
+            self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
+
+        # candidates [N, V]: extensions by every label; the stay candidate in the blank column
+        blank_logp, label_logp = self.blank_logp, self.label_logp
+        total = xp.logaddexp(blank_logp, label_logp)
+        has_last = self.last >= 0
+        safe_last = xp.maximum(self.last, 0)
+        x_last = x[self.lane_group, safe_last]
+        emit = (total.reshape(num_utts, beam, 1) + x.reshape(num_utts, 1, vocab_size)).reshape(
+            num_lanes, vocab_size)
+        lanes = xp.arange(num_lanes)
+        emit[lanes, safe_last] = xp.where(has_last, blank_logp + x_last, emit[lanes, safe_last])
+        emit[:, blank] = _NEG_INF
+        stay_blank = total + x[self.lane_group, blank]
+        stay_label = xp.where(has_last, label_logp + x_last, _NEG_INF)
+
+        # recombination: the extension of lane i by lane j's last label that spells j's prefix
+        match_lane, matched = self._recombination(total > _NEG_INF, exact)
+        merged = emit[match_lane, safe_last]
+        # the last label is re-timed to this frame when the new emission outweighs its old paths
+        retime = matched & (merged > xp.logaddexp(stay_blank, stay_label))
+        stay_label = xp.where(matched, xp.logaddexp(stay_label, merged), stay_label)
+        emit[match_lane, xp.where(matched, safe_last, blank)] = _NEG_INF
+
+        fused = None
+        if self.entries:
+            fused = self._fused(self.lm_scores)  # [N]
+            lm_term = combine_scores(self.cache, self.scales)  # [N, V]
+            candidates = emit + fused[:, None] + lm_term
+            stay_rank = xp.logaddexp(stay_blank, stay_label) + fused
+        else:
+            candidates = emit.copy()
+            stay_rank = xp.logaddexp(stay_blank, stay_label)
+        candidates[:, blank] = stay_rank
+        ranks = candidates.reshape(num_utts, beam * vocab_size)
+        if options.score_threshold is not None:
+            best = ranks.max(axis=1, keepdims=True)
+            ranks = xp.where(ranks >= best - np.float32(options.score_threshold), ranks, _NEG_INF)
+        chosen = top_k_indices(ranks, beam)  # [U, B]
+        alive = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
+        parents = (self.group_base + chosen // vocab_size).reshape(-1)
+        labels = (chosen % vocab_size).reshape(-1)
+        stay = (labels == blank) | ~alive
+        emitted = ~stay
+
+        # the new lanes
+        k = len(self.node_frames)
+        self.node_frames.append(t)
+        base = 1 + k * num_lanes
+        new_hash = (self.hash[parents] * _HASH_MULTIPLIER + labels + 1) % options.hash_modulus
+        retimed = stay & alive & retime[parents]  # a new node: same label and parent, this frame
+        parent_node = self.node[parents]
+        self.node_parent[base:base + num_lanes] = xp.where(retimed, self.node_parent[parent_node],
+                                                           parent_node)
+        self.node_label[base:base + num_lanes] = xp.where(retimed, self.last[parents], labels)
+        parent_stay_blank, parent_stay_label = stay_blank[parents], stay_label[parents]
+        self.blank_logp = xp.where(stay & alive, parent_stay_blank, _NEG_INF)
+        self.label_logp = xp.where(stay, xp.where(alive, parent_stay_label, _NEG_INF),
+                                   emit[parents, labels])
+        self.node = xp.where(stay & ~retimed, parent_node, base + lanes)
+        self.prev_hash = xp.where(stay, self.prev_hash[parents], self.hash[parents])
+        self.hash = xp.where(stay, self.hash[parents], new_hash)
+        self.last = xp.where(stay, self.last[parents], labels)
+        self.length = self.length[parents] + emitted
+
+        if self.entries:
+            safe_labels = xp.where(stay, 0, labels)
+            self.cache = [c[parents] for c in self.cache]
+            gained = xp.stack([xp.where(stay, np.float32(0), c[lanes, safe_labels]) for c in self.cache])
+            self.lm_scores = self.lm_scores[:, parents] + gained
+            transitions = xp.where(emitted, int(Transition.LABEL),
+                                   xp.where(parent_stay_label > parent_stay_blank,
+                                            int(Transition.LOOP), int(Transition.BLANK)))
+            self._extend_contexts(parents, xp.where(emitted, labels, -1), transitions, emitted)
+
+    # --- recombination and the collision check -------------------------------------------------
+    def _recombination(self, alive, exact: bool):
+        """Per lane j: the lane i of its utterance whose prefix + j's last label is j's prefix.
+
+        Returns (i [N] int64, matched [N] bool). Hash pairs are confirmed by the emission tree:
+        equal when j's parent node is i's node, else by walking both label paths back.
+        """
+        xp, layout = self.xp, self.layout
+        num_utts, beam = layout.num_groups, layout.beam_size
+        shape = (num_utts, beam, beam)  # [u, j, i]
+        hash_i = self.hash.reshape(num_utts, 1, beam)
+        length_i = self.length.reshape(num_utts, 1, beam)
+        alive_i = alive.reshape(num_utts, 1, beam)
+        prev_hash_j = self.prev_hash.reshape(num_utts, beam, 1)
+        length_j = self.length.reshape(num_utts, beam, 1)
+        alive_j = alive.reshape(num_utts, beam, 1)
+        candidate = ((hash_i == prev_hash_j) & (length_i + 1 == length_j) & alive_i & alive_j)
+        node_i = xp.broadcast_to(self.node.reshape(num_utts, 1, beam), shape)
+        node_j = xp.broadcast_to(self.node_parent[self.node].reshape(num_utts, beam, 1), shape)
+        equal = candidate & (node_i == node_j)
+        pending = candidate & (node_i != node_j)
+        steps = self.options.history_compare_steps
+        step = 0
+        while True:
+            if exact:
+                (more,) = _to_host(pending.any())
+                if not more:
+                    break
+            elif step >= steps:
+                self.unresolved = self.unresolved | pending.any()
+                break
+            pending = pending & (self.node_label[node_i] == self.node_label[node_j])
+            node_i, node_j = self.node_parent[node_i], self.node_parent[node_j]
+            met = pending & (node_i == node_j)
+            equal = equal | met
+            pending = pending & ~met
+            step += 1
+        matched = equal.any(axis=2).reshape(-1)
+        match_lane = (self.group_base + equal.astype(np.int8).argmax(axis=2)).reshape(-1)
+        return match_lane, matched
+
+    # --- scorers ---------------------------------------------------------------------------------
+    def _fused(self, lm_scores):
+        total = None
+        for s, scale in enumerate(self.scales):
+            if scale == 0.0:
+                continue
+            term = lm_scores[s] * np.float32(scale)
+            total = term if total is None else total + term
+        return self.xp.zeros(lm_scores.shape[1], dtype=np.float32) if total is None else total
+
+    def _score_contexts(self, frames) -> None:
+        """New score vectors for the lanes whose context changed (all lanes without the cache)."""
+        if not self.rescore:
+            return
+        xp, num_lanes = self.xp, self.layout.num_lanes
+        vocab_size = self.log_probs.shape[2]
+        for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
+            log_probs = entry.scorer.score(entry.scorer.at_frames(ctx, frames))
+            if tuple(log_probs.shape) != (num_lanes, vocab_size):
+                raise ValueError(f"scorer {entry.name!r}: score() returned shape "
+                                 f"{tuple(log_probs.shape)}, expected [N={num_lanes}, V={vocab_size}]")
+            if is_device_array(log_probs) != (xp is not np):
+                raise ValueError(f"scorer {entry.name!r}: score() returned a "
+                                 f"{type(log_probs).__module__} array, but the search runs on "
+                                 f"{xp.__name__}")
+            log_probs = log_probs.astype(np.float32, copy=False)
+            if self.cache_enabled:
+                self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
+            else:
+                self.cache[s] = log_probs
+        self.rescore = False
+        self.changed = xp.zeros(num_lanes, dtype=bool)
+
+    def _extend_contexts(self, parents, labels, transitions, emitted) -> None:
+        """Scorer contexts of the new lanes: extended where a lane emitted (the cache decides
+        whether unchanged lanes only move their mapping)."""
+        xp = self.xp
+        scorer_parents = self.scorer_lane[parents]
+        if self.cache_enabled:
+            (any_emitted,) = _to_host(emitted.any())
+            if not any_emitted:
+                self.scorer_lane = scorer_parents
+                return
+            self.changed = self.changed[parents] | emitted
+        self.contexts = [e.scorer.extend_transitions(c, scorer_parents, labels, transitions)
+                         for e, c in zip(self.entries, self.contexts)]
+        self.scorer_lane = xp.arange(self.layout.num_lanes, dtype=np.int64)
+        self.rescore = True
+
+    # --- results ---------------------------------------------------------------------------------
+    def _nbest(self, exact: bool):
+        xp, layout, options = self.xp, self.layout, self.options
+        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        ctc = xp.logaddexp(self.blank_logp, self.label_logp)
+        ranks = ctc + self._fused(self.lm_scores) if self.entries else ctc
+        order = top_k_indices(ranks.reshape(num_utts, beam), beam)
+        (order, ranks, ctc, lm_scores, node, node_parent, node_label, unresolved) = _to_host(
+            order, ranks, ctc, self.lm_scores, self.node, self.node_parent, self.node_label,
+            self.unresolved)
+        if not exact and bool(unresolved):
+            return None
+        node_frame = np.concatenate([[-1], np.repeat(np.asarray(self.node_frames, np.int64), num_lanes)])
+
+        # trace every lane's labels back at once, newest first
+        traced_labels, traced_frames = [], []
+        current = node.copy()
+        while (current != 0).any():
+            traced_labels.append(node_label[current])
+            traced_frames.append(node_frame[current])
+            current = node_parent[current]
+        traced_labels = np.stack(traced_labels[::-1]) if traced_labels else np.zeros((0, num_lanes), np.int64)
+        traced_frames = np.stack(traced_frames[::-1]) if traced_frames else np.zeros((0, num_lanes), np.int64)
+
+        results = []
+        for u in range(num_utts):
+            nbest = []
+            for lane in (u * beam + order[u]).tolist():
+                if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
+                    break
+                kept = traced_labels[:, lane] >= 0  # shorter prefixes have -1 at the front
+                labels = traced_labels[kept, lane].tolist()
+                scores = {CTC_SCORE_NAME: float(ctc[lane])}
+                scores.update({e.name: float(lm_scores[s, lane]) for s, e in enumerate(self.entries)})
+                nbest.append(Hypothesis(labels=labels, score=float(ranks[lane]), scores=scores,
+                                        length=len(labels), frames=traced_frames[kept, lane].tolist()))
+            results.append(nbest)
+        return results

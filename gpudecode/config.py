@@ -285,6 +285,8 @@ class SearchConfig(_Section):
     max_labels_per_input: PositiveFloat = defaults.MAX_LABELS_PER_INPUT
     max_labels: PositiveInt = defaults.MAX_LABELS
     batch_size: PositiveInt = defaults.SEARCH_BATCH_SIZE
+    max_active_utterances: PositiveInt | None = defaults.MAX_ACTIVE_UTTERANCES
+    admission_order: Literal[defaults.ADMISSION_ORDERS] = defaults.ADMISSION_ORDER
     max_cached_score_vectors: NonNegativeInt = defaults.MAX_CACHED_SCORE_VECTORS
     pre_beam_size: PositiveInt | None = defaults.PRE_BEAM_SIZE
     max_symbols_per_frame: PositiveInt = defaults.MAX_SYMBOLS_PER_FRAME

@@ -21,6 +21,7 @@ from gpudecode.session import OnnxSession, SessionOptions, discover_encoder
 from gpudecode.states.options import StateManagerOptions
 
 ONNX_SCORERS = ("onnx-decoder", "recurrent-lm")
+PROMPT_OPTIONS = ("initial_prompt_labels", "suffix_prompt_labels")
 
 
 class Decoder:
@@ -92,6 +93,22 @@ class Decoder:
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size,
             )
+        if scorer.type == "prefix-lm":
+            models = scorer.model if isinstance(scorer.model, dict) else {}
+            if set(models) != {"step", "prefill"}:
+                raise ConfigError(f"{key}.model: prefix-lm needs two ONNX models, as {{step: PATH, prefill: PATH}}")
+            unknown = set(scorer.options) - set(PROMPT_OPTIONS)
+            if unknown:
+                raise ConfigError(f"{key}.options: unknown {sorted(unknown)}; valid: {', '.join(PROMPT_OPTIONS)}")
+            prompts = {name: [self.vocabulary.resolve(label, f"{key}.options.{name}") for label in scorer.options.get(name, ())]
+                       for name in PROMPT_OPTIONS}
+            state_manager = (scorer.state_manager.to_options(self.config.runtime.device_id)
+                             if scorer.state_manager else StateManagerOptions(device_id=self.config.runtime.device_id))
+            return create_scorer(
+                "prefix-lm", model=models["step"], prefill_model=models["prefill"], vocab_size=len(self.vocabulary),
+                state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
+                scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, **prompts,
+            )
         if scorer.type == "length-reward":
             return create_scorer("length-reward", vocab_size=len(self.vocabulary), sentence_end=self.sentence_end,
                                  **scorer.options)
@@ -115,7 +132,10 @@ class Decoder:
 
     def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> list[list[Hypothesis]]:
         """N-best lists of one batch of utterances decoded together."""
-        return label_sync_search(self.scorers, self.encode(ids, features), self.search_options, xp=self.xp)
+        search = self.config.search
+        return label_sync_search(self.scorers, self.encode(ids, features), self.search_options, xp=self.xp,
+                                 max_active_utterances=search.max_active_utterances,
+                                 admission_order=search.admission_order)
 
     def decode(self, features: Mapping[str, np.ndarray] | Sequence[np.ndarray]) -> dict[str, list[Hypothesis]]:
         """N-best lists by utterance id (``features``: id -> [T, F] array, or a list: ids "0", "1", ...).

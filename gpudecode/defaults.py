@@ -78,7 +78,12 @@ SCORE_THRESHOLD: float | None = None  # None: no threshold pruning
 LENGTH_NORM_SCALE = 1.0  # ranking by score / length**scale; 0 turns it off
 MAX_LABELS_PER_INPUT = 1.0  # labels per encoder frame (label-synchronous search)
 MAX_LABELS = 1024  # absolute cap per utterance
-SEARCH_BATCH_SIZE = 16  # utterances in flight
+SEARCH_BATCH_SIZE = 16  # utterances read and handed to one search call
+# Continuous batching: lane groups in flight within one search call (None: all of the batch at once,
+# static batching); finished utterances' groups are refilled from the batch in this order.
+MAX_ACTIVE_UTTERANCES = None
+ADMISSION_ORDERS = ("longest-first", "shortest-first", "input")
+ADMISSION_ORDER = "longest-first"
 MAX_CACHED_SCORE_VECTORS = 10_000
 PRE_BEAM_SIZE: int | None = None  # None: no pre-pruning, every label is a candidate
 MAX_SYMBOLS_PER_FRAME = 10  # transducer (NeMo's default)

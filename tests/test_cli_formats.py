@@ -78,3 +78,11 @@ def test_every_bundled_config_decodes(tmp_path, config):
     assert result.exit_code == 0, result.output
     records = nbest(tmp_path / "out")
     assert sorted(records) == ["example-0", "example-1", "example-2"]
+
+
+def test_continuous_batching_from_the_config_gives_the_static_results(tmp_path):
+    static = CliRunner().invoke(main, ["decode", str(EXAMPLE), "--output", str(tmp_path / "static")])
+    continuous = CliRunner().invoke(main, ["decode", str(EXAMPLE), "--output", str(tmp_path / "continuous"),
+                                           "-o", "search.max_active_utterances=1", "-o", "search.admission_order=input"])
+    assert static.exit_code == 0 and continuous.exit_code == 0, continuous.output
+    assert nbest(tmp_path / "continuous") == nbest(tmp_path / "static")

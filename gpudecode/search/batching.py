@@ -26,13 +26,15 @@ from collections import deque
 
 import numpy as np
 
+from gpudecode import defaults
+
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.search import label_sync
 from gpudecode.search.label_sync import _NEG_INF, LabelSyncOptions, _Beam, _expand
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
 
-ADMISSION_ORDERS = ("longest-first", "shortest-first", "input")
+ADMISSION_ORDERS = defaults.ADMISSION_ORDERS
 
 #: Finished lanes kept on the device before their results are read back in one transfer.
 _MAX_PENDING_LANES = 1 << 16

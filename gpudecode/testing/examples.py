@@ -6,15 +6,20 @@ from pathlib import Path
 
 from gpudecode.testing.encoder import build_encoder
 from gpudecode.testing.lstm import build_lstm_lm
+from gpudecode.testing.prefill import build_prefix_lm
 from gpudecode.testing.transformer import build_transformer_decoder
 
 
 def write_examples(folder: str | Path) -> list[Path]:
-    """Writes ``encoder.onnx``, ``decoder.onnx`` (precomputed cross-attention) and ``lstm-lm.onnx``
-    (seed 0, default sizes) into ``folder``; returns their paths."""
+    """Writes ``encoder.onnx``, ``decoder.onnx`` (precomputed cross-attention), ``lstm-lm.onnx`` and
+    the prefix LM pair ``prefix-lm-step.onnx`` / ``prefix-lm-prefill.onnx`` (seed 0, default sizes)
+    into ``folder``; returns their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    prefix_lm = build_prefix_lm(0)
     return [
+        prefix_lm.step.save(folder / "prefix-lm-step.onnx"),
+        prefix_lm.prefill.save(folder / "prefix-lm-prefill.onnx"),
         build_encoder(0).save(folder / "encoder.onnx"),
         build_transformer_decoder(0, cross_attention="precomputed").save(folder / "decoder.onnx"),
         build_lstm_lm(0).save(folder / "lstm-lm.onnx"),

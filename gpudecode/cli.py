@@ -171,3 +171,23 @@ def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: 
     except GpuUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(results))
+
+
+@bench.command("batching")
+@click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Folder for batching.json and batching.png.")
+@click.option("--utterances", type=int, default=512, show_default=True)
+@click.option("--max-active", type=int, default=64, show_default=True, help="Utterances in flight.")
+@click.option("--beam", type=int, default=8, show_default=True)
+@click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
+def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool) -> None:
+    """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""
+    from gpudecode.backend import GpuUnavailableError
+    from gpudecode.bench.batching import format_table, run_batching_bench
+
+    try:
+        results = run_batching_bench(num_utts=utterances, max_active=max_active, beam=beam, quick=quick,
+                                     output_dir=output)
+    except GpuUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_table(results))

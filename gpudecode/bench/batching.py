@@ -20,7 +20,6 @@ Run: ``python -m gpudecode.bench.batching [--quick] [--output out/bench]`` (GPU)
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -213,21 +212,3 @@ def format_table(results: dict) -> str:
     lines.append("")
     lines.append(f"continuous ÷ static throughput: {results['ratios']['continuous_over_static_throughput']:.3f}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="out/bench")
-    parser.add_argument("--utterances", type=int, default=512)
-    parser.add_argument("--max-active", type=int, default=64)
-    parser.add_argument("--beam", type=int, default=8)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    results = run_batching_bench(num_utts=args.utterances, max_active=args.max_active, beam=args.beam,
-                                 device=args.device, quick=args.quick, output_dir=args.output)
-    print(format_table(results))
-
-
-if __name__ == "__main__":
-    main()

@@ -285,25 +285,3 @@ def format_table(results: dict) -> str:
             f"{c['split_gbps']:.0f} | {c['copy_gbps']:.0f} | {c['merge_over_copy']:.2f} | {c['split_over_copy']:.2f} | {cpu} |"
         )
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="out/bench")
-    parser.add_argument("--quick", action="store_true", help="a small grid (64, 1024 hypotheses; 16, 128 tokens)")
-    parser.add_argument("--storage-dtype", default=None)
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args(argv)
-    kwargs = {}
-    if args.quick:
-        kwargs.update(hypotheses=(64, 1024), histories=(16, 128))
-    results = run_state_copy_bench(output_dir=args.output, storage_dtype=args.storage_dtype, repeats=args.repeats,
-                                   **kwargs)
-    print(format_table(results))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

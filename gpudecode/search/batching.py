@@ -133,6 +133,9 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
     """
     xp = layout.xp
     num_groups, beam_size = layout.num_groups, layout.beam_size
+    # Admitting costs a few launches and a retain per scorer whatever the number of groups, so
+    # groups are refilled once an eighth of them is free (or the queue runs short).
+    min_free = max(1, num_groups // 8)
     limits = options.label_limits(utterances.input_lengths)
     queue = deque(admission_order(utterances.input_lengths, order).tolist())
     lanes = _Lanes(layout, len(entries))
@@ -163,10 +166,12 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
             num_pending += done.size * beam_size
             for entry in entries:
                 entry.scorer.release(done)
-            free = np.flatnonzero(lanes.group_utterance < 0)
-            free = np.union1d(free, done)
-            admitted, taken = _admit(entries, utterances, free, queue,
-                                     any_active=bool((lanes.group_utterance >= 0).sum() > done.size))
+            free = np.union1d(np.flatnonzero(lanes.group_utterance < 0), done)
+            still_active = int((lanes.group_utterance >= 0).sum()) - done.size
+            if len(free) >= min_free or len(queue) <= len(free) or still_active == 0:
+                admitted, taken = _admit(entries, utterances, free, queue, any_active=still_active > 0)
+            else:  # wait for more free groups: one admission then serves several
+                admitted = taken = np.zeros(0, dtype=np.int64)
             reset = np.union1d(done, admitted)
             lanes.reset(reset, admitted, taken, limits[taken], step=step)
             contexts = [e.scorer.initial_context(reset, c) for e, c in zip(entries, contexts)]

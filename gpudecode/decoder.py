@@ -17,11 +17,13 @@ from gpudecode.config import Config, ConfigError, ScorerConfig, load_config, val
 from gpudecode.io.vocabulary import Vocabulary
 from gpudecode.scorers import UtteranceBatch, create_scorer
 from gpudecode.search import Hypothesis, LabelSyncOptions, label_sync_search
+from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 from gpudecode.session import OnnxSession, SessionOptions, discover_encoder
 from gpudecode.states.options import StateManagerOptions
 
 ONNX_SCORERS = ("onnx-decoder", "recurrent-lm")
 PROMPT_OPTIONS = ("initial_prompt_labels", "suffix_prompt_labels")
+SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy")
 
 
 class Decoder:
@@ -41,23 +43,36 @@ class Decoder:
             vocab.path, blank=vocab.blank, sentence_begin=vocab.sentence_begin,
             sentence_end=vocab.sentence_end, unknown=vocab.unknown,
         )
-        if config.search.type != "label-sync":
-            raise ConfigError(f"search.type: {config.search.type!r} is not available yet; valid now: label-sync")
-        if not config.scorers:
-            raise ConfigError("scorers: at least one label scorer is needed")
-        self.sentence_end = self._special("sentence_end")
+        search = config.search
+        if search.type not in SEARCH_TYPES:
+            raise ConfigError(f"search.type: {search.type!r} is not available yet; valid now: {', '.join(SEARCH_TYPES)}")
+        if search.type == "label-sync" and not config.scorers:
+            raise ConfigError("scorers: the label-synchronous search needs at least one label scorer")
+        if search.type == "ctc-greedy" and config.scorers:
+            raise ConfigError("scorers: greedy CTC decoding fuses no scorers; use search.type ctc-prefix")
+        if search.type.startswith("ctc") and config.models.encoder is None:
+            raise ConfigError("models.encoder: CTC decoding needs the encoder that outputs frame log-probs")
+        self.sentence_end = (self._special("sentence_end") if search.type == "label-sync"
+                             else self.vocabulary.sentence_end_index)
         self.encoder = None
         if config.models.encoder is not None:
             self.encoder = OnnxSession(config.models.encoder.path, self.session_options)
             self.encoder_spec = discover_encoder(self.encoder.tensors, io_map=config.models.encoder.io_map)
         self.scorers = [(s.name, self._build_scorer(i, s), s.scale) for i, s in enumerate(config.scorers)]
-        search = config.search
-        self.search_options = LabelSyncOptions(
-            beam_size=search.beam_size, sentence_end=self.sentence_end,
-            length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,
-            max_labels_per_input=search.max_labels_per_input, max_labels=search.max_labels,
-            nbest=search.nbest,
-        )
+        if search.type == "label-sync":
+            self.search_options = LabelSyncOptions(
+                beam_size=search.beam_size, sentence_end=self.sentence_end,
+                length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,
+                max_labels_per_input=search.max_labels_per_input, max_labels=search.max_labels,
+                nbest=search.nbest,
+            )
+        else:
+            self.blank = self._special("blank")
+            self.search_options = CtcPrefixOptions(
+                beam_size=search.beam_size, blank=self.blank, score_threshold=search.score_threshold,
+                sentence_end=self.sentence_end if self.scorers else None,
+                max_cached_score_vectors=search.max_cached_score_vectors, nbest=search.nbest,
+            )
 
     @property
     def encoder_num_features(self) -> int | None:
@@ -130,9 +145,30 @@ class Decoder:
             inputs["encoder-states"] = inputs.pop(names["encoder-states"])
         return UtteranceBatch(ids=ids, input_lengths=sizes, inputs=inputs)
 
+    @property
+    def subsampling(self) -> int:
+        """Input frames per encoder frame (1 without an encoder), from a probe run of the encoder."""
+        if self.encoder is None:
+            return 1
+        if not hasattr(self, "_subsampling"):
+            probe = np.zeros((1, 96, self.encoder_num_features or 1), np.float32)
+            batch = self.encode(["probe"], list(probe))
+            self._subsampling = max(1, round(96 / max(int(batch.input_lengths[0]), 1)))
+        return self._subsampling
+
     def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> list[list[Hypothesis]]:
-        """N-best lists of one batch of utterances decoded together."""
+        """N-best lists of one batch of utterances decoded together.
+
+        For CTC searches, ``Hypothesis.frames`` are encoder frames (see :attr:`subsampling`).
+        """
         search = self.config.search
+        if search.type.startswith("ctc"):
+            batch = self.encode(ids, features)
+            log_probs = batch.inputs["encoder-states"]
+            if search.type == "ctc-greedy":
+                return ctc_greedy_search(log_probs, batch.input_lengths, blank=self.blank, xp=self.xp)
+            return ctc_prefix_search(log_probs, batch.input_lengths, self.search_options, self.scorers,
+                                     xp=self.xp, ids=list(ids))
         return label_sync_search(self.scorers, self.encode(ids, features), self.search_options, xp=self.xp,
                                  max_active_utterances=search.max_active_utterances,
                                  admission_order=search.admission_order)

@@ -93,7 +93,8 @@ def run_decode(config: Config, *, resume: bool = False,
     start = time.perf_counter()
     try:
         with source, ResultWriter(output, decoder.vocabulary, formats=io.formats, word_merging=io.word_merging,
-                                  frame_shift_s=front_end.frame_shift_s, resume=resume) as writer:
+                                  frame_shift_s=front_end.frame_shift_s * decoder.subsampling,
+                                  resume=resume) as writer:
             total = len([u for u in source.ids() if u not in done])
             for batch in source.batches(config.search.batch_size, exclude=done):
                 for utterance, nbest in _decode_fitting(decoder, batch, summary, io.on_bad_input):

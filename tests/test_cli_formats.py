@@ -86,3 +86,19 @@ def test_continuous_batching_from_the_config_gives_the_static_results(tmp_path):
                                            "-o", "search.max_active_utterances=1", "-o", "search.admission_order=input"])
     assert static.exit_code == 0 and continuous.exit_code == 0, continuous.output
     assert nbest(tmp_path / "continuous") == nbest(tmp_path / "static")
+
+
+def test_ctc_decode_writes_ctm_times_from_emission_frames(tmp_path):
+    result = CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "ctc.yaml"), "--output", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "nbest.jsonl").read_text().splitlines())}
+    ctm = [line.split() for line in (tmp_path / "hyp.ctm").read_text().splitlines()]
+    for utt, record in records.items():
+        best = record["nbest"][0]
+        rows = [row for row in ctm if row[0] == utt]
+        words = [w for w in best["words"].split()]
+        assert [row[4] for row in rows] == words and len(best["frames"]) == len(best["labels"])
+        # encoder frame × 10 ms hop × subsampling 2
+        expected = [round(0.02 * f, 3) for f, token in zip(best["frames"], best["tokens"])]
+        assert [float(row[2]) for row in rows] == pytest.approx(expected[: len(rows)], abs=1e-6)
+        assert set(best["scores"]) == {"ctc", "lm"}

@@ -459,7 +459,7 @@ def test_bad_options_raise(build):
 
 def test_write_examples(tmp_path):
     paths = write_examples(tmp_path)
-    assert sorted(p.name for p in paths) == ["decoder.onnx", "encoder.onnx", "lstm-lm.onnx",
+    assert sorted(p.name for p in paths) == ["ctc-encoder.onnx", "decoder.onnx", "encoder.onnx", "lstm-lm.onnx",
                                              "prefix-lm-prefill.onnx", "prefix-lm-step.onnx"]
     for path in paths:
         assert path.stat().st_size < 200_000

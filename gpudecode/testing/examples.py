@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpudecode.testing.ctc import build_ctc_encoder
 from gpudecode.testing.encoder import build_encoder
 from gpudecode.testing.lstm import build_lstm_lm
 from gpudecode.testing.prefill import build_prefix_lm
@@ -12,12 +13,14 @@ from gpudecode.testing.transformer import build_transformer_decoder
 
 def write_examples(folder: str | Path) -> list[Path]:
     """Writes ``encoder.onnx``, ``decoder.onnx`` (precomputed cross-attention), ``lstm-lm.onnx`` and
-    the prefix LM pair ``prefix-lm-step.onnx`` / ``prefix-lm-prefill.onnx`` (seed 0, default sizes)
-    into ``folder``; returns their paths."""
+    the prefix LM pair ``prefix-lm-step.onnx`` / ``prefix-lm-prefill.onnx`` and the CTC encoder
+    ``ctc-encoder.onnx`` (12 labels, blank 0) (seed 0, default sizes) into ``folder``; returns
+    their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     prefix_lm = build_prefix_lm(0)
     return [
+        build_ctc_encoder(0, num_features=16, vocab_size=12, blank=0).save(folder / "ctc-encoder.onnx"),
         prefix_lm.step.save(folder / "prefix-lm-step.onnx"),
         prefix_lm.prefill.save(folder / "prefix-lm-prefill.onnx"),
         build_encoder(0).save(folder / "encoder.onnx"),

@@ -7,13 +7,10 @@ gap above 1e-3 (recorded by wrapping the search's top-k), so a near-tie cannot f
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
 from examples.custom_scorer import BigramScorer
-from gpudecode.scorers import LabelScorer
 from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
 from gpudecode.search import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search, top_k_indices
 from gpudecode.search import ctc as ctc_module
@@ -348,7 +345,7 @@ def test_hash_collisions_would_merge_distinct_sequences_without_the_check(monkey
     expected = ctc_prefix_search(log_probs, lengths, CtcPrefixOptions(beam_size=6))
 
     def trusting(self, alive, exact):
-        xp, (num_utts, beam) = self.xp, (self.layout.num_groups, self.layout.beam_size)
+        num_utts, beam = self.layout.num_groups, self.layout.beam_size
         equal = ((self.hash.reshape(num_utts, 1, beam) == self.prev_hash.reshape(num_utts, beam, 1))
                  & (self.length.reshape(num_utts, 1, beam) + 1 == self.length.reshape(num_utts, beam, 1))
                  & alive.reshape(num_utts, 1, beam) & alive.reshape(num_utts, beam, 1))

@@ -64,7 +64,7 @@ class Decoder:
                 beam_size=search.beam_size, sentence_end=self.sentence_end,
                 length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,
                 max_labels_per_input=search.max_labels_per_input, max_labels=search.max_labels,
-                nbest=search.nbest,
+                nbest=search.nbest, pre_beam_size=search.pre_beam_size,
             )
         else:
             self.blank = self._special("blank")
@@ -124,6 +124,9 @@ class Decoder:
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, **prompts,
             )
+        if scorer.type == "ctc-prefix":  # joint CTC/attention: the encoder also outputs frame log-probs
+            return create_scorer("ctc-prefix", vocab_size=len(self.vocabulary), sentence_end=self._special("sentence_end"),
+                                 blank=self._special("blank"), input_name=scorer.io_map.get("log-probs", "log-probs"))
         if scorer.type == "length-reward":
             return create_scorer("length-reward", vocab_size=len(self.vocabulary), sentence_end=self.sentence_end,
                                  **scorer.options)

@@ -159,6 +159,10 @@ class LabelScorer:
 
     vocab_size: int
     layout: LaneLayout | None = None
+    #: True for scorers too costly to score every label (e.g. CTC prefix scores): a label-
+    #: synchronous search then calls :meth:`score_candidates` on the ``pre_beam_size`` best labels
+    #: per lane by the other scorers only.
+    partial_scoring: bool = False
 
     # --- lifecycle -----------------------------------------------------------------------------
     def begin(self, layout: LaneLayout) -> None:

@@ -58,6 +58,9 @@ class CtcPrefixScorer(LabelScorer):
     probability); ``input_name``: the per-utterance input holding the log-probs [U, T, V].
     """
 
+    #: Scored only on the pre-beam candidates of the other scorers (``score_candidates``).
+    partial_scoring = True
+
     def __init__(self, *, vocab_size: int, sentence_end: int, blank: int = 0,
                  input_name: str = "log-probs") -> None:
         for name, value in (("blank", blank), ("sentence_end", sentence_end)):

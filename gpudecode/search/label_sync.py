@@ -48,7 +48,9 @@ class LabelSyncOptions:
       best candidate by more than this (None: off);
     - ``max_labels_per_input``: at most ``floor(max_labels_per_input × input length)`` labels
       per utterance (at least 1), and never more than ``max_labels``;
-    - ``nbest``: hypotheses returned per utterance (None: ``beam_size``).
+    - ``nbest``: hypotheses returned per utterance (None: ``beam_size``);
+    - ``pre_beam_size``: labels per lane that partial scorers (e.g. ``ctc-prefix``) score, the
+      best by the other scorers (None: max(2 × beam_size, 10)).
     """
 
     beam_size: int
@@ -58,12 +60,15 @@ class LabelSyncOptions:
     max_labels_per_input: float = defaults.MAX_LABELS_PER_INPUT
     max_labels: int = defaults.MAX_LABELS
     nbest: int | None = None
+    pre_beam_size: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(f"LabelSyncOptions.{name}: expected {expected}, got "
                               f"{getattr(self, name)!r}")
 
+        if self.pre_beam_size is not None and not (isinstance(self.pre_beam_size, int) and self.pre_beam_size >= 1):
+            raise bad("pre_beam_size", "None or an int >= 1")
         for name in ("beam_size", "sentence_end", "max_labels", "nbest"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -231,9 +236,7 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
     num_lanes, vocab_size = layout.num_lanes, int(entries[0].scorer.vocab_size)
     lns = np.float32(options.length_norm_scale)
     threshold = None if options.score_threshold is None else np.float32(options.score_threshold)
-    log_probs = [_checked_scores(e, e.scorer.score(c), num_lanes, vocab_size, xp)
-                 for e, c in zip(entries, contexts)]
-    combined = combine_scores(log_probs, [e.scale for e in entries])  # [N, V]
+    log_probs, combined = _scores(entries, contexts, layout, options, vocab_size)
 
     # Candidates [N, V]: open lanes extend by every label; a terminated lane offers only
     # itself (in column 0, mapped to label -1 below); dead lanes offer nothing.
@@ -269,6 +272,43 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
                  lengths=beam.lengths[parents] + emitted, ended=ended)
     contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
     return beam, parents, labels, contexts
+
+
+def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vocab_size: int):
+    """Each scorer's [N, V] log-probs and their combination Σ scale · logp.
+
+    Partial scorers (``scorer.partial_scoring``) score only the ``pre_beam_size`` best labels per
+    lane by the full scorers; every other label gets -inf from them (and in the combination).
+    """
+    xp, num_lanes = layout.xp, layout.num_lanes
+    full = [i for i, e in enumerate(entries) if not getattr(e.scorer, "partial_scoring", False)]
+    if not full:
+        raise ValueError("a partial scorer (scored on pre-beam candidates) needs at least one full scorer")
+    log_probs = [None] * len(entries)
+    for i in full:
+        log_probs[i] = _checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp)
+    combined = combine_scores([log_probs[i] for i in full], [entries[i].scale for i in full])
+    partial = [i for i in range(len(entries)) if i not in full]
+    if not partial:
+        return log_probs, combined
+    size = min(options.pre_beam_size or max(2 * layout.beam_size, 10), vocab_size)
+    candidates = top_k_indices(combined, size)  # [N, K] labels, best first
+    rows = xp.arange(num_lanes)[:, None]
+    kept = xp.full((num_lanes, vocab_size), _NEG_INF, dtype=np.float32)
+    kept[rows, candidates] = combined[rows, candidates]
+    combined = kept
+    for i in partial:
+        entry = entries[i]
+        part = entry.scorer.score_candidates(contexts[i], candidates).astype(np.float32, copy=False)
+        if tuple(part.shape) != tuple(candidates.shape):
+            raise ValueError(f"scorer {entry.name!r}: score_candidates() returned shape {tuple(part.shape)}, "
+                             f"expected [N={num_lanes}, K={size}]")
+        scattered = xp.full((num_lanes, vocab_size), _NEG_INF, dtype=np.float32)
+        scattered[rows, candidates] = part
+        log_probs[i] = scattered
+        if entry.scale != 0:
+            combined = combined + np.float32(entry.scale) * scattered
+    return log_probs, combined
 
 
 def _checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp):

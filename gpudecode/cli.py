@@ -191,3 +191,25 @@ def bench_batching(output: str, utterances: int, max_active: int, beam: int, qui
     except GpuUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(results))
+
+
+@bench.command("ctc")
+@click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Folder for ctc.json and ctc.png.")
+@click.option("--utterances", type=int, default=64, show_default=True)
+@click.option("--frames", type=int, default=10_000, show_default=True, help="Frames of log-probs per utterance.")
+@click.option("--vocab-sizes", default="1000,5000", show_default=True, help="Comma-separated.")
+@click.option("--beams", default="1,8,16", show_default=True, help="Comma-separated.")
+@click.option("--encoder-frames", type=int, default=1000, show_default=True,
+              help="Input frames per utterance for the end-to-end beam ÷ greedy with the pinned encoder.")
+def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams: str, encoder_frames: int) -> None:
+    """CTC prefix search frames/s (with and without an LSTM LM) and end-to-end beam 8 ÷ greedy."""
+    from gpudecode.backend import GpuUnavailableError
+    from gpudecode.bench.ctc import format_table, run_ctc_bench
+
+    try:
+        results = run_ctc_bench(num_utts=utterances, num_frames=frames, vocab_sizes=_int_list(vocab_sizes),
+                                beams=_int_list(beams), encoder_frames=encoder_frames, output_dir=output)
+    except GpuUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_table(results))

@@ -214,8 +214,9 @@ class OnnxDecoderScorer(LabelScorer):
                 table[lanes] = -1
             next_labels = ctx.next_labels.copy()
             next_labels[lanes] = self.start_labels[0]
+            # No retain here: the reset lanes' old slots are freed by release() or, at the latest,
+            # by the next extend's retain (nothing references them any more).
             context = self._ctx = DecoderContext(StateHistory(table=table, lengths=lengths), next_labels)
-            self.states.retain(context.histories)
             reset = xp.zeros(num_lanes, dtype=bool)
             reset[lanes] = True
         for label in self.start_labels[1:]:  # a few fixed prompt labels, fed to the reset lanes

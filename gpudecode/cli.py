@@ -77,12 +77,13 @@ def decode(config: str, features: str | None, output: str | None, references: st
             started = time.perf_counter()
             pool = ""  # per-worker counts on Ray
 
-            def progress(done: int, total: int) -> None:
+            def progress(done: int, total: int, real_time_factor: float | None = None) -> None:
                 rate = done / max(time.perf_counter() - started, 1e-9)
                 on_ray = loaded.runtime.engine.type != "local"
                 memory = device_memory_in_use() if loaded.runtime.device == "cuda" and not on_ray else None
-                bar.label = (f"decoding, {rate:.1f} utt/s" + (f", GPU {memory / 2**20:.0f} MiB" if memory else "")
-                             + pool)
+                bar.label = (f"decoding, {rate:.1f} utt/s"
+                             + (f", RTF {real_time_factor:.4f}" if real_time_factor is not None else "")
+                             + (f", GPU {memory / 2**20:.0f} MiB" if memory else "") + pool)
                 bar.length = max(total, 1)
                 bar.update(done - bar.pos)
 

@@ -64,7 +64,7 @@ def run_decode(config: Config, *, resume: bool = False,
                on_status: Callable[[Mapping], None] | None = None) -> RunSummary:
     """Decode every utterance of ``config.io.features`` into ``config.io.output``.
 
-    ``progress(done, total)`` is called after each batch. Without ``resume``, an output folder
+    ``progress(done, total, real_time_factor)`` is called after each batch. Without ``resume``, an output folder
     that already holds results is an error (results already written are never overwritten).
     With ``runtime.engine.type: ray`` the work runs on a Ray cluster (``gpudecode.engines``) and
     ``on_status(workers)`` gets each worker's status (worker name -> ``WorkerStatus``).
@@ -102,7 +102,8 @@ def run_decode(config: Config, *, resume: bool = False,
                     summary.frames += utterance.num_frames
                     summary.decoded += 1
                 if progress:
-                    progress(summary.decoded, total)
+                    summary.seconds = time.perf_counter() - start
+                    progress(summary.decoded, total, summary.real_time_factor)
             summary.skipped = [str(error) for error in source.skipped] + summary.skipped
     finally:
         summary.seconds = time.perf_counter() - start

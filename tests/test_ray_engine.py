@@ -169,7 +169,7 @@ class Stop(Exception):
 
 
 def stop_after(count: int):
-    def progress(done: int, total: int) -> None:
+    def progress(done: int, total: int, *_) -> None:
         if done >= count:
             raise Stop
     return progress

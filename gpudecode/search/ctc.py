@@ -40,7 +40,6 @@ blanks dropped — for all utterances at once.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -51,6 +50,7 @@ from gpudecode import defaults
 from gpudecode.backend import is_device_array, shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
 
@@ -100,17 +100,10 @@ class CtcPrefixOptions:
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
-            return ValueError(f"CtcPrefixOptions.{name}: expected {expected}, got "
-                              f"{getattr(self, name)!r}")
+            return option_error(self, name, expected)
 
-        for name in ("beam_size", "blank", "sentence_end", "max_cached_score_vectors", "nbest",
-                     "hash_modulus", "history_compare_steps"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                try:
-                    object.__setattr__(self, name, operator.index(value))
-                except TypeError:
-                    raise bad(name, "an int") from None
+        coerce_ints(self, ("beam_size", "blank", "sentence_end", "max_cached_score_vectors", "nbest",
+                           "hash_modulus", "history_compare_steps"))
         if not isinstance(self.beam_size, int) or self.beam_size < 1:
             raise bad("beam_size", "an int >= 1")
         if not isinstance(self.blank, int) or self.blank < 0:

@@ -19,7 +19,6 @@ stop test). The label sequences are traced back once at the end.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -30,6 +29,7 @@ from gpudecode import defaults
 from gpudecode.backend import is_device_array, shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
 
@@ -64,18 +64,11 @@ class LabelSyncOptions:
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
-            return ValueError(f"LabelSyncOptions.{name}: expected {expected}, got "
-                              f"{getattr(self, name)!r}")
+            return option_error(self, name, expected)
 
+        coerce_ints(self, ("beam_size", "sentence_end", "max_labels", "nbest", "pre_beam_size"))
         if self.pre_beam_size is not None and not (isinstance(self.pre_beam_size, int) and self.pre_beam_size >= 1):
             raise bad("pre_beam_size", "None or an int >= 1")
-        for name in ("beam_size", "sentence_end", "max_labels", "nbest"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                try:  # numpy integers are fine; floats are not
-                    object.__setattr__(self, name, operator.index(value))
-                except TypeError:
-                    raise bad(name, "an int") from None
         if not isinstance(self.beam_size, int) or self.beam_size < 1:
             raise bad("beam_size", "an int >= 1")
         if not isinstance(self.sentence_end, int) or self.sentence_end < 0:

@@ -154,9 +154,7 @@ class Decoder:
         if self.encoder is None:
             return 1
         if not hasattr(self, "_subsampling"):
-            probe = np.zeros((1, 96, self.encoder_num_features or 1), np.float32)
-            batch = self.encode(["probe"], list(probe))
-            self._subsampling = max(1, round(96 / max(int(batch.input_lengths[0]), 1)))
+            self._subsampling = _probe_subsampling(self.encoder, self.encoder_spec)
         return self._subsampling
 
     def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> list[list[Hypothesis]]:
@@ -195,6 +193,25 @@ class Decoder:
     def close(self) -> None:
         for _, scorer, _ in self.scorers:
             getattr(scorer, "close", lambda: None)()
+
+
+def encoder_subsampling(config: Config) -> int:
+    """Input frames per encoder frame of ``config``'s encoder (1 without one), probed on the CPU.
+
+    For CTM times where no :class:`Decoder` is at hand (e.g. the driver of a Ray run)."""
+    if config.models.encoder is None:
+        return 1
+    session = OnnxSession(config.models.encoder.path)
+    return _probe_subsampling(session, discover_encoder(session.tensors, io_map=config.models.encoder.io_map))
+
+
+def _probe_subsampling(session: OnnxSession, spec, frames: int = 96) -> int:
+    names = spec.names
+    features = np.zeros((1, frames, spec.num_features or 1), np.float32)
+    size_dtype = session.tensors.input(names["features-size"]).dtype
+    out = session.run({names["features"]: features, names["features-size"]: np.array([frames], size_dtype)},
+                      [names["encoder-states-size"]])
+    return max(1, round(frames / max(int(to_host(out[names["encoder-states-size"]])[0]), 1)))
 
 
 def _pad(features: Sequence[np.ndarray]) -> np.ndarray:

@@ -194,6 +194,16 @@ def test_two_ray_workers_give_the_single_process_output(cluster, data, tmp_path)
     assert resolved["runtime"]["engine"]["type"] == "ray" and resolved["runtime"]["engine"]["workers"] == 2
 
 
+def test_ctc_on_ray_writes_the_same_ctm_as_the_local_run(cluster, tmp_path):
+    config = ROOT / "configs" / "ctc-greedy.yaml"
+    local = decode(config, "--output", tmp_path / "local")
+    assert local.exit_code == 0, local.output
+    on_ray = decode(config, "--engine", "ray", "--workers", "2", "--output", tmp_path / "ray")
+    assert on_ray.exit_code == 0, on_ray.output
+    ctm = {name: sorted((tmp_path / name / "hyp.ctm").read_text().splitlines()) for name in ("local", "ray")}
+    assert ctm["ray"] == ctm["local"] and len(ctm["local"]) > 10
+
+
 def test_a_worker_killed_mid_shard_is_restarted_and_nothing_is_lost(cluster, data, tmp_path, monkeypatch):
     folder, configs = data
     marker = tmp_path / "killed"

@@ -353,8 +353,13 @@ def run_decode_ray(config: Config, *, done: set[str], resume: bool,
     start = time.perf_counter()
     returned: set[str] = set()
     try:
+        frame_shift_s = front_end.frame_shift_s
+        if "ctm" in io.formats:  # label frames are encoder frames
+            from gpudecode.decoder import encoder_subsampling
+
+            frame_shift_s *= encoder_subsampling(config)
         with ResultWriter(output, vocabulary, formats=io.formats, word_merging=io.word_merging,
-                          frame_shift_s=front_end.frame_shift_s, resume=resume) as writer:
+                          frame_shift_s=frame_shift_s, resume=resume) as writer:
             num_workers, gpus, summary.engine = _pool_size(ray, config, len(batches))
             log.info("decoding %d utterances in %d batches on %s", len(lengths), len(batches), summary.engine)
             with contextlib.closing(_stream(ray, config, batches, num_workers, gpus)) as results:

@@ -1,0 +1,90 @@
+"""What the FSDD recipe's scripts share: paths, splits, the front end, the vocabulary, readers.
+
+Not imported by the library. The scripts run as ``python examples/fsdd/<script>.py`` from any
+folder; relative defaults resolve against the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from fsdd_grammar import DIGIT_WORDS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPE_DIR = Path(__file__).resolve().parent
+DEFAULT_RECORDINGS = REPO_ROOT.parent / "shared" / "data" / "fsdd" / "recordings"
+DEFAULT_DATA_DIR = RECIPE_DIR / "data"
+
+# Recording indices of each split (FSDD's own test split is 0-4; dev is carved out of training).
+SPLITS: dict[str, range] = {"train": range(10, 50), "dev": range(5, 10), "test": range(0, 5)}
+
+# The toolkit's log-mel front end (gpudecode.io.frontend.LogMelOptions / models.front_end in a
+# config). 40 bins on a 256-point FFT from 20 Hz leave no mel filter empty at 8 kHz; the
+# default 80 bins would not. Features are written without normalisation: the models hold the
+# global mean and variance of the training features (stats.npz) as constants.
+FRONT_END: dict[str, object] = {
+    "sample_rate_hz": 8000,
+    "window_ms": 25.0,
+    "hop_ms": 10.0,
+    "fft_size": 256,
+    "num_mel_bins": 40,
+    "low_freq_hz": 20.0,
+    "window_type": "hann",
+    "normalisation": "none",
+}
+
+# One vocabulary for every model of the recipe (CTC, transducer, AED, LMs): label index =
+# line number. Blank only matters to CTC and the transducer; "</s>" is sentence begin and end
+# for the attention decoder and the LMs.
+BLANK = "<blank>"
+SENTENCE_END = "</s>"
+VOCABULARY: tuple[str, ...] = (BLANK, SENTENCE_END, *DIGIT_WORDS)
+FIRST_DIGIT_INDEX = VOCABULARY.index("zero")
+
+LICENSE_NOTE = ("Derived from the Free Spoken Digit Dataset (Jakobovski/free-spoken-digit-dataset, "
+                "commit 26eb9aaf), CC BY-SA 4.0; this file carries the same license.")
+
+
+def resolve(path: str | Path) -> Path:
+    """A path from the command line: absolute, or relative to the current folder."""
+    return Path(path).expanduser().resolve()
+
+
+def read_text(path: Path) -> dict[str, list[str]]:
+    """Reference transcripts: ``{utt-id: words}`` from ``utt-id word word ...`` lines."""
+    refs: dict[str, list[str]] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        parts = line.split()
+        if not parts:
+            continue
+        if parts[0] in refs:
+            raise ValueError(f"{path}:{number}: duplicate utterance id {parts[0]!r}")
+        refs[parts[0]] = parts[1:]
+    return refs
+
+
+def words_to_labels(words: list[str]) -> list[int]:
+    return [VOCABULARY.index(w) for w in words]
+
+
+def load_hdf5_split(path: Path) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+    """``(ids, features (T, F) float32 each, labels (L,) int64 each)`` from a RETURNN-layout
+    HDF5 written by make_data.py (labels from ``targets/data/classes``)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        inputs = f["inputs"][...]
+        lengths = np.asarray(f["seqLengths"][...])
+        tags = [t.decode() if isinstance(t, bytes) else str(t) for t in f["seqTags"][...]]
+        classes = f["targets/data/classes"][...]
+    frame_ends = np.cumsum(lengths[:, 0])
+    label_ends = np.cumsum(lengths[:, 1])
+    feats = np.split(inputs, frame_ends[:-1])
+    labels = [x.astype(np.int64) for x in np.split(classes, label_ends[:-1])]
+    return tags, feats, labels
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

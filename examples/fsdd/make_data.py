@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""Connected-digit utterances from FSDD recordings: audio, log-mel features, transcripts.
+
+    python examples/fsdd/make_data.py [--out examples/fsdd/data] [--num-train 3000 ...]
+
+Each utterance is one item of the structured language in ``fsdd_grammar.py`` (1-10 digits),
+spoken by one speaker: the speaker's recordings of those digits, drawn from the split's
+recording indices (train 10-49, dev 5-9, test 0-4; a recording is never in two splits), each
+with a gain of +-3 dB, joined by silences of 50-300 ms, with 100-300 ms of silence at both ends
+and white noise at -60 dBFS everywhere (so that silence is not digital zero). Samples are
+quantised to 16 bits; the features are computed from exactly the samples the wav files hold,
+with the toolkit's own front end (``gpudecode.io.frontend``), so decoding the wav files through
+``models.front_end`` gives the same features.
+
+Writes under ``--out``::
+
+    vocab.txt           labels, one per line (index = line number): <blank> </s> zero .. nine
+    front_end.json      the LogMelOptions used (the keys of models.front_end in a config)
+    stats.npz           mean, std (F,) of the training features (for the models' normalisation)
+    lm_text.txt         --num-lm-sentences sentences of the language (words), for LM training
+    {split}/text        utt-id words ...          (reference transcripts)
+    {split}/manifest.jsonl   per utterance: category, digits, speaker, recordings, gains, gaps
+    {split}/feats.h5    RETURNN layout: inputs (sum T, F), seqLengths (U, 2) = [frames, labels],
+                        seqTags (U,), targets/data/classes (sum L,) label indices
+    {split}/feats.ark, feats.scp   Kaldi archive and script (absolute paths) of the same features
+    {split}/wav/*.wav, wav.scp     16-bit 8 kHz audio (only for --wav-splits)
+
+Everything is a function of --seed and the sizes. The data carries FSDD's license, CC BY-SA 4.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import fsdd_grammar as grammar
+import numpy as np
+from fsdd_common import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_RECORDINGS,
+    FRONT_END,
+    LICENSE_NOTE,
+    SPLITS,
+    VOCABULARY,
+    resolve,
+    write_json,
+)
+
+RECORDING_NAME = re.compile(r"([0-9])_([a-z]+)_([0-9]+)\.wav")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--recordings", type=Path, default=DEFAULT_RECORDINGS,
+                   help="FSDD recordings folder ({digit}_{speaker}_{index}.wav)")
+    p.add_argument("--out", type=Path, default=DEFAULT_DATA_DIR, help="output folder")
+    p.add_argument("--seed", type=int, default=20240502)
+    p.add_argument("--num-train", type=int, default=3000)
+    p.add_argument("--num-dev", type=int, default=500)
+    p.add_argument("--num-test", type=int, default=600)
+    p.add_argument("--num-lm-sentences", type=int, default=20000,
+                   help="sentences of lm_text.txt (0: none)")
+    p.add_argument("--wav-splits", default="dev,test",
+                   help="comma-separated splits whose audio is written as wav files ('' none)")
+    p.add_argument("--gap-ms", type=float, nargs=2, default=(50.0, 300.0), metavar=("MIN", "MAX"))
+    p.add_argument("--edge-ms", type=float, nargs=2, default=(100.0, 300.0),
+                   metavar=("MIN", "MAX"), help="silence before the first and after the last digit")
+    p.add_argument("--gain-db", type=float, default=3.0, help="gain jitter: uniform in +-GAIN_DB")
+    p.add_argument("--noise-dbfs", type=float, default=-60.0,
+                   help="RMS of the white noise added everywhere, dB re full scale")
+    args = p.parse_args(argv)
+    args.recordings, args.out = resolve(args.recordings), resolve(args.out)
+    args.wav_splits = [s for s in args.wav_splits.split(",") if s]
+    unknown = set(args.wav_splits) - set(SPLITS)
+    if unknown:
+        p.error(f"--wav-splits: unknown split(s) {sorted(unknown)}; valid: {', '.join(SPLITS)}")
+    for name in ("num_train", "num_dev", "num_test", "num_lm_sentences"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    return args
+
+
+# --- recordings --------------------------------------------------------------------------------
+
+class Recordings:
+    """FSDD recordings indexed by (speaker, digit) -> {index: path}; audio read once, cached."""
+
+    def __init__(self, folder: Path, sample_rate_hz: int):
+        if not folder.is_dir():
+            raise SystemExit(f"{folder}: FSDD recordings folder does not exist (pass --recordings)")
+        self.sample_rate_hz = sample_rate_hz
+        self.paths: dict[tuple[str, int], dict[int, Path]] = {}
+        for path in sorted(folder.glob("*.wav")):
+            match = RECORDING_NAME.fullmatch(path.name)
+            if match is None:
+                raise SystemExit(f"{path}: not an FSDD name {{digit}}_{{speaker}}_{{index}}.wav")
+            digit, speaker, index = int(match[1]), match[2], int(match[3])
+            self.paths.setdefault((speaker, digit), {})[index] = path
+        if not self.paths:
+            raise SystemExit(f"{folder}: no .wav files")
+        self.speakers = sorted({speaker for speaker, _ in self.paths})
+        self._audio: dict[Path, np.ndarray] = {}
+
+    def indices(self, speaker: str, digit: int, split: str) -> list[int]:
+        available = self.paths.get((speaker, digit), {})
+        indices = [i for i in SPLITS[split] if i in available]
+        if not indices:
+            raise SystemExit(f"no recording of digit {digit} by {speaker} in the {split} split "
+                             f"(indices {SPLITS[split].start}-{SPLITS[split].stop - 1})")
+        return indices
+
+    def audio(self, path: Path) -> np.ndarray:
+        if path not in self._audio:
+            import soundfile
+
+            samples, rate = soundfile.read(path, dtype="float64")
+            if rate != self.sample_rate_hz or samples.ndim != 1:
+                raise SystemExit(f"{path}: {rate} Hz, shape {samples.shape}; expected mono "
+                                 f"{self.sample_rate_hz} Hz")
+            self._audio[path] = samples
+        return self._audio[path]
+
+
+def check_splits_disjoint() -> None:
+    names = list(SPLITS)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            common = set(SPLITS[a]) & set(SPLITS[b])
+            assert not common, f"splits {a} and {b} share recording indices {sorted(common)}"
+
+
+# --- one utterance -----------------------------------------------------------------------------
+
+def make_utterance(digits: str, speaker: str, split: str, recordings: Recordings,
+                   rng: np.random.Generator, args) -> tuple[np.ndarray, dict]:
+    """16-bit samples ``(num_samples,)`` and the manifest record of one utterance."""
+    rate = recordings.sample_rate_hz
+
+    def silence_samples(range_ms) -> int:
+        return int(round(rng.uniform(*range_ms) * rate / 1000.0))
+
+    pieces, used, gains_db, gaps_ms = [], [], [], []
+    pieces.append(np.zeros(silence_samples(args.edge_ms)))
+    for position, char in enumerate(digits):
+        digit = int(char)
+        index = int(rng.choice(recordings.indices(speaker, digit, split)))
+        path = recordings.paths[(speaker, digit)][index]
+        gain_db = float(rng.uniform(-args.gain_db, args.gain_db))
+        pieces.append(recordings.audio(path) * 10.0 ** (gain_db / 20.0))
+        used.append(path.name)
+        gains_db.append(round(gain_db, 3))
+        if position + 1 < len(digits):
+            gap = silence_samples(args.gap_ms)
+            pieces.append(np.zeros(gap))
+            gaps_ms.append(round(1000.0 * gap / rate, 3))
+    pieces.append(np.zeros(silence_samples(args.edge_ms)))
+    signal = np.concatenate(pieces)
+    signal += rng.normal(0.0, 10.0 ** (args.noise_dbfs / 20.0), size=signal.shape)
+    pcm = np.clip(np.round(signal * 32768.0), -32768, 32767).astype(np.int16)
+    record = {"speaker": speaker, "recordings": used, "gains_db": gains_db, "gaps_ms": gaps_ms,
+              "num_samples": int(pcm.shape[0])}
+    return pcm, record
+
+
+# --- writers -----------------------------------------------------------------------------------
+
+class Hdf5Writer:
+    """RETURNN-layout HDF5, written utterance by utterance (``inputs`` grows in place)."""
+
+    def __init__(self, path: Path, num_features: int):
+        import h5py
+
+        self.file = h5py.File(path, "w")
+        self.inputs = self.file.create_dataset("inputs", shape=(0, num_features),
+                                               maxshape=(None, num_features), dtype="float32",
+                                               chunks=(4096, num_features))
+        self.tags: list[str] = []
+        self.lengths: list[tuple[int, int]] = []
+        self.labels: list[np.ndarray] = []
+
+    def add(self, utt_id: str, features: np.ndarray, labels: list[int]) -> None:
+        start = self.inputs.shape[0]
+        self.inputs.resize(start + features.shape[0], axis=0)
+        self.inputs[start:] = features
+        self.tags.append(utt_id)
+        self.lengths.append((features.shape[0], len(labels)))
+        self.labels.append(np.asarray(labels, dtype=np.int32))
+
+    def close(self) -> None:
+        import h5py
+
+        f = self.file
+        f.create_dataset("seqTags", data=np.array([t.encode() for t in self.tags], dtype="S"))
+        f.create_dataset("seqLengths", data=np.array(self.lengths, dtype=np.int32).reshape(-1, 2))
+        f.create_dataset("targets/data/classes",
+                         data=np.concatenate(self.labels or [np.zeros(0, np.int32)]))
+        f.create_dataset("targets/labels/classes", data=list(VOCABULARY),
+                         dtype=h5py.string_dtype("utf-8"))
+        size = f.create_group("targets/size")
+        size.attrs["classes"] = np.array([len(VOCABULARY), 1], dtype=np.int32)
+        f.attrs["inputPattSize"] = self.inputs.shape[1]
+        f.attrs["numSeqs"] = len(self.tags)
+        f.attrs["numTimesteps"] = self.inputs.shape[0]
+        f.attrs["license"] = LICENSE_NOTE
+        f.close()
+
+
+def write_split(split: str, num_utterances: int, recordings: Recordings, front_end, args,
+                seed_seq: np.random.SeedSequence) -> dict:
+    import kaldiio
+    import soundfile
+
+    out = args.out / split
+    out.mkdir(parents=True, exist_ok=True)
+    text_rng, audio_rng = (np.random.default_rng(s) for s in seed_seq.spawn(2))
+    write_wav = split in args.wav_splits
+    wav_dir = out / "wav"
+    if write_wav:
+        wav_dir.mkdir(exist_ok=True)
+    hdf5 = Hdf5Writer(out / "feats.h5", front_end.num_features)
+    feat_sum = np.zeros(front_end.num_features)
+    feat_sq_sum = np.zeros(front_end.num_features)
+    num_frames = 0
+    used_recordings: set[str] = set()
+    with (open(out / "text", "w", encoding="utf-8") as text,
+          open(out / "manifest.jsonl", "w", encoding="utf-8") as manifest,
+          open(out / "wav.scp", "w", encoding="utf-8") if write_wav else _null() as wav_scp,
+          kaldiio.WriteHelper(f"ark,scp:{out / 'feats.ark'},{out / 'feats.scp'}") as ark):
+        for number in range(num_utterances):
+            category, digits = grammar.sample(text_rng)
+            speaker = recordings.speakers[int(text_rng.integers(len(recordings.speakers)))]
+            utt_id = f"{split}-{number:05d}-{speaker}"
+            pcm, record = make_utterance(digits, speaker, split, recordings, audio_rng, args)
+            features = front_end(pcm.astype(np.float64) / 32768.0)
+            words = grammar.digits_to_words(digits)
+            text.write(f"{utt_id} {' '.join(words)}\n")
+            manifest.write(json.dumps({"id": utt_id, "category": category, "digits": digits,
+                                       "num_frames": int(features.shape[0]), **record}) + "\n")
+            hdf5.add(utt_id, features, [VOCABULARY.index(w) for w in words])
+            ark(utt_id, features)
+            if write_wav:
+                wav_path = wav_dir / f"{utt_id}.wav"
+                soundfile.write(wav_path, pcm, recordings.sample_rate_hz, subtype="PCM_16")
+                wav_scp.write(f"{utt_id} wav/{wav_path.name}\n")
+            used_recordings.update(record["recordings"])
+            feat_sum += features.sum(axis=0)
+            feat_sq_sum += np.square(features.astype(np.float64)).sum(axis=0)
+            num_frames += features.shape[0]
+    hdf5.close()
+    if not write_wav:
+        (out / "wav.scp").unlink(missing_ok=True)
+    return {"recordings": used_recordings, "sum": feat_sum, "sq_sum": feat_sq_sum,
+            "num_frames": num_frames}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def check_recordings_in_split(split: str, used: set[str]) -> None:
+    for name in used:
+        index = int(RECORDING_NAME.fullmatch(name)[3])
+        assert index in SPLITS[split], f"{name} (index {index}) used in the {split} split"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # gpudecode from this checkout
+    from gpudecode.io.frontend import LogMelFrontEnd, LogMelOptions
+
+    check_splits_disjoint()
+    started = time.perf_counter()
+    front_end = LogMelFrontEnd(LogMelOptions(**FRONT_END))  # raises on an empty mel filter
+    recordings = Recordings(args.recordings, int(FRONT_END["sample_rate_hz"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "vocab.txt").write_text("\n".join(VOCABULARY) + "\n", encoding="utf-8")
+    write_json(args.out / "front_end.json", FRONT_END)
+
+    seeds = dict(zip([*SPLITS, "lm"], np.random.SeedSequence(args.seed).spawn(len(SPLITS) + 1)))
+    sizes = {"train": args.num_train, "dev": args.num_dev, "test": args.num_test}
+    used: dict[str, set[str]] = {}
+    for split in SPLITS:
+        result = write_split(split, sizes[split], recordings, front_end, args, seeds[split])
+        used[split] = result["recordings"]
+        check_recordings_in_split(split, used[split])
+        print(f"{split}: {sizes[split]} utterances, {result['num_frames']} frames "
+              f"({result['num_frames'] / 100 / 3600:.2f} h), {len(used[split])} recordings",
+              flush=True)
+        if split == "train" and result["num_frames"]:
+            mean = result["sum"] / result["num_frames"]
+            std = np.sqrt(np.maximum(result["sq_sum"] / result["num_frames"] - mean**2, 1e-8))
+            np.savez(args.out / "stats.npz", mean=mean, std=std)
+    for a, b in itertools.combinations(SPLITS, 2):
+        common = used[a] & used[b]
+        assert not common, f"splits {a} and {b} share recordings {sorted(common)[:5]}"
+
+    lm_rng = np.random.default_rng(seeds["lm"])
+    with open(args.out / "lm_text.txt", "w", encoding="utf-8") as lm_text:
+        for _ in range(args.num_lm_sentences):
+            lm_text.write(" ".join(grammar.digits_to_words(grammar.sample(lm_rng)[1])) + "\n")
+    print(f"wrote {args.out} in {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,9 +33,15 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
     lines += _table([(t.name, t.describe()) for t in tensors.outputs])
 
     if tensors.input((io_map or {}).get("features", "features")) is not None:
+        io_map = dict(io_map or {})
+        ctc = ("encoder-states" not in io_map and tensors.output("encoder-states") is None
+               and tensors.output("log-probs") is not None)
+        if ctc:  # a CTC encoder: frame log-probs are its encoder states
+            io_map.update({"encoder-states": "log-probs", "encoder-states-size": "log-probs-size"})
         try:
             encoder = discover_encoder(tensors, io_map=io_map)
-            lines.append("convention: encoder (features -> encoder-states)")
+            lines.append("convention: CTC encoder (features -> frame log-probs 'log-probs' + 'log-probs-size')"
+                         if ctc else "convention: encoder (features -> encoder-states)")
             if encoder.extra_outputs:
                 lines.append("further outputs (per-utterance inputs of a decoder): " + ", ".join(encoder.extra_outputs))
         except ModelError as exc:

@@ -49,7 +49,10 @@ class RunSummary:
         if self.real_time_factor is not None:
             rows.append(("real-time factor", f"{self.real_time_factor:.4f}"))
         if self.wer is not None:
-            rows.append(("WER", f"{100 * self.wer['wer']:.2f} %"))
+            w = self.wer
+            errors = w["substitutions"] + w["deletions"] + w["insertions"]
+            rows.append(("WER", f"{100 * w['wer']:.2f} % ({errors} errors / {w['num_ref_words']} words: "
+                                f"{w['substitutions']} sub, {w['deletions']} del, {w['insertions']} ins)"))
             rows.append(("CER", f"{100 * self.wer['cer']:.2f} %"))
         if self.gpu_memory_bytes is not None:
             rows.append(("GPU memory (CuPy pool)", f"{self.gpu_memory_bytes / 2**20:.1f} MiB"))

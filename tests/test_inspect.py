@@ -52,3 +52,11 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     path = build_transformer_decoder(seed=1).save(tmp_path / "decoder.onnx")
     result = subprocess.run([sys.executable, "-m", "gpudecode", "inspect", str(path)], capture_output=True, text=True)
     assert result.returncode == 0 and "past-key-1 -> present-key-1" in result.stdout
+
+
+def test_inspect_recognises_a_ctc_encoder(tmp_path):
+    from gpudecode.testing import build_ctc_encoder
+
+    path = build_ctc_encoder(seed=1, vocab_size=7).save(tmp_path / "ctc.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(path)]).output
+    assert "convention: CTC encoder" in out and "log-probs" in out

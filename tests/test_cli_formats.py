@@ -102,3 +102,19 @@ def test_ctc_decode_writes_ctm_times_from_emission_frames(tmp_path):
         expected = [round(0.02 * f, 3) for f, token in zip(best["frames"], best["tokens"])]
         assert [float(row[2]) for row in rows] == pytest.approx(expected[: len(rows)], abs=1e-6)
         assert set(best["scores"]) == {"ctc", "lm"}
+
+
+def test_references_give_wer_with_error_counts(tmp_path):
+    out = tmp_path / "out"
+    CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "ctc-greedy.yaml"), "--output", str(out)])
+    hyps = dict(line.split(" ", 1) for line in (out / "text").read_text().splitlines())
+    references = tmp_path / "refs.txt"
+    # the first utterance's hypothesis minus its first word: exactly one deletion
+    words = hyps["example-0"].split()
+    references.write_text(f"example-0 {' '.join(words[1:])}\n")
+    result = CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "ctc-greedy.yaml"), "--output",
+                                       str(tmp_path / "scored"), "--references", str(references)])
+    assert result.exit_code == 0, result.output
+    n = len(words) - 1
+    assert f"({1} errors / {n} words: 0 sub, 0 del, 1 ins)" in result.output
+    assert json.loads((tmp_path / "scored" / "wer.json").read_text())["insertions"] == 1

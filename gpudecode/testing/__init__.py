@@ -10,6 +10,12 @@ from gpudecode.testing.lstm import build_lstm_lm
 from gpudecode.testing.prefill import PrefillPair, build_optimum_pair, build_prefix_lm
 from gpudecode.session.hf import hf_attention_inputs
 from gpudecode.testing.reference import ReferenceModel
+from gpudecode.testing.transducer import (
+    build_joint_network,
+    build_prediction_network,
+    build_stateless_prediction_network,
+    build_transducer_encoder,
+)
 from gpudecode.testing.transformer import build_transformer_decoder, build_transformer_lm
 
 __all__ = [
@@ -17,9 +23,13 @@ __all__ = [
     "ReferenceModel",
     "build_ctc_encoder",
     "build_encoder",
+    "build_joint_network",
     "build_lstm_lm",
     "build_optimum_pair",
+    "build_prediction_network",
     "build_prefix_lm",
+    "build_stateless_prediction_network",
+    "build_transducer_encoder",
     "build_transformer_decoder",
     "build_transformer_lm",
     "hf_attention_inputs",

@@ -1,0 +1,198 @@
+"""``gpudecode bench transducer``: transducer beam search and greedy decoding on the GPU.
+
+Measured in one run (random weights; the encoder is pinned: ``build_transducer_encoder`` with
+12 layers, d = 512, 4× subsampling, 64 utterances × 1,000 input frames):
+
+- frames/s (encoder frames decoded per second, all utterances together) of the beam search at each
+  beam (default 1, 4, 8) and of batched greedy decoding, on the same encoder states (search only);
+- end to end: encoder + beam 8 ÷ encoder + greedy (goal ≤ 1.2; NeMo reports 1.1–1.2×).
+
+The prediction network is an LSTM driven by the ``lstm-cuda`` state manager (``lstm-cpu`` with
+``device="cpu"``), the joint one batched ONNX call per (frame, symbol) step. Every size is a
+parameter; ``device="cpu"`` runs the same code on numpy (a smoke test; figures mean something on
+the GPU only).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+BLANK = 0
+
+
+def _array_module(device: str):
+    from gpudecode.backend import array_module
+
+    return array_module(device)
+
+
+def _sync(xp) -> None:
+    if xp is not np:
+        from gpudecode.backend import shared_stream
+
+        shared_stream(0).synchronize()
+        xp.cuda.get_current_stream().synchronize()
+
+
+def _timed(xp, run, repeats: int) -> tuple[float, object]:
+    """The fastest of ``repeats`` runs (seconds) and the last result."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        _sync(xp)
+        start = time.perf_counter()
+        result = run()
+        _sync(xp)
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def _models(device: str, *, encoder_dim: int, vocab_size: int, prediction_dim: int, prediction_hidden_dim: int,
+            prediction_embed_dim: int, joint_dim: int, blank_bias: float):
+    """(prediction-network factory, joint) on ``device``."""
+    from gpudecode.search import JointNetwork, StatefulPredictionNetwork
+    from gpudecode.session import OnnxSession, SessionOptions
+    from gpudecode.states.options import StateManagerOptions
+    from gpudecode.testing import build_joint_network, build_prediction_network
+
+    session_options = SessionOptions(device=device, use_tf32=False)
+    prediction_ref = build_prediction_network(0, vocab_size=vocab_size, embed_dim=prediction_embed_dim,
+                                              hidden_dim=prediction_hidden_dim, output_dim=prediction_dim)
+    joint_ref = build_joint_network(0, encoder_dim=encoder_dim, prediction_dim=prediction_dim, joint_dim=joint_dim,
+                                    vocab_size=vocab_size, blank=BLANK, blank_bias=blank_bias)
+    prediction_session = OnnxSession(prediction_ref.serialized(), session_options)
+
+    def prediction():
+        return StatefulPredictionNetwork(model=prediction_session, blank=BLANK,
+                                         state_manager=StateManagerOptions(type=f"lstm-{device}", slots_per_chunk=65536))
+
+    return prediction, JointNetwork(model=joint_ref.serialized(), session_options=session_options)
+
+
+def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, encoder_layers: int = 12,
+                         encoder_dim: int = 512, subsampling: int = 4, num_features: int = 80,
+                         vocab_size: int = 1000, prediction_dim: int = 512, prediction_hidden_dim: int = 512,
+                         prediction_embed_dim: int = 256, joint_dim: int = 512, blank_bias: float = 4.0,
+                         beams=(1, 4, 8), max_symbols_per_frame: int = 1, device: str = "cuda", repeats: int = 1,
+                         output_dir=None) -> dict:
+    """Runs every measurement in one process; returns (and writes ``transducer.json`` / ``.png``).
+
+    ``blank_bias`` is added to the joint's blank logit (trained transducers emit blank on most
+    frames; random weights would not). ``max_symbols_per_frame`` 1 is k2's modified beam search.
+    """
+    from gpudecode.backend import to_host
+    from gpudecode.search import (
+        TransducerOptions,
+        transducer_greedy_search,
+        transducer_search,
+    )
+    from gpudecode.session import OnnxSession, SessionOptions
+    from gpudecode.testing import build_transducer_encoder
+
+    xp = _array_module(device)
+    reference = build_transducer_encoder(0, num_features=num_features, model_dim=encoder_dim, subsampling=subsampling,
+                                         num_layers=encoder_layers)
+    encoder = OnnxSession(reference.serialized(), SessionOptions(device=device, use_tf32=False))
+    rng = np.random.default_rng(0)
+    features = xp.asarray(rng.standard_normal((num_utts, encoder_frames, num_features), dtype=np.float32))
+    sizes = xp.asarray(np.full(num_utts, encoder_frames, np.int32))
+
+    def encode():
+        out = encoder.run({"features": features, "features-size": sizes})
+        return xp.asarray(out["encoder-states"]), out["encoder-states-size"]
+
+    prediction, joint = _models(device, encoder_dim=encoder_dim, vocab_size=vocab_size, prediction_dim=prediction_dim,
+                                prediction_hidden_dim=prediction_hidden_dim,
+                                prediction_embed_dim=prediction_embed_dim, joint_dim=joint_dim, blank_bias=blank_bias)
+    greedy_net, beam_net = prediction(), prediction()
+
+    def greedy(states, lengths):
+        return transducer_greedy_search(states, lengths, greedy_net, joint, blank=BLANK,
+                                        max_symbols_per_frame=max_symbols_per_frame, xp=xp)
+
+    def beam_search(beam: int):
+        options = TransducerOptions(beam_size=beam, blank=BLANK, max_symbols_per_frame=max_symbols_per_frame)
+        return lambda states, lengths: transducer_search(states, lengths, beam_net, joint, options, xp=xp)
+
+    searches = {"greedy": greedy, **{f"beam{beam}": beam_search(beam) for beam in beams}}
+    states, lengths = encode()
+    num_frames = int(to_host(lengths).sum())
+    results = {"benchmark": "transducer", "config": {
+        "utterances": num_utts, "input_frames": encoder_frames, "encoder_frames": num_frames,
+        "encoder": f"{encoder_layers} layers, d={encoder_dim}, {subsampling}x subsampling",
+        "prediction": f"LSTM 1x{prediction_hidden_dim} (embedding {prediction_embed_dim}) -> {prediction_dim}",
+        "joint": f"{joint_dim} -> V={vocab_size}", "max_symbols_per_frame": max_symbols_per_frame,
+        "device": device, "timing": f"fastest of {repeats}"}, "cells": []}
+    warm = min(8, states.shape[1])
+    for name, search in searches.items():  # warm-up (kernels, ORT shapes)
+        search(states[:, :warm], np.full(num_utts, warm))
+    for name, search in searches.items():
+        seconds, nbest = _timed(xp, lambda search=search: search(states, lengths), repeats)
+        results["cells"].append({"search": name, "beam": 1 if name == "greedy" else int(name[4:]), "seconds": seconds,
+                                 "frames_per_s": num_frames / seconds,
+                                 "mean_labels": float(np.mean([len(h[0].labels) for h in nbest]))})
+
+    end_to_end = {}
+    for name in ("greedy", "beam8"):
+        if name in searches:
+            end_to_end[f"{name}_seconds"], _ = _timed(xp, lambda search=searches[name]: search(*encode()), repeats)
+    end_to_end["encoder_seconds"], _ = _timed(xp, encode, repeats)
+    ratios = {}
+    if "beam8_seconds" in end_to_end:
+        ratios["end_to_end_beam8_over_greedy"] = end_to_end["beam8_seconds"] / end_to_end["greedy_seconds"]
+    cell = {c["search"]: c for c in results["cells"]}
+    for beam in beams:
+        ratios[f"search_beam{beam}_over_greedy"] = cell[f"beam{beam}"]["seconds"] / cell["greedy"]["seconds"]
+    results["end_to_end"] = end_to_end
+    results["ratios"] = ratios
+    for net in (greedy_net, beam_net):
+        net.close()
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "transducer.json").write_text(json.dumps(results, indent=2))
+        results["png"] = plot_transducer(results, output_dir / "transducer.png")
+    return results
+
+
+def plot_transducer(results: dict, path) -> str | None:
+    """Frames/s per beam, greedy as a marker."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    beams = [c for c in results["cells"] if c["search"] != "greedy"]
+    ax.plot([c["beam"] for c in beams], [c["frames_per_s"] for c in beams], "o-", label="beam search")
+    greedy = [c for c in results["cells"] if c["search"] == "greedy"]
+    if greedy:
+        ax.plot([1], [greedy[0]["frames_per_s"]], "k^", label="greedy")
+    ax.set_xlabel("beam size")
+    ax.set_ylabel("encoder frames / s (all utterances)")
+    ax.set_yscale("log")
+    ratio = results["ratios"].get("end_to_end_beam8_over_greedy")
+    title = f"Transducer, {results['config']['utterances']} utterances"
+    if ratio is not None:
+        title += f"; end to end beam 8 ÷ greedy = {ratio:.2f}"
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def format_table(results: dict) -> str:
+    lines = ["| search | beam | seconds | frames/s | mean labels |", "|---|---|---|---|---|"]
+    for c in results["cells"]:
+        lines.append(f"| {c['search']} | {c['beam']} | {c['seconds']:.3f} | {c['frames_per_s']:,.0f} | "
+                     f"{c['mean_labels']:.1f} |")
+    lines.append("")
+    lines.extend(f"{name}: {value:.3f}" for name, value in results["ratios"].items())
+    return "\n".join(lines)

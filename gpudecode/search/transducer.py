@@ -1,0 +1,770 @@
+"""Time-synchronous transducer (RNN-T) decoding over [utterances, beam] lanes, on numpy or CuPy.
+
+**Topology.** Per encoder frame a hypothesis emits at most ``max_symbols_per_frame`` labels; a
+blank leaves the frame (adding the blank's log-prob), and so does the last allowed label, without
+a blank. With 1 this is k2's modified beam search (a label consumes its frame); with more it is
+standard RNN-T with expansions within a frame, capped the way k2's and NeMo's greedy decoders cap
+them.
+
+**Models.** A *prediction network* (:class:`PredictionNetwork`) turns each lane's label history
+into a vector [N, P]: :class:`StatefulPredictionNetwork` drives a stateful ONNX step model (an LSTM
+with (h, c) state variables) through the ``lstm-cpu`` / ``lstm-cuda`` state managers, exactly like
+an LSTM LM scorer; :class:`StatelessPredictionNetwork` feeds the last k labels. The *joint*
+(:class:`JointNetwork`, or any callable ``(encoder_frames [N, E], prediction [N, P]) -> [N, V]``
+log-probs including blank) is **one** batched call over all lanes per (frame, symbol) step. The
+prediction network runs only after a step in which some lane emitted; lanes that did not emit keep
+their prediction vector (the same cache idea as the LM score cache).
+
+**Beam search** (:func:`transducer_search`). Per frame the lanes start *active*; per symbol step
+every active lane offers its blank (the lane becomes *done* for this frame; kept in the candidate
+column of the blank label) and every label extension (active again, or done at the step's last
+allowed symbol); done lanes offer themselves unchanged. Per utterance the best ``beam_size``
+candidates survive (deterministic top-k: lower lane, then lower label), ranked by transducer score +
+Σ scale · LM score. Done hypotheses and still-active ones compete for the same beam. The frame
+ends when no lane is active.
+
+**Recombination** of identical label sequences among done candidates, by log-sum-exp
+(``recombination="sum"``) or max (``"max"``, the Viterbi score): a blank of an active lane whose
+sequence equals a done lane's, and (at the last allowed symbol) an extension that spells an
+existing lane's sequence. Sequences are compared on the device as in the CTC prefix search: a
+rolling hash finds candidate pairs, the tree of emitted labels confirms them. A label's frame
+(``Hypothesis.frames``) is the frame at which the higher-scoring branch of each merge emitted it:
+with ``"max"`` exactly the best (Viterbi) alignment's frames.
+
+**LM fusion**: (name, scorer, scale) triples scored on label emission — ``LABEL`` transitions
+extend a scorer's context, ``BLANK`` carries it; unchanged contexts keep their score vectors
+(``max_cached_score_vectors``). **Greedy** (:func:`transducer_greedy_search`): argmax per step,
+batched over utterances.
+
+No Python loop over utterances, lanes or labels in the frame/step loops; one device→host transfer
+per symbol step (did any lane emit, is any lane still active), none without a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from gpudecode import defaults
+from gpudecode.backend import array_module, is_device_array, to_host
+from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
+from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
+from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream
+from gpudecode.search.options import coerce_ints, option_error
+from gpudecode.search.results import Hypothesis
+from gpudecode.search.topk import top_k_indices
+from gpudecode.session import OnnxSession, SessionOptions
+from gpudecode.states.options import StateManagerOptions
+
+_NEG_INF = np.float32(-np.inf)
+#: The name of the transducer score in :attr:`Hypothesis.scores`.
+TRANSDUCER_SCORE_NAME = "transducer"
+#: The input name under which the search hands the encoder states to its scorers' ``admit``.
+ENCODER_STATES_INPUT = "encoder-states"
+RECOMBINATIONS = ("sum", "max")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransducerOptions:
+    """Settings of the transducer beam search.
+
+    - ``beam_size``: hypotheses kept per utterance;
+    - ``blank``: the blank label index;
+    - ``max_symbols_per_frame``: labels a hypothesis may emit per frame (1: k2's modified beam
+      search; the frame is left without a blank after the last allowed label);
+    - ``recombination``: ``"sum"`` (log-sum-exp of the merged alignments) or ``"max"``;
+    - ``score_threshold``: drop candidates worse than the utterance's best candidate of the same
+      step by more than this (None: off);
+    - ``sentence_end``: where set, each LM scorer's score of this label is added at the end;
+    - ``max_cached_score_vectors``: LM score vectors of unchanged contexts are reused when this is
+      at least the number of lanes; below, every LM scores every lane at every step;
+    - ``nbest``: hypotheses returned per utterance (None: ``beam_size``);
+    - ``hash_modulus``, ``history_compare_steps``: as in
+      :class:`~gpudecode.search.CtcPrefixOptions` (hash collisions are resolved by the label
+      tree; pairs undecided after that many steps make the search run again comparing fully).
+    """
+
+    beam_size: int
+    blank: int = 0
+    max_symbols_per_frame: int = defaults.MAX_SYMBOLS_PER_FRAME
+    recombination: str = "sum"
+    score_threshold: float | None = None
+    sentence_end: int | None = None
+    max_cached_score_vectors: int = defaults.MAX_CACHED_SCORE_VECTORS
+    nbest: int | None = None
+    hash_modulus: int = 2**31 - 1
+    history_compare_steps: int | None = 2
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return option_error(self, name, expected)
+
+        coerce_ints(self, ("beam_size", "blank", "max_symbols_per_frame", "sentence_end",
+                           "max_cached_score_vectors", "nbest", "hash_modulus", "history_compare_steps"))
+        if not isinstance(self.beam_size, int) or self.beam_size < 1:
+            raise bad("beam_size", "an int >= 1")
+        if not isinstance(self.blank, int) or self.blank < 0:
+            raise bad("blank", "a label index >= 0")
+        if not isinstance(self.max_symbols_per_frame, int) or self.max_symbols_per_frame < 1:
+            raise bad("max_symbols_per_frame", "an int >= 1")
+        if self.recombination not in RECOMBINATIONS:
+            raise bad("recombination", f"one of {', '.join(RECOMBINATIONS)}")
+        if self.sentence_end is not None and not (isinstance(self.sentence_end, int) and self.sentence_end >= 0):
+            raise bad("sentence_end", "None or a label index >= 0")
+        if self.score_threshold is not None and not self.score_threshold > 0:
+            raise bad("score_threshold", "None or a number > 0")
+        if not isinstance(self.max_cached_score_vectors, int) or self.max_cached_score_vectors < 0:
+            raise bad("max_cached_score_vectors", "an int >= 0")
+        if self.nbest is not None and not (isinstance(self.nbest, int) and 1 <= self.nbest <= self.beam_size):
+            raise bad("nbest", f"None or an int in [1, beam_size={self.beam_size}]")
+        if not isinstance(self.hash_modulus, int) or not 1 <= self.hash_modulus <= 2**31 - 1:
+            raise bad("hash_modulus", "an int in [1, 2**31 - 1]")
+        if self.history_compare_steps is not None and not (
+                isinstance(self.history_compare_steps, int) and self.history_compare_steps >= 0):
+            raise bad("history_compare_steps", "None or an int >= 0")
+
+    @property
+    def num_best(self) -> int:
+        return self.beam_size if self.nbest is None else self.nbest
+
+
+def _to_host(*arrays) -> tuple[np.ndarray, ...]:
+    """Every device→host transfer of the transducer searches goes through here (tests count)."""
+    return tuple(to_host(a) for a in arrays)
+
+
+def _on_xp(xp, array):
+    """``array`` on the run's array module (uploaded or downloaded when a model ran elsewhere)."""
+    return to_host(array) if xp is np else xp.asarray(array)
+
+
+# --- models ---------------------------------------------------------------------------------------
+class PredictionNetwork:
+    """The prediction network of a transducer, batched over the N lanes of a search.
+
+    Call order: ``begin(layout)``, ``admit(utterances, groups)``, ``ctx = initial_context(groups)``,
+    then ``output(ctx)`` [N, P] float32 (on ``layout.xp``) and ``extend(ctx, parents, labels)``
+    (lane i continues lane ``parents[i]``; ``labels[i] == -1`` carries the context unchanged), and
+    ``release(groups)``. ``extend`` is only called on a context whose ``output`` was taken.
+    """
+
+    layout: LaneLayout | None = None
+
+    def begin(self, layout: LaneLayout) -> None:
+        self.layout = layout
+
+    def admit(self, utterances: UtteranceBatch, groups) -> None:
+        """Per-utterance inputs (none for the usual prediction networks)."""
+
+    def initial_context(self, groups):
+        raise NotImplementedError
+
+    def output(self, ctx):
+        raise NotImplementedError
+
+    def extend(self, ctx, parents, labels):
+        raise NotImplementedError
+
+    def release(self, groups) -> None:
+        """The utterances in ``groups`` leave: free their states."""
+
+    def close(self) -> None:
+        """Returns held memory."""
+
+
+class StatefulPredictionNetwork(PredictionNetwork):
+    """A stateful ONNX step model (RASR convention: ``token`` [N,1] + state variables declared by
+    ``STATE_`` metadata or patterns) whose output ``prediction`` [N,1,P] or [N,P] is the
+    prediction vector; states live in a state manager (``lstm``, ``lstm-cpu``, ``lstm-cuda``).
+
+    Driven by an :class:`~gpudecode.scorers.onnx_decoder.OnnxDecoderScorer` (the output read
+    as-is), so merge/split, slot reference counting and ``max_batch_size`` chunks are the LM's.
+    ``start_label`` (default: ``blank``) is fed first.
+    """
+
+    def __init__(self, *, model, blank: int = 0, start_label: int | None = None,
+                 state_manager: StateManagerOptions = StateManagerOptions(type="lstm"),
+                 session_options: SessionOptions = SessionOptions(), io_map: Mapping[str, str] | None = None,
+                 max_batch_size: int | None = None, state_patterns: Sequence[tuple[str, str]] = ()) -> None:
+        io_map = {"scores": "prediction", **dict(io_map or {})}
+        session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
+        output = session.tensors.output(io_map["scores"])
+        if output is None:
+            raise ValueError(f"{session.source}: the prediction network has no output '{io_map['scores']}'; "
+                             f"its outputs are {session.output_names} (map it with io_map={{'scores': ...}})")
+        size = output.shape[-1]
+        self.output_size = size if isinstance(size, int) else None
+        self.decoder = OnnxDecoderScorer(
+            model=session, vocab_size=self.output_size or 0, start_labels=[blank if start_label is None else start_label],
+            state_manager=state_manager, io_map=io_map, scores_kind="log-probs", max_batch_size=max_batch_size,
+            state_patterns=state_patterns)
+
+    @property
+    def states(self):
+        """The state manager (for statistics)."""
+        return self.decoder.states
+
+    def begin(self, layout: LaneLayout) -> None:
+        super().begin(layout)
+        self.decoder.begin(layout)
+
+    def admit(self, utterances: UtteranceBatch, groups) -> None:
+        self.decoder.admit(utterances, groups)
+
+    def initial_context(self, groups):
+        return self.decoder.initial_context(groups)
+
+    def output(self, ctx):
+        return self.decoder.score(ctx)
+
+    def extend(self, ctx, parents, labels):
+        return self.decoder.extend(ctx, parents, labels)
+
+    def release(self, groups) -> None:
+        self.decoder.release(groups)
+
+    def close(self) -> None:
+        self.decoder.close()
+
+
+class StatelessPredictionNetwork(PredictionNetwork):
+    """A prediction network on a fixed label context: input ``labels`` [N, k] int (the last k
+    labels, oldest first, padded with ``blank``) -> ``prediction`` [N, P] (or [N, 1, P]).
+
+    The context is one int array [N, k] on the run's array module; no states.
+    """
+
+    def __init__(self, *, model, blank: int = 0, context_size: int | None = None,
+                 session_options: SessionOptions = SessionOptions(),
+                 io_map: Mapping[str, str] | None = None) -> None:
+        io_map = dict(io_map or {})
+        self.session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
+        self.input_name = io_map.get("labels", "labels")
+        self.output_name = io_map.get("prediction", "prediction")
+        info = self.session.tensors.input(self.input_name)
+        if info is None or info.rank != 2:
+            raise ValueError(f"{self.session.source}: expected an input '{self.input_name}' [N, k] of label "
+                             f"indices; the model's inputs are {self.session.input_names}")
+        if self.session.tensors.output(self.output_name) is None:
+            raise ValueError(f"{self.session.source}: no output '{self.output_name}'; the model's outputs are "
+                             f"{self.session.output_names}")
+        declared = info.shape[1]
+        if context_size is None:
+            if not isinstance(declared, int):
+                raise ValueError(f"{self.session.source}: input '{self.input_name}' has a dynamic context axis; "
+                                 "give context_size")
+            context_size = declared
+        elif isinstance(declared, int) and declared != context_size:
+            raise ValueError(f"{self.session.source}: input '{self.input_name}' takes {declared} labels, "
+                             f"context_size is {context_size}")
+        if context_size < 1:
+            raise ValueError(f"context_size: expected an int >= 1, got {context_size}")
+        self.context_size = int(context_size)
+        self.blank = int(blank)
+        self._dtype = info.dtype
+
+    def initial_context(self, groups):
+        xp = self.layout.xp
+        return xp.full((self.layout.num_lanes, self.context_size), self.blank, dtype=np.int64)
+
+    def output(self, ctx):
+        xp = self.layout.xp
+        result = self.session.run({self.input_name: ctx.astype(self._dtype)}, [self.output_name])
+        out = _on_xp(xp, result[self.output_name])
+        return out.reshape(out.shape[0], -1, out.shape[-1])[:, -1, :].astype(np.float32, copy=False)
+
+    def extend(self, ctx, parents, labels):
+        xp = self.layout.xp
+        parents, labels = xp.asarray(parents), xp.asarray(labels)
+        carried = ctx[parents]
+        shifted = xp.concatenate([carried[:, 1:], xp.maximum(labels, 0)[:, None].astype(np.int64)], axis=1)
+        return xp.where((labels >= 0)[:, None], shifted, carried)
+
+
+class JointNetwork:
+    """The joint network: ``encoder-frame`` [N, E] + ``prediction`` [N, P] -> ``log-probs`` [N, V]
+    (``scores_kind``: log-probabilities, or ``logits`` that get a log-softmax). One session call."""
+
+    def __init__(self, *, model, session_options: SessionOptions = SessionOptions(),
+                 io_map: Mapping[str, str] | None = None, scores_kind: str = "log-probs") -> None:
+        if scores_kind not in ("log-probs", "logits"):
+            raise ValueError(f"scores_kind: expected 'log-probs' or 'logits', got {scores_kind!r}")
+        io_map = dict(io_map or {})
+        self.session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
+        self.names = {k: io_map.get(k, k) for k in ("encoder-frame", "prediction", "log-probs")}
+        for kind, key in (("input", "encoder-frame"), ("input", "prediction"), ("output", "log-probs")):
+            found = (self.session.tensors.input if kind == "input" else self.session.tensors.output)(self.names[key])
+            if found is None:
+                raise ValueError(f"{self.session.source}: the joint network has no {kind} '{self.names[key]}' "
+                                 f"(logical '{key}'; map it with io_map)")
+        self.scores_kind = scores_kind
+        self._dtypes = {k: self.session.tensors.input(self.names[k]).dtype for k in ("encoder-frame", "prediction")}
+        last = self.session.tensors.output(self.names["log-probs"]).shape[-1]
+        self.vocab_size = last if isinstance(last, int) else None
+
+    def __call__(self, encoder_frames, prediction):
+        names = self.names
+        result = self.session.run({names["encoder-frame"]: encoder_frames.astype(self._dtypes["encoder-frame"], copy=False),
+                                   names["prediction"]: prediction.astype(self._dtypes["prediction"], copy=False)},
+                                  [names["log-probs"]])[names["log-probs"]]
+        if self.scores_kind == "logits":
+            xp = array_module(self.session.provider)
+            scores = xp.asarray(result).astype(np.float32)
+            shifted = scores - scores.max(axis=-1, keepdims=True)
+            return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+        return result
+
+
+# --- input checks -----------------------------------------------------------------------------------
+def _check_encoder_states(encoder_states, lengths, xp) -> tuple[Any, np.ndarray]:
+    if encoder_states.ndim != 3:
+        raise ValueError(f"encoder_states: expected [U, T, E], got shape {tuple(encoder_states.shape)}")
+    if is_device_array(encoder_states) != (xp is not np):
+        raise ValueError(f"encoder_states: a {type(encoder_states).__module__} array, but the search runs on "
+                         f"{xp.__name__}")
+    num_utts, num_frames, _ = encoder_states.shape
+    (lengths,) = _to_host(lengths)
+    lengths = np.asarray(lengths).astype(np.int64, copy=False)
+    if lengths.shape != (num_utts,):
+        raise ValueError(f"lengths: expected shape ({num_utts},) for encoder_states of shape "
+                         f"{tuple(encoder_states.shape)}, got {lengths.shape}")
+    if ((lengths < 0) | (lengths > num_frames)).any():
+        u = int(np.argmax((lengths < 0) | (lengths > num_frames)))
+        raise ValueError(f"lengths[{u}] = {lengths[u]} is outside [0, T={num_frames}]")
+    return encoder_states, lengths
+
+
+def _joint_log_probs(joint, encoder_frames, prediction, xp, num_lanes: int):
+    logp = _on_xp(xp, joint(encoder_frames, prediction))
+    if logp.ndim != 2 or logp.shape[0] != num_lanes:
+        raise ValueError(f"joint: returned shape {tuple(logp.shape)}, expected [N={num_lanes}, V]")
+    return logp.astype(np.float32, copy=False)
+
+
+# --- greedy ---------------------------------------------------------------------------------------
+def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetwork, joint, *, blank: int = 0,
+                             max_symbols_per_frame: int = defaults.MAX_SYMBOLS_PER_FRAME,
+                             xp: ModuleType = np, ids: Sequence[str] | None = None) -> list[list[Hypothesis]]:
+    """Greedy transducer decoding of all utterances at once; per utterance a one-entry n-best list.
+
+    ``encoder_states`` [U, T, E] on ``xp``, ``lengths`` [U]. Per (frame, symbol) step the joint
+    runs once over all utterances; the argmax (equal maxima: the lower label) is emitted unless it
+    is blank, which leaves the frame (as does the ``max_symbols_per_frame``-th label). ``score``
+    (and ``scores["transducer"]``) is the path's log-probability; ``frames`` each label's frame.
+    """
+    encoder_states, lengths = _check_encoder_states(encoder_states, lengths, xp)
+    if not isinstance(max_symbols_per_frame, int) or max_symbols_per_frame < 1:
+        raise ValueError(f"max_symbols_per_frame: expected an int >= 1, got {max_symbols_per_frame!r}")
+    num_utts = encoder_states.shape[0]
+    if num_utts == 0:
+        return []
+    ids = [str(u) for u in range(num_utts)] if ids is None else list(ids)
+    layout = LaneLayout(num_groups=num_utts, beam_size=1, xp=xp)
+    utterances = UtteranceBatch(ids=ids, input_lengths=lengths, inputs={ENCODER_STATES_INPUT: encoder_states})
+    groups = np.arange(num_utts, dtype=np.int64)
+
+    def run():
+        prediction.begin(layout)
+        prediction.admit(utterances, groups)
+        try:
+            ctx = prediction.initial_context(groups)
+            pred_out = _on_xp(xp, prediction.output(ctx)).astype(np.float32, copy=False)
+            lanes = xp.arange(num_utts, dtype=np.int64)
+            lengths_dev = xp.asarray(lengths)
+            score = xp.zeros(num_utts, dtype=np.float32)
+            steps, step_frames = [], []
+            for t in range(int(lengths.max(initial=0))):
+                active = t < lengths_dev
+                frames_t = encoder_states[:, t]
+                for _ in range(max_symbols_per_frame):
+                    logp = _joint_log_probs(joint, frames_t, pred_out, xp, num_utts)
+                    if blank >= logp.shape[1]:
+                        raise ValueError(f"blank {blank} is outside the joint's vocabulary [0, {logp.shape[1]})")
+                    best = logp.argmax(axis=1)
+                    score = score + xp.where(active, logp[lanes, best], np.float32(0))
+                    emitted = active & (best != blank)
+                    labels = xp.where(emitted, best, -1)
+                    steps.append(labels)
+                    step_frames.append(t)
+                    (any_emitted,) = _to_host(emitted.any())
+                    if not any_emitted:
+                        break
+                    ctx = prediction.extend(ctx, lanes, labels)
+                    new_out = _on_xp(xp, prediction.output(ctx)).astype(np.float32, copy=False)
+                    pred_out = xp.where(emitted[:, None], new_out, pred_out)
+                    active = emitted
+            table = xp.stack(steps) if steps else xp.zeros((0, num_utts), dtype=np.int64)
+            return (*_to_host(table, score), np.asarray(step_frames, dtype=np.int64))
+        finally:
+            prediction.release(groups)
+
+    table, score, frames_of_step = _on_shared_stream(xp, run)
+    results = []
+    for u in range(num_utts):
+        kept = table[:, u] >= 0
+        labels = table[kept, u].tolist()
+        results.append([Hypothesis(labels=labels, score=float(score[u]), scores={TRANSDUCER_SCORE_NAME: float(score[u])},
+                                   length=len(labels), frames=frames_of_step[kept].tolist())])
+    return results
+
+# --- beam search ------------------------------------------------------------------------------------
+def transducer_search(encoder_states, lengths, prediction: PredictionNetwork, joint, options: TransducerOptions,
+                      lm_scorers: Sequence = (), xp: ModuleType = np, *, ids: Sequence[str] | None = None
+                      ) -> list[list[Hypothesis]]:
+    """Transducer beam search of all utterances at once; per utterance the n-best, best first.
+
+    ``encoder_states`` [U, T, E] float on ``xp``; ``lengths`` [U] valid frames; ``prediction`` a
+    :class:`PredictionNetwork`; ``joint`` a :class:`JointNetwork` or any callable
+    ``(encoder_frames [N, E], prediction [N, P]) -> [N, V]`` log-probs; ``lm_scorers``: (name,
+    scorer, scale) triples fused on label emission (``vocab_size`` V; the name ``"transducer"`` is
+    taken). The prediction network and the scorers are begun, admitted
+    (``UtteranceBatch.inputs["encoder-states"]``) and released here.
+
+    Each hypothesis has ``score`` = transducer log-prob + Σ scale · scorer score,
+    ``scores["transducer"]`` and each scorer's unscaled score, and ``frames``.
+    """
+    encoder_states, lengths = _check_encoder_states(encoder_states, lengths, xp)
+    num_utts = encoder_states.shape[0]
+    entries = check_scorers(lm_scorers) if len(lm_scorers) else ()
+    for entry in entries:
+        if entry.name == TRANSDUCER_SCORE_NAME:
+            raise ValueError(f"scorer name {TRANSDUCER_SCORE_NAME!r} is taken by the transducer score; rename "
+                             "the scorer")
+    if num_utts == 0:
+        return []
+    ids = [str(u) for u in range(num_utts)] if ids is None else list(ids)
+    if len(ids) != num_utts:
+        raise ValueError(f"ids: {len(ids)} ids for {num_utts} utterances")
+    layout = LaneLayout(num_groups=num_utts, beam_size=options.beam_size, xp=xp)
+    utterances = UtteranceBatch(ids=ids, input_lengths=lengths, inputs={ENCODER_STATES_INPUT: encoder_states})
+
+    def run():
+        search = _TransducerSearch(encoder_states, lengths, prediction, joint, options, entries, layout)
+        result = search.run(utterances, exact=options.history_compare_steps is None)
+        if result is None:  # a pair stayed undecided within history_compare_steps: compare fully
+            search = _TransducerSearch(encoder_states, lengths, prediction, joint, options, entries, layout)
+            result = search.run(utterances, exact=True)
+        return result
+
+    return _on_shared_stream(xp, run)
+
+
+class _TransducerSearch:
+    """One run of the beam search; lane state as arrays on ``xp`` (N = U × beam lanes).
+
+    Emission nodes: the lanes of symbol step k own nodes ``1 + k * N + lane`` (``node_parent``,
+    ``node_label``; frame ``node_frames[k]``); node 0 is the empty sequence. A lane's node is the
+    last emission of its sequence (of the best merged alignment). The node arrays grow by doubling.
+    """
+
+    def __init__(self, encoder_states, lengths: np.ndarray, prediction: PredictionNetwork, joint,
+                 options: TransducerOptions, entries: Sequence[ScorerEntry], layout: LaneLayout) -> None:
+        self.encoder_states, self.lengths, self.options = encoder_states, lengths, options
+        self.prediction, self.joint = prediction, joint
+        self.entries, self.layout = tuple(entries), layout
+        self.xp = layout.xp
+        self.scales = [e.scale for e in self.entries]
+        self.combine = layout.xp.logaddexp if options.recombination == "sum" else layout.xp.maximum
+
+    # --- the frame loop ------------------------------------------------------------------------
+    def run(self, utterances: UtteranceBatch, *, exact: bool):
+        """The n-best lists, or None when ``exact`` is False and a comparison stayed undecided."""
+        xp, layout, options = self.xp, self.layout, self.options
+        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        groups = np.arange(num_utts, dtype=np.int64)
+        lanes = self.lanes = xp.arange(num_lanes, dtype=np.int64)
+        self.lane_group = lanes // beam
+        self.group_base = (xp.arange(num_utts, dtype=np.int64) * beam)[:, None]
+        self.score = xp.where((lanes % beam) == 0, np.float32(0), _NEG_INF).astype(np.float32)
+        self.done = xp.zeros(num_lanes, dtype=bool)
+        self.last = xp.full(num_lanes, -1, dtype=np.int64)
+        self.length = xp.zeros(num_lanes, dtype=np.int64)
+        self.hash = xp.zeros(num_lanes, dtype=np.int64)
+        self.prev_hash = xp.zeros(num_lanes, dtype=np.int64)
+        self.node = xp.zeros(num_lanes, dtype=np.int64)
+        self.node_parent = xp.zeros(1 + 4 * num_lanes, dtype=np.int64)
+        self.node_label = xp.full(1 + 4 * num_lanes, -1, dtype=np.int64)
+        self.node_frames: list[int] = []  # per symbol step k: its frame
+        self.unresolved = xp.zeros((), dtype=bool)
+        self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
+        lengths_dev = xp.asarray(self.lengths)
+
+        prediction_begun, begun = False, []
+        try:
+            self.prediction.begin(layout)
+            prediction_begun = True
+            self.prediction.admit(utterances, groups)
+            for entry in self.entries:
+                entry.scorer.begin(layout)
+                begun.append(entry)
+                entry.scorer.admit(utterances, groups)
+            self.pred_ctx = self.prediction.initial_context(groups)
+            self.pred_out = _on_xp(xp, self.prediction.output(self.pred_ctx)).astype(np.float32, copy=False)
+            self.pred_lane = lanes.copy()
+            self.contexts = [e.scorer.initial_context(groups) for e in self.entries]
+            self.scorer_lane = lanes.copy()
+            self.cache_enabled = options.max_cached_score_vectors >= num_lanes
+            self.cache = [None for _ in self.entries]
+            self.changed = xp.ones(num_lanes, dtype=bool)
+            self.rescore = bool(self.entries)
+
+            for t in range(int(self.lengths.max(initial=0))):
+                self.done = (t >= lengths_dev)[self.lane_group]  # finished utterances stay as they are
+                frames_t = self.encoder_states[:, t][self.lane_group]  # [N, E]
+                for s in range(options.max_symbols_per_frame):
+                    if not self._step(t, s, frames_t, exact):
+                        break
+            if options.sentence_end is not None and self.entries:
+                self._score_contexts(lengths_dev[self.lane_group])
+                self.lm_scores = self.lm_scores + xp.stack([c[:, options.sentence_end] for c in self.cache])
+            return self._nbest(exact)
+        finally:
+            for entry in begun:
+                entry.scorer.release(groups)
+            if prediction_begun:
+                self.prediction.release(groups)
+
+    def _step(self, t: int, s: int, frames_t, exact: bool) -> bool:
+        """One symbol step of frame ``t``; returns whether some lane is still active (host)."""
+        xp, options, layout = self.xp, self.options, self.layout
+        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        blank, lanes = options.blank, self.lanes
+        forced = s == options.max_symbols_per_frame - 1  # labels leave the frame
+        logp = _joint_log_probs(self.joint, frames_t, self.pred_out, xp, num_lanes)
+        vocab_size = logp.shape[1]
+        if t == 0 and s == 0:
+            self._check_vocabulary(vocab_size)
+        if self.rescore:
+            self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
+
+        alive = self.score > _NEG_INF
+        active = alive & ~self.done
+        # stay candidates (one per lane, done afterwards): blank of active lanes, done lanes as they are
+        stay = xp.where(active, self.score + logp[:, blank], self.score)
+        stay_node = self.node
+        stay_new = xp.zeros(num_lanes, dtype=bool)  # the stay's best alignment ends in a new emission
+        stay_node_parent = xp.zeros(num_lanes, dtype=np.int64)
+        safe_last = xp.maximum(self.last, 0)
+        emit = xp.where(active[:, None], self.score[:, None] + logp, _NEG_INF)
+        emit[:, blank] = _NEG_INF
+
+        if s > 0:  # a done lane and an active lane may spell the same sequence: merge their stays
+            shape = (num_utts, beam, beam)  # [u, i, j]
+            candidate = ((self.hash.reshape(num_utts, beam, 1) == self.hash.reshape(num_utts, 1, beam))
+                         & (self.length.reshape(num_utts, beam, 1) == self.length.reshape(num_utts, 1, beam))
+                         & alive.reshape(num_utts, beam, 1) & alive.reshape(num_utts, 1, beam)
+                         & (xp.arange(beam)[:, None] < xp.arange(beam)[None, :]))
+            equal = self._same_sequences(candidate, xp.broadcast_to(self.node.reshape(num_utts, beam, 1), shape),
+                                         xp.broadcast_to(self.node.reshape(num_utts, 1, beam), shape), exact)
+            absorbs = equal.any(axis=2).reshape(-1)  # lane i takes in a later lane j
+            absorbed = equal.any(axis=1).reshape(-1)
+            partner = (self.group_base + equal.astype(np.int8).argmax(axis=2)).reshape(-1)
+            partner_stay = stay[partner]
+            better = absorbs & (partner_stay > stay)
+            stay_node = xp.where(better, self.node[partner], stay_node)
+            stay = xp.where(absorbs, self.combine(stay, partner_stay), stay)
+            stay = xp.where(absorbed, _NEG_INF, stay)
+
+        if forced:  # an extension that spells an existing lane's sequence joins that lane's stay
+            shape = (num_utts, beam, beam)  # [u, j, i]: lane j's sequence = lane i's + j's last label
+            candidate = ((self.hash.reshape(num_utts, 1, beam) == self.prev_hash.reshape(num_utts, beam, 1))
+                         & (self.length.reshape(num_utts, 1, beam) + 1 == self.length.reshape(num_utts, beam, 1))
+                         & active.reshape(num_utts, 1, beam) & (stay > _NEG_INF).reshape(num_utts, beam, 1))
+            node_i = xp.broadcast_to(self.node.reshape(num_utts, 1, beam), shape)
+            node_j = xp.broadcast_to(self.node_parent[self.node].reshape(num_utts, beam, 1), shape)
+            equal = self._same_sequences(candidate, node_i, node_j, exact)
+            matched = equal.any(axis=2).reshape(-1)
+            match_lane = (self.group_base + equal.astype(np.int8).argmax(axis=2)).reshape(-1)
+            merged = emit[match_lane, safe_last]
+            won = matched & (merged > stay)
+            stay_new = won
+            stay_node_parent = self.node[match_lane]
+            stay = xp.where(matched, self.combine(stay, merged), stay)
+            emit[match_lane, xp.where(matched, safe_last, blank)] = _NEG_INF
+
+        if self.entries:
+            fused = self._fused(self.lm_scores)
+            candidates = emit + fused[:, None] + combine_scores(self.cache, self.scales)
+            candidates[:, blank] = stay + fused
+        else:
+            candidates = emit.copy()
+            candidates[:, blank] = stay
+        ranks = candidates.reshape(num_utts, beam * vocab_size)
+        if options.score_threshold is not None:
+            best = ranks.max(axis=1, keepdims=True)
+            ranks = xp.where(ranks >= best - np.float32(options.score_threshold), ranks, _NEG_INF)
+        chosen = top_k_indices(ranks, beam)  # [U, B]
+        alive_new = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
+        parents = (self.group_base + chosen // vocab_size).reshape(-1)
+        labels = (chosen % vocab_size).reshape(-1)
+        is_stay = (labels == blank) | ~alive_new
+        emitted = ~is_stay
+
+        # the new lanes
+        base = self._new_nodes(t)
+        fresh = emitted | (is_stay & alive_new & stay_new[parents])
+        parent_node = self.node[parents]
+        self.node_parent[base:base + num_lanes] = xp.where(emitted, parent_node, stay_node_parent[parents])
+        self.node_label[base:base + num_lanes] = xp.where(emitted, labels, safe_last[parents])
+        self.node = xp.where(fresh, base + lanes, stay_node[parents])
+        self.score = xp.where(is_stay, xp.where(alive_new, stay[parents], _NEG_INF), emit[parents, labels])
+        self.done = is_stay | forced
+        self.prev_hash = xp.where(is_stay, self.prev_hash[parents], self.hash[parents])
+        self.hash = xp.where(is_stay, self.hash[parents],
+                             (self.hash[parents] * _HASH_MULTIPLIER + labels + 1) % options.hash_modulus)
+        self.last = xp.where(is_stay, self.last[parents], labels)
+        self.length = self.length[parents] + emitted
+        any_emitted, any_active = (bool(v) for v in _to_host(emitted.any(), (alive_new & ~self.done).any()))
+        step_labels = xp.where(emitted, labels, -1)
+
+        # the prediction network: new vectors for the lanes that emitted
+        if any_emitted:
+            self.pred_ctx = self.prediction.extend(self.pred_ctx, self.pred_lane[parents], step_labels)
+            self.pred_lane = lanes.copy()
+            new_out = _on_xp(xp, self.prediction.output(self.pred_ctx)).astype(np.float32, copy=False)
+            self.pred_out = xp.where(emitted[:, None], new_out, self.pred_out[parents])
+        else:
+            self.pred_lane = self.pred_lane[parents]
+            self.pred_out = self.pred_out[parents]
+
+        if self.entries:
+            safe_labels = xp.where(is_stay, 0, labels)
+            self.cache = [c[parents] for c in self.cache]
+            gained = xp.stack([xp.where(is_stay, np.float32(0), c[lanes, safe_labels]) for c in self.cache])
+            self.lm_scores = self.lm_scores[:, parents] + gained
+            scorer_parents = self.scorer_lane[parents]
+            if self.cache_enabled and not any_emitted:
+                self.scorer_lane = scorer_parents
+            else:
+                if self.cache_enabled:
+                    self.changed = self.changed[parents] | emitted
+                transitions = xp.where(emitted, int(Transition.LABEL), int(Transition.BLANK))
+                self.contexts = [e.scorer.extend_transitions(c, scorer_parents, step_labels, transitions)
+                                 for e, c in zip(self.entries, self.contexts)]
+                self.scorer_lane = lanes.copy()
+                self.rescore = True
+        return any_active
+
+    def _check_vocabulary(self, vocab_size: int) -> None:
+        options = self.options
+        if options.blank >= vocab_size:
+            raise ValueError(f"TransducerOptions.blank {options.blank} is outside the joint's vocabulary "
+                             f"[0, {vocab_size})")
+        if options.sentence_end is not None and options.sentence_end >= vocab_size:
+            raise ValueError(f"TransducerOptions.sentence_end {options.sentence_end} is outside the joint's "
+                             f"vocabulary [0, {vocab_size})")
+        for entry in self.entries:
+            if int(entry.scorer.vocab_size) != vocab_size:
+                raise ValueError(f"scorer {entry.name!r}: vocab_size {entry.scorer.vocab_size} does not match "
+                                 f"the joint's V={vocab_size}")
+
+    def _new_nodes(self, t: int) -> int:
+        """The first node of a new symbol step at frame ``t`` (node arrays grown as needed)."""
+        xp, num_lanes = self.xp, self.layout.num_lanes
+        k = len(self.node_frames)
+        self.node_frames.append(t)
+        base = 1 + k * num_lanes
+        if base + num_lanes > self.node_parent.shape[0]:
+            size = 1 + 2 * (k + 1) * num_lanes
+            parent = xp.zeros(size, dtype=np.int64)
+            label = xp.full(size, -1, dtype=np.int64)
+            parent[:base] = self.node_parent[:base]
+            label[:base] = self.node_label[:base]
+            self.node_parent, self.node_label = parent, label
+        return base
+
+    # --- sequence comparison (the collision check) ---------------------------------------------
+    def _same_sequences(self, candidate, node_a, node_b, exact: bool):
+        """Of the ``candidate`` pairs (equal hash and length), those whose nodes spell the same
+        label sequence: both label paths walked back until they meet."""
+        xp = self.xp
+        equal = candidate & (node_a == node_b)
+        pending = candidate & (node_a != node_b)
+        steps, step = self.options.history_compare_steps, 0
+        while True:
+            if exact:
+                (more,) = _to_host(pending.any())
+                if not more:
+                    break
+            elif step >= steps:
+                self.unresolved = self.unresolved | pending.any()
+                break
+            pending = pending & (self.node_label[node_a] == self.node_label[node_b])
+            node_a, node_b = self.node_parent[node_a], self.node_parent[node_b]
+            met = pending & (node_a == node_b)
+            equal = equal | met
+            pending = pending & ~met
+            step += 1
+        return xp.asarray(equal)
+
+    # --- scorers ---------------------------------------------------------------------------------
+    def _fused(self, lm_scores):
+        total = None
+        for s, scale in enumerate(self.scales):
+            if scale == 0.0:
+                continue
+            term = lm_scores[s] * np.float32(scale)
+            total = term if total is None else total + term
+        return self.xp.zeros(lm_scores.shape[1], dtype=np.float32) if total is None else total
+
+    def _score_contexts(self, frames) -> None:
+        """New score vectors for the lanes whose context changed (all lanes without the cache)."""
+        if not self.rescore:
+            return
+        xp, num_lanes = self.xp, self.layout.num_lanes
+        for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
+            log_probs = entry.scorer.score(entry.scorer.at_frames(ctx, frames))
+            if tuple(log_probs.shape) != (num_lanes, int(entry.scorer.vocab_size)):
+                raise ValueError(f"scorer {entry.name!r}: score() returned shape {tuple(log_probs.shape)}, "
+                                 f"expected [N={num_lanes}, V={entry.scorer.vocab_size}]")
+            if is_device_array(log_probs) != (xp is not np):
+                raise ValueError(f"scorer {entry.name!r}: score() returned a {type(log_probs).__module__} "
+                                 f"array, but the search runs on {xp.__name__}")
+            log_probs = log_probs.astype(np.float32, copy=False)
+            if self.cache_enabled and self.cache[s] is not None:
+                self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
+            else:
+                self.cache[s] = log_probs
+        self.rescore = False
+        self.changed = xp.zeros(num_lanes, dtype=bool)
+
+    # --- results ---------------------------------------------------------------------------------
+    def _nbest(self, exact: bool):
+        layout, options = self.layout, self.options
+        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        ranks = self.score + self._fused(self.lm_scores) if self.entries else self.score
+        order = top_k_indices(ranks.reshape(num_utts, beam), beam)
+        (order, ranks, score, lm_scores, node, node_parent, node_label, unresolved) = _to_host(
+            order, ranks, self.score, self.lm_scores, self.node, self.node_parent, self.node_label, self.unresolved)
+        if not exact and bool(unresolved):
+            return None
+        node_frame = np.concatenate([[-1], np.repeat(np.asarray(self.node_frames, np.int64), num_lanes)])
+        traced_labels, traced_frames = [], []
+        current = node.copy()
+        while (current != 0).any():
+            traced_labels.append(node_label[current])
+            traced_frames.append(node_frame[current])
+            current = node_parent[current]
+        empty = np.zeros((0, num_lanes), np.int64)
+        traced_labels = np.stack(traced_labels[::-1]) if traced_labels else empty
+        traced_frames = np.stack(traced_frames[::-1]) if traced_frames else empty
+
+        results = []
+        for u in range(num_utts):
+            nbest = []
+            for lane in (u * beam + order[u]).tolist():
+                if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
+                    break
+                kept = traced_labels[:, lane] >= 0  # shorter sequences have -1 at the front
+                labels = traced_labels[kept, lane].tolist()
+                scores = {TRANSDUCER_SCORE_NAME: float(score[lane])}
+                scores.update({e.name: float(lm_scores[s, lane]) for s, e in enumerate(self.entries)})
+                nbest.append(Hypothesis(labels=labels, score=float(ranks[lane]), scores=scores,
+                                        length=len(labels), frames=traced_frames[kept, lane].tolist()))
+            results.append(nbest)
+        return results

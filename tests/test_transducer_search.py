@@ -14,10 +14,8 @@ import pytest
 
 from examples.custom_scorer import BigramScorer
 from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
+from gpudecode.scorers.transducer import JointNetwork, StatefulPredictionNetwork, StatelessPredictionNetwork
 from gpudecode.search import (
-    JointNetwork,
-    StatefulPredictionNetwork,
-    StatelessPredictionNetwork,
     TransducerOptions,
     top_k_indices,
     transducer_greedy_search,

@@ -53,7 +53,7 @@ def _timed(xp, run, repeats: int) -> tuple[float, object]:
 def _models(device: str, *, encoder_dim: int, vocab_size: int, prediction_dim: int, prediction_hidden_dim: int,
             prediction_embed_dim: int, joint_dim: int, blank_bias: float):
     """(prediction-network factory, joint) on ``device``."""
-    from gpudecode.search import JointNetwork, StatefulPredictionNetwork
+    from gpudecode.scorers.transducer import JointNetwork, StatefulPredictionNetwork
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.states.options import StateManagerOptions
     from gpudecode.testing import build_joint_network, build_prediction_network

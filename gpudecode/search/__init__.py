@@ -11,24 +11,12 @@ from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix
 from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
-from gpudecode.search.transducer import (
-    JointNetwork,
-    PredictionNetwork,
-    StatefulPredictionNetwork,
-    StatelessPredictionNetwork,
-    TransducerOptions,
-    transducer_greedy_search,
-    transducer_search,
-)
+from gpudecode.search.transducer import TransducerOptions, transducer_greedy_search, transducer_search
 
 __all__ = [
     "CtcPrefixOptions",
     "Hypothesis",
-    "JointNetwork",
     "LabelSyncOptions",
-    "PredictionNetwork",
-    "StatefulPredictionNetwork",
-    "StatelessPredictionNetwork",
     "TransducerOptions",
     "ctc_greedy_search",
     "ctc_prefix_search",

@@ -202,8 +202,24 @@ class FrontEndConfig(_Section):
         return (self.frame_shift_ms if self.frame_shift_ms is not None else self.hop_ms) / 1000
 
 
+class TransducerConfig(_Section):
+    """The prediction and joint networks of a transducer (the encoder is ``models.encoder``).
+
+    ``context_size``: None for a stateful prediction network (its states through
+    ``state_manager``); k for a stateless one fed the last k labels."""
+
+    prediction: ConfigPath
+    joint: ConfigPath
+    context_size: PositiveInt | None = None
+    state_manager: StateManagerConfig = Field(default_factory=lambda: StateManagerConfig(type="lstm"))
+    prediction_io_map: dict[str, str] = Field(default_factory=dict)
+    joint_io_map: dict[str, str] = Field(default_factory=dict)
+    joint_scores_kind: Literal["log-probs", "logits"] = "log-probs"
+
+
 class ModelsConfig(_Section):
     encoder: EncoderConfig | None = None
+    transducer: TransducerConfig | None = None
     vocabulary: VocabularyConfig
     front_end: FrontEndConfig = Field(default_factory=FrontEndConfig)
 
@@ -290,6 +306,7 @@ class SearchConfig(_Section):
     max_cached_score_vectors: NonNegativeInt = defaults.MAX_CACHED_SCORE_VECTORS
     pre_beam_size: PositiveInt | None = defaults.PRE_BEAM_SIZE
     max_symbols_per_frame: PositiveInt = defaults.MAX_SYMBOLS_PER_FRAME
+    recombination: Literal[defaults.RECOMBINATIONS] = defaults.RECOMBINATION
 
     @model_validator(mode="after")
     def _check(self) -> SearchConfig:

@@ -18,12 +18,13 @@ from gpudecode.io.vocabulary import Vocabulary
 from gpudecode.scorers import UtteranceBatch, create_scorer
 from gpudecode.search import Hypothesis, LabelSyncOptions, label_sync_search
 from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
+from gpudecode.search.transducer import TransducerOptions, transducer_greedy_search, transducer_search
 from gpudecode.session import OnnxSession, SessionOptions, discover_encoder
 from gpudecode.states.options import StateManagerOptions
 
 ONNX_SCORERS = ("onnx-decoder", "recurrent-lm")
 PROMPT_OPTIONS = ("initial_prompt_labels", "suffix_prompt_labels")
-SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy")
+SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy", "transducer", "transducer-greedy")
 
 
 class Decoder:
@@ -52,6 +53,11 @@ class Decoder:
             raise ConfigError("scorers: greedy CTC decoding fuses no scorers; use search.type ctc-prefix")
         if search.type.startswith("ctc") and config.models.encoder is None:
             raise ConfigError("models.encoder: CTC decoding needs the encoder that outputs frame log-probs")
+        if search.type.startswith("transducer") and (config.models.encoder is None or config.models.transducer is None):
+            raise ConfigError("models.transducer: transducer decoding needs models.encoder and models.transducer "
+                              "(prediction and joint networks)")
+        if search.type == "transducer-greedy" and config.scorers:
+            raise ConfigError("scorers: greedy transducer decoding fuses no scorers; use search.type transducer")
         self.sentence_end = (self._special("sentence_end") if search.type == "label-sync"
                              else self.vocabulary.sentence_end_index)
         self.encoder = None
@@ -65,6 +71,15 @@ class Decoder:
                 length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,
                 max_labels_per_input=search.max_labels_per_input, max_labels=search.max_labels,
                 nbest=search.nbest, pre_beam_size=search.pre_beam_size,
+            )
+        elif search.type.startswith("transducer"):
+            self.blank = self._special("blank")
+            self.prediction, self.joint = self._build_transducer(config.models.transducer)
+            self.search_options = TransducerOptions(
+                beam_size=search.beam_size, blank=self.blank, max_symbols_per_frame=search.max_symbols_per_frame,
+                recombination=search.recombination, score_threshold=search.score_threshold,
+                sentence_end=self.sentence_end if self.scorers else None,
+                max_cached_score_vectors=search.max_cached_score_vectors, nbest=search.nbest,
             )
         else:
             self.blank = self._special("blank")
@@ -93,6 +108,23 @@ class Decoder:
         if index is None:
             raise ConfigError(f"models.vocabulary.{role}: the label-synchronous search needs a {role.replace('_', '-')} label")
         return int(index)
+
+    def _build_transducer(self, models):
+        """(prediction network, joint network) of ``models.transducer``."""
+        from gpudecode.scorers.transducer import JointNetwork, StatefulPredictionNetwork, StatelessPredictionNetwork
+
+        if models.context_size is None:
+            prediction = StatefulPredictionNetwork(
+                model=models.prediction, blank=self.blank, session_options=self.session_options,
+                state_manager=models.state_manager.to_options(self.config.runtime.device_id),
+                io_map=models.prediction_io_map)
+        else:
+            prediction = StatelessPredictionNetwork(
+                model=models.prediction, blank=self.blank, context_size=models.context_size,
+                session_options=self.session_options, io_map=models.prediction_io_map)
+        joint = JointNetwork(model=models.joint, session_options=self.session_options, io_map=models.joint_io_map,
+                             scores_kind=models.joint_scores_kind)
+        return prediction, joint
 
     def _build_scorer(self, index: int, scorer: ScorerConfig):
         key = f"scorers[{index}]"
@@ -163,6 +195,15 @@ class Decoder:
         For CTC searches, ``Hypothesis.frames`` are encoder frames (see :attr:`subsampling`).
         """
         search = self.config.search
+        if search.type.startswith("transducer"):
+            batch = self.encode(ids, features)
+            states = batch.inputs["encoder-states"]
+            if search.type == "transducer-greedy":
+                return transducer_greedy_search(states, batch.input_lengths, self.prediction, self.joint,
+                                                blank=self.blank, max_symbols_per_frame=search.max_symbols_per_frame,
+                                                xp=self.xp)
+            return transducer_search(states, batch.input_lengths, self.prediction, self.joint, self.search_options,
+                                     self.scorers, xp=self.xp, ids=list(ids))
         if search.type.startswith("ctc"):
             batch = self.encode(ids, features)
             log_probs = batch.inputs["encoder-states"]

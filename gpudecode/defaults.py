@@ -70,7 +70,9 @@ STATE_COMPRESSIONS = ("none", "fixed-quantisation", "reduced-precision")
 STATE_COMPRESSION = "none"
 
 # --- search ----------------------------------------------------------------------------------
-SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy", "transducer")
+SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy", "transducer", "transducer-greedy")
+RECOMBINATIONS = ("sum", "max")  # transducer: how equal label sequences are merged
+RECOMBINATION = "sum"
 SEARCH_TYPE = "label-sync"
 BEAM_SIZE = 8
 NBEST: int | None = None  # None: every hypothesis of the final beam

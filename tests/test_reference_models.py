@@ -459,8 +459,9 @@ def test_bad_options_raise(build):
 
 def test_write_examples(tmp_path):
     paths = write_examples(tmp_path)
-    assert sorted(p.name for p in paths) == ["ctc-encoder.onnx", "decoder.onnx", "encoder.onnx", "lstm-lm.onnx",
-                                             "prefix-lm-prefill.onnx", "prefix-lm-step.onnx"]
+    assert sorted(p.name for p in paths) == sorted([
+        "ctc-encoder.onnx", "decoder.onnx", "encoder.onnx", "lstm-lm.onnx", "prefix-lm-prefill.onnx",
+        "prefix-lm-step.onnx", "transducer-encoder.onnx", "transducer-joint.onnx", "transducer-prediction.onnx"])
     for path in paths:
         assert path.stat().st_size < 200_000
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

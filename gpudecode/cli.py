@@ -214,3 +214,23 @@ def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams
     except GpuUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(results))
+
+
+@bench.command("transducer")
+@click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Folder for transducer.json and transducer.png.")
+@click.option("--utterances", type=int, default=64, show_default=True)
+@click.option("--encoder-frames", type=int, default=1000, show_default=True, help="Input frames per utterance.")
+@click.option("--beams", default="1,4,8", show_default=True, help="Comma-separated.")
+@click.option("--max-symbols-per-frame", type=int, default=1, show_default=True)
+def bench_transducer(output: str, utterances: int, encoder_frames: int, beams: str, max_symbols_per_frame: int) -> None:
+    """Transducer search frames/s at several beams and end-to-end beam 8 ÷ greedy (pinned encoder)."""
+    from gpudecode.backend import GpuUnavailableError
+    from gpudecode.bench.transducer import format_table, run_transducer_bench
+
+    try:
+        results = run_transducer_bench(num_utts=utterances, encoder_frames=encoder_frames, beams=_int_list(beams),
+                                       max_symbols_per_frame=max_symbols_per_frame, output_dir=output)
+    except GpuUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_table(results))

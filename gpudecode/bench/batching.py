@@ -20,11 +20,11 @@ Run: ``python -m gpudecode.bench.batching [--quick] [--output out/bench]`` (GPU)
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import numpy as np
+
+from gpudecode.bench.common import write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -169,12 +169,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         "ratios": {"continuous_over_static_throughput":
                    cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
     }
-    if output_dir is not None:
-        output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "batching.json").write_text(json.dumps(results, indent=2))
-        results["png"] = plot_batching(results, output_dir / "batching.png")
-    return results
+    return write_results(results, output_dir, "batching", plot_batching)
 
 
 def plot_batching(results: dict, path) -> str | None:

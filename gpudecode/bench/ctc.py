@@ -14,27 +14,15 @@ Every size is a parameter (the defaults are the issue's: 64 utterances × 10k fr
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
 
 import numpy as np
+
+from gpudecode.backend import array_module
+from gpudecode.bench.common import fastest, write_results
 
 BLANK = 0
 
 
-def _array_module(device: str):
-    from gpudecode.backend import array_module
-
-    return array_module(device)
-
-
-def _sync(xp) -> None:
-    if xp is not np:
-        from gpudecode.backend import shared_stream
-
-        shared_stream(0).synchronize()
-        xp.cuda.get_current_stream().synchronize()
 
 
 def random_log_probs(xp, num_utts: int, num_frames: int, vocab_size: int, *, seed: int = 0,
@@ -66,17 +54,6 @@ def _lm_scorer(device: str, vocab_size: int, *, hidden_dim: int, embed_dim: int,
                              session_options=SessionOptions(device=device, use_tf32=False))
 
 
-def _timed(xp, run, repeats: int) -> tuple[float, object]:
-    """The fastest of ``repeats`` runs (seconds) and the last result."""
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        _sync(xp)
-        start = time.perf_counter()
-        result = run()
-        _sync(xp)
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
 
 def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(1000, 5000),
                   beams=(1, 8, 16), with_lm=(False, True), lm_hidden_dim: int = 512,
@@ -87,7 +64,7 @@ def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(
     """Runs every measurement in one process; returns (and writes ``ctc.json`` / ``ctc.png``)."""
     from gpudecode.search import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 
-    xp = _array_module(device)
+    xp = array_module(device)
     results = {"benchmark": "ctc", "config": {
         "utterances": num_utts, "frames": num_frames, "vocab_sizes": list(vocab_sizes), "beams": list(beams),
         "lm": f"LSTM {lm_layers}x{lm_hidden_dim} (embedding {lm_embed_dim})", "device": device,
@@ -97,7 +74,7 @@ def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(
     for vocab_size in vocab_sizes:
         log_probs = random_log_probs(xp, num_utts, num_frames, vocab_size)
         ctc_greedy_search(log_probs[:, :8], np.full(num_utts, 8), xp=xp)  # warm-up (kernels)
-        seconds, _ = _timed(xp, lambda: ctc_greedy_search(log_probs, lengths, xp=xp), repeats)
+        seconds, _ = fastest(xp, lambda: ctc_greedy_search(log_probs, lengths, xp=xp), repeats)
         results["cells"].append({"search": "greedy", "vocab_size": vocab_size, "beam": 1, "lm": False,
                                  "seconds": seconds, "frames_per_s": total_frames / seconds})
         for use_lm in with_lm:
@@ -107,7 +84,7 @@ def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(
             for beam in beams:
                 options = CtcPrefixOptions(beam_size=beam, sentence_end=None)
                 ctc_prefix_search(log_probs[:, :8], np.full(num_utts, 8), options, scorers, xp=xp)  # warm-up
-                seconds, nbest = _timed(
+                seconds, nbest = fastest(
                     xp, lambda: ctc_prefix_search(log_probs, lengths, options, scorers, xp=xp), repeats)
                 results["cells"].append({
                     "search": "prefix", "vocab_size": vocab_size, "beam": beam, "lm": use_lm,
@@ -133,12 +110,7 @@ def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(
                                             num_features=num_features, repeats=repeats)
         ratios["end_to_end_beam8_over_greedy"] = results["end_to_end"]["beam8_over_greedy"]
     results["ratios"] = ratios
-    if output_dir is not None:
-        output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "ctc.json").write_text(json.dumps(results, indent=2))
-        results["png"] = plot_ctc(results, output_dir / "ctc.png")
-    return results
+    return write_results(results, output_dir, "ctc", plot_ctc)
 
 
 def _end_to_end(xp, device: str, *, num_utts: int, num_frames: int, num_layers: int, model_dim: int,
@@ -165,8 +137,8 @@ def _end_to_end(xp, device: str, *, num_utts: int, num_frames: int, num_layers: 
     timings = {}
     for name, search in (("greedy", lambda lp, n: ctc_greedy_search(lp, n, xp=xp)),
                          ("beam8", lambda lp, n: ctc_prefix_search(lp, n, options, xp=xp))):
-        timings[name], _ = _timed(xp, lambda: search(*encode()), repeats)
-    encoder_seconds, _ = _timed(xp, encode, repeats)
+        timings[name], _ = fastest(xp, lambda: search(*encode()), repeats)
+    encoder_seconds, _ = fastest(xp, encode, repeats)
     return {"encoder": f"{num_layers} layers, d={model_dim}, {subsampling}x subsampling, V={vocab_size}",
             "utterances": num_utts, "input_frames": num_frames, "encoder_seconds": encoder_seconds,
             "greedy_seconds": timings["greedy"], "beam8_seconds": timings["beam8"],

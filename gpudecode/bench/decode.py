@@ -10,11 +10,11 @@ the last step, then forced). Measured in one run, every figure as a ratio agains
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import numpy as np
+
+from gpudecode.bench.common import write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -181,12 +181,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         "beam8_over_beam1": cuda8["seconds"] / beam1["seconds"],
         "host_cpu_per_step_4096_over_64": large["host_cpu_ms_per_step"] / beam1["host_cpu_ms_per_step"],
     }
-    if output_dir is not None:
-        output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "decode.json").write_text(json.dumps(results, indent=2))
-        results["png"] = plot_decode(results, output_dir / "decode.png")
-    return results
+    return write_results(results, output_dir, "decode", plot_decode)
 
 
 def plot_decode(results: dict, path) -> str | None:

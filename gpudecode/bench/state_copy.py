@@ -8,12 +8,13 @@ the kernels, wall times for whole steps. Results: a dict, written as JSON (+ a P
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+
+from gpudecode.bench.common import write_results
 
 from gpudecode.spec import StateVariable
 
@@ -228,12 +229,7 @@ def run_state_copy_bench(
                     cell["cpu_over_cuda_step"] = cell["step_cpu_s"] / cell["step_cuda_s"]
                 results["cells"].append(cell)
                 cupy.get_default_memory_pool().free_all_blocks()
-    if output_dir is not None:
-        output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "state_copy.json").write_text(json.dumps(results, indent=2))
-        results["png"] = plot_state_copy(results, output_dir / "state_copy.png")
-    return results
+    return write_results(results, output_dir, "state_copy", plot_state_copy)
 
 
 def plot_state_copy(results: dict, path: str | Path) -> str | None:

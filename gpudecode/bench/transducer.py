@@ -15,39 +15,16 @@ the GPU only).
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
 
 import numpy as np
+
+from gpudecode.backend import array_module
+from gpudecode.bench.common import fastest, write_results
 
 BLANK = 0
 
 
-def _array_module(device: str):
-    from gpudecode.backend import array_module
 
-    return array_module(device)
-
-
-def _sync(xp) -> None:
-    if xp is not np:
-        from gpudecode.backend import shared_stream
-
-        shared_stream(0).synchronize()
-        xp.cuda.get_current_stream().synchronize()
-
-
-def _timed(xp, run, repeats: int) -> tuple[float, object]:
-    """The fastest of ``repeats`` runs (seconds) and the last result."""
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        _sync(xp)
-        start = time.perf_counter()
-        result = run()
-        _sync(xp)
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def _models(device: str, *, encoder_dim: int, vocab_size: int, prediction_dim: int, prediction_hidden_dim: int,
@@ -92,7 +69,7 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.testing import build_transducer_encoder
 
-    xp = _array_module(device)
+    xp = array_module(device)
     reference = build_transducer_encoder(0, num_features=num_features, model_dim=encoder_dim, subsampling=subsampling,
                                          num_layers=encoder_layers)
     encoder = OnnxSession(reference.serialized(), SessionOptions(device=device, use_tf32=False))
@@ -130,7 +107,7 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
     for name, search in searches.items():  # warm-up (kernels, ORT shapes)
         search(states[:, :warm], np.full(num_utts, warm))
     for name, search in searches.items():
-        seconds, nbest = _timed(xp, lambda search=search: search(states, lengths), repeats)
+        seconds, nbest = fastest(xp, lambda search=search: search(states, lengths), repeats)
         results["cells"].append({"search": name, "beam": 1 if name == "greedy" else int(name[4:]), "seconds": seconds,
                                  "frames_per_s": num_frames / seconds,
                                  "mean_labels": float(np.mean([len(h[0].labels) for h in nbest]))})
@@ -138,8 +115,8 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
     end_to_end = {}
     for name in ("greedy", "beam8"):
         if name in searches:
-            end_to_end[f"{name}_seconds"], _ = _timed(xp, lambda search=searches[name]: search(*encode()), repeats)
-    end_to_end["encoder_seconds"], _ = _timed(xp, encode, repeats)
+            end_to_end[f"{name}_seconds"], _ = fastest(xp, lambda search=searches[name]: search(*encode()), repeats)
+    end_to_end["encoder_seconds"], _ = fastest(xp, encode, repeats)
     ratios = {}
     if "beam8_seconds" in end_to_end:
         ratios["end_to_end_beam8_over_greedy"] = end_to_end["beam8_seconds"] / end_to_end["greedy_seconds"]
@@ -150,12 +127,7 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
     results["ratios"] = ratios
     for net in (greedy_net, beam_net):
         net.close()
-    if output_dir is not None:
-        output_dir = Path(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "transducer.json").write_text(json.dumps(results, indent=2))
-        results["png"] = plot_transducer(results, output_dir / "transducer.png")
-    return results
+    return write_results(results, output_dir, "transducer", plot_transducer)
 
 
 def plot_transducer(results: dict, path) -> str | None:

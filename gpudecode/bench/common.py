@@ -1,0 +1,42 @@
+"""Helpers every benchmark shares: timing on the shared stream and writing results."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def synchronize(xp) -> None:
+    """Waits for all work on the shared stream (and CuPy's current one); a no-op on numpy."""
+    if xp is not np:
+        from gpudecode.backend import shared_stream
+
+        shared_stream(0).synchronize()
+        xp.cuda.get_current_stream().synchronize()
+
+
+def fastest(xp, run: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """The fastest of ``repeats`` runs (seconds, synchronised) and the last result."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        synchronize(xp)
+        start = time.perf_counter()
+        result = run()
+        synchronize(xp)
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def write_results(results: dict, output_dir, name: str, plot: Callable[[dict, Path], str | None]) -> dict:
+    """Writes ``<name>.json`` and ``<name>.png`` into ``output_dir`` (when given); returns ``results``
+    with the PNG's path (None where matplotlib is missing)."""
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / f"{name}.json").write_text(json.dumps(results, indent=2))
+        results["png"] = plot(results, output_dir / f"{name}.png")
+    return results

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gpudecode.backend import get_array_module
+from gpudecode.backend import get_array_module, is_device_array
 from gpudecode.scorers.base import LabelScorer
 
 
@@ -66,3 +66,16 @@ def combine_scores(log_probs: Sequence, scales: Sequence[float]):
     if total is None:  # every scale is 0: the combined score is 0 everywhere
         total = get_array_module(log_probs[0]).zeros(log_probs[0].shape, dtype=np.float32)
     return total
+
+
+def checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp):
+    """``log_probs`` as float32 after checking it is [N, V] on the search's array module; the
+    error names the scorer."""
+    if tuple(log_probs.shape) != (num_lanes, vocab_size):
+        raise ValueError(f"scorer {entry.name!r}: score() returned shape "
+                         f"{tuple(log_probs.shape)}, expected [N={num_lanes}, V={vocab_size}]")
+    if is_device_array(log_probs) != (xp is not np):
+        raise ValueError(f"scorer {entry.name!r}: score() returned a "
+                         f"{type(log_probs).__module__} array, but the search runs on "
+                         f"{xp.__name__}")
+    return log_probs.astype(np.float32, copy=False)

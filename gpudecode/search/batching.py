@@ -131,7 +131,6 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
     mask), plus one bulk transfer of finished results every ``_MAX_PENDING_LANES`` lanes and at
     the end.
     """
-    xp = layout.xp
     num_groups, beam_size = layout.num_groups, layout.beam_size
     # Admitting costs a few launches and a retain per scorer whatever the number of groups, so
     # groups are refilled once an eighth of them is free (or the queue runs short).

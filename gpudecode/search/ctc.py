@@ -49,7 +49,7 @@ import numpy as np
 from gpudecode import defaults
 from gpudecode.backend import is_device_array, shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
-from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
@@ -394,7 +394,7 @@ class _PrefixSearch:
 
         fused = None
         if self.entries:
-            fused = self._fused(self.lm_scores)  # [N]
+            fused = combine_scores(self.lm_scores, self.scales)  # [N]
             lm_term = combine_scores(self.cache, self.scales)  # [N, V]
             candidates = emit + fused[:, None] + lm_term
             stay_rank = xp.logaddexp(stay_blank, stay_label) + fused
@@ -485,15 +485,6 @@ class _PrefixSearch:
         return match_lane, matched
 
     # --- scorers ---------------------------------------------------------------------------------
-    def _fused(self, lm_scores):
-        total = None
-        for s, scale in enumerate(self.scales):
-            if scale == 0.0:
-                continue
-            term = lm_scores[s] * np.float32(scale)
-            total = term if total is None else total + term
-        return self.xp.zeros(lm_scores.shape[1], dtype=np.float32) if total is None else total
-
     def _score_contexts(self, frames) -> None:
         """New score vectors for the lanes whose context changed (all lanes without the cache)."""
         if not self.rescore:
@@ -501,15 +492,8 @@ class _PrefixSearch:
         xp, num_lanes = self.xp, self.layout.num_lanes
         vocab_size = self.log_probs.shape[2]
         for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
-            log_probs = entry.scorer.score(entry.scorer.at_frames(ctx, frames))
-            if tuple(log_probs.shape) != (num_lanes, vocab_size):
-                raise ValueError(f"scorer {entry.name!r}: score() returned shape "
-                                 f"{tuple(log_probs.shape)}, expected [N={num_lanes}, V={vocab_size}]")
-            if is_device_array(log_probs) != (xp is not np):
-                raise ValueError(f"scorer {entry.name!r}: score() returned a "
-                                 f"{type(log_probs).__module__} array, but the search runs on "
-                                 f"{xp.__name__}")
-            log_probs = log_probs.astype(np.float32, copy=False)
+            log_probs = checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
+                                       num_lanes, vocab_size, xp)
             if self.cache_enabled:
                 self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
             else:
@@ -538,7 +522,7 @@ class _PrefixSearch:
         xp, layout, options = self.xp, self.layout, self.options
         num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
         ctc = xp.logaddexp(self.blank_logp, self.label_logp)
-        ranks = ctc + self._fused(self.lm_scores) if self.entries else ctc
+        ranks = ctc + combine_scores(self.lm_scores, self.scales) if self.entries else ctc
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
         (order, ranks, ctc, lm_scores, node, node_parent, node_label, unresolved) = _to_host(
             order, ranks, ctc, self.lm_scores, self.node, self.node_parent, self.node_label,

@@ -26,9 +26,9 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import is_device_array, shared_stream, to_host
+from gpudecode.backend import shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
-from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
@@ -196,7 +196,7 @@ class _Beam:
 def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
          options: LabelSyncOptions) -> tuple[_Beam, list[tuple[object, object]]]:
     xp = layout.xp
-    num_utts, beam_size = layout.num_groups, layout.beam_size
+    beam_size = layout.beam_size
     num_lanes = layout.num_lanes
 
     first_lane = (xp.arange(num_lanes) % beam_size) == 0
@@ -226,7 +226,7 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
     """
     xp = layout.xp
     num_groups, beam_size = layout.num_groups, layout.beam_size
-    num_lanes, vocab_size = layout.num_lanes, int(entries[0].scorer.vocab_size)
+    vocab_size = int(entries[0].scorer.vocab_size)
     lns = np.float32(options.length_norm_scale)
     threshold = None if options.score_threshold is None else np.float32(options.score_threshold)
     log_probs, combined = _scores(entries, contexts, layout, options, vocab_size)
@@ -279,7 +279,7 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
         raise ValueError("a partial scorer (scored on pre-beam candidates) needs at least one full scorer")
     log_probs = [None] * len(entries)
     for i in full:
-        log_probs[i] = _checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp)
+        log_probs[i] = checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp)
     combined = combine_scores([log_probs[i] for i in full], [entries[i].scale for i in full])
     partial = [i for i in range(len(entries)) if i not in full]
     if not partial:
@@ -302,17 +302,6 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
         if entry.scale != 0:
             combined = combined + np.float32(entry.scale) * scattered
     return log_probs, combined
-
-
-def _checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp):
-    if tuple(log_probs.shape) != (num_lanes, vocab_size):
-        raise ValueError(f"scorer {entry.name!r}: score() returned shape "
-                         f"{tuple(log_probs.shape)}, expected [N={num_lanes}, V={vocab_size}]")
-    if is_device_array(log_probs) != (xp is not np):
-        raise ValueError(f"scorer {entry.name!r}: score() returned a "
-                         f"{type(log_probs).__module__} array, but the search runs on "
-                         f"{xp.__name__}")
-    return log_probs.astype(np.float32, copy=False)
 
 
 def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,

@@ -52,7 +52,7 @@ import numpy as np
 from gpudecode import defaults
 from gpudecode.backend import is_device_array, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
-from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
+from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.scorers.transducer import PredictionNetwork
@@ -409,7 +409,7 @@ class _TransducerSearch:
             emit[match_lane, xp.where(matched, safe_last, blank)] = _NEG_INF
 
         if self.entries:
-            fused = self._fused(self.lm_scores)
+            fused = combine_scores(self.lm_scores, self.scales)
             candidates = emit + fused[:, None] + combine_scores(self.cache, self.scales)
             candidates[:, blank] = stay + fused
         else:
@@ -524,29 +524,14 @@ class _TransducerSearch:
         return xp.asarray(equal)
 
     # --- scorers ---------------------------------------------------------------------------------
-    def _fused(self, lm_scores):
-        total = None
-        for s, scale in enumerate(self.scales):
-            if scale == 0.0:
-                continue
-            term = lm_scores[s] * np.float32(scale)
-            total = term if total is None else total + term
-        return self.xp.zeros(lm_scores.shape[1], dtype=np.float32) if total is None else total
-
     def _score_contexts(self, frames) -> None:
         """New score vectors for the lanes whose context changed (all lanes without the cache)."""
         if not self.rescore:
             return
         xp, num_lanes = self.xp, self.layout.num_lanes
         for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
-            log_probs = entry.scorer.score(entry.scorer.at_frames(ctx, frames))
-            if tuple(log_probs.shape) != (num_lanes, int(entry.scorer.vocab_size)):
-                raise ValueError(f"scorer {entry.name!r}: score() returned shape {tuple(log_probs.shape)}, "
-                                 f"expected [N={num_lanes}, V={entry.scorer.vocab_size}]")
-            if is_device_array(log_probs) != (xp is not np):
-                raise ValueError(f"scorer {entry.name!r}: score() returned a {type(log_probs).__module__} "
-                                 f"array, but the search runs on {xp.__name__}")
-            log_probs = log_probs.astype(np.float32, copy=False)
+            log_probs = checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
+                                       num_lanes, int(entry.scorer.vocab_size), xp)
             if self.cache_enabled and self.cache[s] is not None:
                 self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
             else:
@@ -558,7 +543,7 @@ class _TransducerSearch:
     def _nbest(self, exact: bool):
         layout, options = self.layout, self.options
         num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
-        ranks = self.score + self._fused(self.lm_scores) if self.entries else self.score
+        ranks = self.score + combine_scores(self.lm_scores, self.scales) if self.entries else self.score
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
         (order, ranks, score, lm_scores, node, node_parent, node_label, unresolved) = _to_host(
             order, ranks, self.score, self.lm_scores, self.node, self.node_parent, self.node_label, self.unresolved)

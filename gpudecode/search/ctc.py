@@ -250,6 +250,32 @@ def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers:
     return _on_shared_stream(xp, run)
 
 
+def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: int | None):
+    """Which ``candidate`` pairs (equal hash and length) spell the same label sequence: both
+    paths of the label tree (``node_label``, ``node_parent``) walked back until they meet.
+
+    ``steps``: walk at most that many steps and return, as the second value, a device bool
+    "some pair is still undecided"; None: walk to the end (one host check per step), second
+    value None. Returns (equal pairs, undecided flag or None).
+    """
+    equal = candidate & (node_a == node_b)
+    pending = candidate & (node_a != node_b)
+    step = 0
+    while True:
+        if steps is None:
+            (more,) = _to_host(pending.any())
+            if not more:
+                return equal, None
+        elif step >= steps:
+            return equal, pending.any()
+        pending = pending & (node_label[node_a] == node_label[node_b])
+        node_a, node_b = node_parent[node_a], node_parent[node_b]
+        met = pending & (node_a == node_b)
+        equal = equal | met
+        pending = pending & ~met
+        step += 1
+
+
 class _PrefixSearch:
     """One run of the prefix beam search; lane state as arrays on ``xp`` (N = U × beam lanes).
 
@@ -462,24 +488,10 @@ class _PrefixSearch:
         candidate = ((hash_i == prev_hash_j) & (length_i + 1 == length_j) & alive_i & alive_j)
         node_i = xp.broadcast_to(self.node.reshape(num_utts, 1, beam), shape)
         node_j = xp.broadcast_to(self.node_parent[self.node].reshape(num_utts, beam, 1), shape)
-        equal = candidate & (node_i == node_j)
-        pending = candidate & (node_i != node_j)
-        steps = self.options.history_compare_steps
-        step = 0
-        while True:
-            if exact:
-                (more,) = _to_host(pending.any())
-                if not more:
-                    break
-            elif step >= steps:
-                self.unresolved = self.unresolved | pending.any()
-                break
-            pending = pending & (self.node_label[node_i] == self.node_label[node_j])
-            node_i, node_j = self.node_parent[node_i], self.node_parent[node_j]
-            met = pending & (node_i == node_j)
-            equal = equal | met
-            pending = pending & ~met
-            step += 1
+        equal, unresolved = same_label_paths(candidate, node_i, node_j, self.node_label, self.node_parent,
+                                             None if exact else self.options.history_compare_steps)
+        if unresolved is not None:
+            self.unresolved = self.unresolved | unresolved
         matched = equal.any(axis=2).reshape(-1)
         match_lane = (self.group_base + equal.astype(np.int8).argmax(axis=2)).reshape(-1)
         return match_lane, matched

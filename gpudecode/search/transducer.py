@@ -53,7 +53,7 @@ from gpudecode import defaults
 from gpudecode.backend import is_device_array, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
-from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream
+from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, same_label_paths
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.results import Hypothesis
@@ -503,25 +503,11 @@ class _TransducerSearch:
     def _same_sequences(self, candidate, node_a, node_b, exact: bool):
         """Of the ``candidate`` pairs (equal hash and length), those whose nodes spell the same
         label sequence: both label paths walked back until they meet."""
-        xp = self.xp
-        equal = candidate & (node_a == node_b)
-        pending = candidate & (node_a != node_b)
-        steps, step = self.options.history_compare_steps, 0
-        while True:
-            if exact:
-                (more,) = _to_host(pending.any())
-                if not more:
-                    break
-            elif step >= steps:
-                self.unresolved = self.unresolved | pending.any()
-                break
-            pending = pending & (self.node_label[node_a] == self.node_label[node_b])
-            node_a, node_b = self.node_parent[node_a], self.node_parent[node_b]
-            met = pending & (node_a == node_b)
-            equal = equal | met
-            pending = pending & ~met
-            step += 1
-        return xp.asarray(equal)
+        steps = None if exact else self.options.history_compare_steps
+        equal, unresolved = same_label_paths(candidate, node_a, node_b, self.node_label, self.node_parent, steps)
+        if unresolved is not None:
+            self.unresolved = self.unresolved | unresolved
+        return self.xp.asarray(equal)
 
     # --- scorers ---------------------------------------------------------------------------------
     def _score_contexts(self, frames) -> None:

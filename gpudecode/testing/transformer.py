@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
+from onnx import helper
 
 from gpudecode.testing._graph import (
     GraphBuilder,
@@ -283,11 +285,13 @@ def build_transformer_decoder(
     x = g.op("Gather", g.weight("tok_emb", w["tok_emb"]), "token")  # [N, 1, D]
     pos = g.op("Gather", g.weight("pos_emb", w["pos_emb"]), "prefix-length")  # [N, D]
     x = g.op("Add", x, g.unsqueeze(pos, [1]))
-    num_t = g.dim("past-key-0", time_axis)
-    one = g.const(1, np.int64)
-    positions = g.op("Range", g.const(0, np.int64), g.op("Add", num_t, one), one)  # [T+1]
-    first_valid = g.op("Sub", num_t, g.op("Cast", "prefix-length", to=onnx_type(np.int64)))
-    self_valid = g.op("GreaterOrEqual", g.unsqueeze(positions, [0]), g.unsqueeze(first_valid, [1]))
+    # Position t of T+1 is valid when T - t <= prefix-length. T - t comes from a reverse CumSum
+    # of ones made on the device: no shape value is copied from the host, so the model can be
+    # captured in a CUDA graph.
+    num_t1 = g.op("Add", g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1), g.const([1], np.int64))
+    ones = g.op("ConstantOfShape", num_t1, value=helper.make_tensor("one", onnx.TensorProto.INT32, [1], [1]))
+    distance = g.op("Sub", g.op("CumSum", ones, g.const(0, np.int32), reverse=1), g.const(1, np.int32))
+    self_valid = g.op("LessOrEqual", g.unsqueeze(distance, [0]), g.unsqueeze("prefix-length", [1]))
     self_valid = g.unsqueeze(self_valid, [1, 2])  # [N, 1, 1, T+1]
     names = [
         (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")

@@ -125,13 +125,38 @@ class EngineConfig(_Section):
         return value
 
 
+class CudaGraphsConfig(_Section):
+    """``runtime.cuda_graphs``: capture each decoder step in CUDA graphs, one per shape bucket
+    (``true``/``false``, or these keys). See ``gpudecode.session.graphs.GraphOptions``."""
+
+    enabled: bool = defaults.CUDA_GRAPHS
+    time_step: PositiveInt = defaults.GRAPH_TIME_STEP
+    min_rows: PositiveInt = defaults.GRAPH_MIN_ROWS
+    shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
+    warm_up_time: NonNegativeInt = defaults.GRAPH_WARM_UP_TIME
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool(cls, data: Any) -> Any:
+        return {"enabled": data} if isinstance(data, bool) else data
+
+    def to_options(self, enabled: bool | None = None):
+        """The typed options a scorer takes; ``enabled`` overrides (a scorer's own switch)."""
+        from gpudecode.session.graphs import GraphOptions
+
+        values = self.model_dump()
+        if enabled is not None:
+            values["enabled"] = enabled
+        return GraphOptions(**values)
+
+
 class RuntimeConfig(_Section):
     """Where and how models run."""
 
     device: Literal[defaults.DEVICES] = defaults.DEVICE
     device_id: NonNegativeInt = defaults.DEVICE_ID
     tf32: bool = defaults.TF32
-    cuda_graphs: bool = defaults.CUDA_GRAPHS
+    cuda_graphs: CudaGraphsConfig = Field(default_factory=CudaGraphsConfig)
     share_stream: bool = defaults.SHARE_STREAM
     ort_arena_limit_bytes: PositiveInt | None = defaults.ORT_ARENA_LIMIT_BYTES
     cupy_pool_limit_bytes: PositiveInt | None = defaults.CUPY_POOL_LIMIT_BYTES
@@ -142,6 +167,8 @@ class RuntimeConfig(_Section):
 
     @model_validator(mode="after")
     def _check_engine(self) -> RuntimeConfig:
+        if self.cuda_graphs.enabled and self.device != "cuda":
+            raise _KeyedError(["cuda_graphs", "enabled"], "CUDA graphs need runtime.device cuda")
         if self.engine.type == "ray" and self.device == "cuda" and self.engine.gpus_per_worker == 0:
             raise _KeyedError(["engine", "gpus_per_worker"], "runtime.device is cuda, so each Ray "
                               "worker needs a GPU (or a fraction of one, e.g. 0.5)")
@@ -270,6 +297,7 @@ class ScorerConfig(_Section):
     io_map: dict[str, str] = Field(default_factory=dict)
     scores_kind: Literal[defaults.SCORES_KINDS] = defaults.SCORES_KIND
     max_batch_size: PositiveInt | None = None
+    cuda_graphs: bool | None = None  # None: runtime.cuda_graphs.enabled
     start_labels: tuple[LabelSpec, ...] = ()
     options: dict[str, Any] = Field(default_factory=dict)  # free, for custom scorers
 
@@ -362,6 +390,8 @@ class Config(_Section):
                     f"duplicate scorer name {scorer.name!r} (also scorers[{seen[scorer.name]}]);"
                     " give each scorer a distinct name")
             seen[scorer.name] = i
+            if scorer.cuda_graphs and self.runtime.device != "cuda":
+                raise _KeyedError(["scorers", i, "cuda_graphs"], "CUDA graphs need runtime.device cuda")
         return self
 
 

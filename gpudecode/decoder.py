@@ -126,6 +126,10 @@ class Decoder:
                              scores_kind=models.joint_scores_kind)
         return prediction, joint
 
+    def _graphs(self, scorer):
+        """The CUDA-graph options of one scorer: the runtime's, switched by the scorer's own key."""
+        return self.config.runtime.cuda_graphs.to_options(scorer.cuda_graphs)
+
     def _build_scorer(self, index: int, scorer: ScorerConfig):
         key = f"scorers[{index}]"
         if scorer.type in ONNX_SCORERS:
@@ -138,7 +142,7 @@ class Decoder:
                 scorer.type, model=scorer.model, vocab_size=len(self.vocabulary),
                 start_labels=[self.vocabulary.resolve(label, f"{key}.start_labels") for label in start],
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
-                scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size,
+                scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
             )
         if scorer.type == "prefix-lm":
             models = scorer.model if isinstance(scorer.model, dict) else {}
@@ -154,7 +158,8 @@ class Decoder:
             return create_scorer(
                 "prefix-lm", model=models["step"], prefill_model=models["prefill"], vocab_size=len(self.vocabulary),
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
-                scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, **prompts,
+                scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
+                **prompts,
             )
         if scorer.type == "ctc-prefix":  # joint CTC/attention: the encoder also outputs frame log-probs
             return create_scorer("ctc-prefix", vocab_size=len(self.vocabulary), sentence_end=self._special("sentence_end"),

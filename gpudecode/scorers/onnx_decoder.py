@@ -10,7 +10,7 @@ into the pool; ``extend`` chains them onto the surviving lanes and frees everyth
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,15 @@ from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import Context, LabelScorer, LaneLayout, UtteranceBatch
 from gpudecode.scorers.registry import register_scorer
 from gpudecode.session import OnnxSession, SessionOptions, discover_step_model, hf_attention_inputs
+from gpudecode.session.graphs import (
+    GraphBuffers,
+    GraphOptions,
+    PaddedRuns,
+    StepGraphs,
+    bucket_rows,
+    bucket_time,
+    time_buckets,
+)
 from gpudecode.states.factory import create_state_manager
 from gpudecode.states.history import StateHistory
 from gpudecode.states.options import StateManagerOptions
@@ -45,6 +54,13 @@ def _log_softmax(xp, x):
     return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def _rows(array, axis: int, count: int):
+    """The first ``count`` rows of ``array`` along its batch ``axis`` (a view)."""
+    index = [slice(None)] * array.ndim
+    index[axis] = slice(0, count)
+    return array[tuple(index)]
+
+
 def _round_up(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -55,7 +71,8 @@ class OnnxDecoderScorer(LabelScorer):
 
     ``model``: path, serialized bytes or an :class:`OnnxSession`; ``start_labels``: fed before the
     first scored label (usually just sentence-begin); ``scores_kind``: what the model outputs
-    (log-probabilities, negative log-probabilities, or logits that get a log-softmax).
+    (log-probabilities, negative log-probabilities, or logits that get a log-softmax);
+    ``graphs``: capture the step in CUDA graphs, one per (rows, history length) bucket.
     """
 
     _uses_start_labels = True
@@ -73,11 +90,14 @@ class OnnxDecoderScorer(LabelScorer):
         max_batch_size: int | None = None,
         state_patterns: Sequence[tuple[str, str]] = (),
         utterance_patterns: Sequence[str] = (),
+        graphs: GraphOptions = GraphOptions(),
     ) -> None:
         if scores_kind not in SCORES_KINDS:
             raise ValueError(f"scores_kind: expected one of {', '.join(SCORES_KINDS)}, got {scores_kind!r}")
         if self._uses_start_labels and not start_labels:
             raise ValueError("start_labels: at least one label (e.g. sentence-begin) is needed")
+        if graphs.enabled and not isinstance(model, OnnxSession):
+            session_options = replace(session_options, cuda_graphs=True)
         self.session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
         self.spec = discover_step_model(
             self.session.tensors, io_map=io_map, state_patterns=state_patterns,
@@ -95,6 +115,21 @@ class OnnxDecoderScorer(LabelScorer):
             "token" if self.spec.convention == "rasr" else "input_ids"]).dtype
         self._lane_inputs: dict[str, Any] = {}  # per-utterance inputs laid out per lane
         self._xp = array_module(self.session.provider)  # where the model's inputs live
+        self.graph_options = graphs
+        self._graphs = None
+        if graphs.enabled and self.states.device != self.session.provider:
+            raise ValueError(
+                f"{self.spec.source}: cuda_graphs needs the state manager where the model runs "
+                f"({self.session.provider}), got a {self.states.device} state manager"
+            )
+        if graphs.enabled:
+            buffers = GraphBuffers(self.session.provider, self.session.options.device_id, shared=graphs.shared_buffers)
+            runs = StepGraphs if self.session.cuda_graphs else PaddedRuns
+            self._graphs = runs(self.session, buffers)
+        names = self.spec.hypothesis_inputs
+        # left padding of the history is exact only when the model masks it
+        self._pad_time = self.states.family == "transformer" and (
+            "prefix-length" in names or "attention_mask" in names)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def begin(self, layout: LaneLayout) -> None:
@@ -104,10 +139,21 @@ class OnnxDecoderScorer(LabelScorer):
         # host upper bound of each group's history length: the table is trimmed to their max, so
         # merges never pad to the width of groups that have left (continuous batching)
         self._group_bound = np.zeros(layout.num_groups, dtype=np.int64)
+        # lane inputs hold rows for the largest padded chunk (CUDA graphs bind whole buckets)
+        self._lane_rows = layout.num_lanes
+        if self._graphs is not None:
+            self._lane_rows = max(start + bucket_rows(rows.stop - rows.start, self.graph_options.min_rows)
+                                  for start, rows in self._chunks())
+            self._graphs.clear()  # lane buffers are bound anew
 
     def admit(self, utterances: UtteranceBatch, groups) -> None:
         """Writes the utterances' per-utterance inputs into their groups' lanes (once)."""
         self._write_utterance_inputs(utterances, groups)
+        self._maybe_warm_up()
+
+    def _maybe_warm_up(self) -> None:
+        if self._graphs is not None and self.graph_options.warm_up_time and not self._graphs.num_graphs:
+            self.warm_up(self.graph_options.warm_up_time)
 
     def _write_utterance_inputs(self, utterances: UtteranceBatch, groups, produced=None, sizes=None) -> None:
         """Per-utterance inputs of ``utterances`` -> the lanes of ``groups``.
@@ -160,11 +206,11 @@ class OnnxDecoderScorer(LabelScorer):
 
     def _write_lanes(self, name: str, data, lanes, time_axis: int | None) -> None:
         """buffer[lanes] = each utterance's data repeated beam times; buffers grow by rounding up."""
-        xp, beam, num_lanes = self._xp, self.layout.beam_size, self.layout.num_lanes
+        xp, beam = self._xp, self.layout.beam_size
         rows = xp.repeat(data, beam, axis=0)
         buffer = self._lane_inputs.get(name)
         shape = list(rows.shape)
-        shape[0] = num_lanes
+        shape[0] = self._lane_rows
         if time_axis is not None:
             shape[time_axis] = _round_up(rows.shape[time_axis])
             if buffer is not None:
@@ -227,14 +273,17 @@ class OnnxDecoderScorer(LabelScorer):
             context = self.extend(context, xp.arange(num_lanes), labels)
         return context
 
-    def score(self, ctx: DecoderContext):
-        """[N, V] float32 log-probabilities of the next label for every lane."""
+    def _chunks(self):
+        """(start, rows) of the model calls of one step: a few, never one per hypothesis."""
         num_lanes = self.layout.num_lanes
         chunk = self.max_batch_size or num_lanes
+        return [(start, slice(start, min(start + chunk, num_lanes))) for start in range(0, num_lanes, chunk)]
+
+    def score(self, ctx: DecoderContext):
+        """[N, V] float32 log-probabilities of the next label for every lane."""
         scores, slots = [], []
-        for start in range(0, num_lanes, chunk):  # a few model calls, never one per hypothesis
-            rows = slice(start, min(start + chunk, num_lanes))
-            s, n = self._run(ctx, rows)
+        for _, rows in self._chunks():
+            s, n = self._run(ctx, rows) if self._graphs is None else self._run_bucketed(ctx, rows)
             scores.append(s)
             slots.append(n)
         xp = self.states.xp
@@ -271,6 +320,94 @@ class OnnxDecoderScorer(LabelScorer):
         outputs = self.session.run(feeds, [spec.scores_output, *state_outputs])
         new_slots = self.states.split({k: outputs[k] for k in state_outputs})
         return self._log_probs(outputs[spec.scores_output]), new_slots
+
+    def _run_bucketed(self, ctx: DecoderContext, rows: slice, time_size: int | None = None):
+        """One model call padded to its (rows, history) bucket, through the step graphs.
+
+        Static inputs are views of the graph buffers: the merge writes the states and prefix
+        lengths straight into them, padding rows and left padding as zeros (masked by
+        ``prefix-length`` / ``attention_mask``). Per-utterance inputs are the lane buffers
+        themselves. Only the first ``rows`` of the outputs are used.
+        """
+        spec, graphs, names = self.spec, self._graphs, self.spec.hypothesis_inputs
+        buffers = graphs.buffers
+        histories = ctx.histories
+        num_rows = rows.stop - rows.start
+        if rows != slice(0, self.layout.num_lanes):
+            histories = StateHistory(table=histories.table[rows], lengths=histories.lengths[rows])
+        padded_rows = bucket_rows(num_rows, self.graph_options.min_rows)
+        if self.states.family != "transformer":
+            padded_time = 1
+        else:
+            natural = min(histories.width, self.states._max_history) if time_size is None else time_size
+            padded_time = bucket_time(natural, self.graph_options.time_step) if self._pad_time else natural
+        bucket = (rows.start, padded_rows, padded_time)
+
+        def view(name, dtype, shape):
+            return buffers.view(name, dtype, shape, bucket)
+
+        state_inputs = {layout.name: view(layout.name, layout.model_dtype, layout.tensor_shape(padded_rows, padded_time))
+                        for layout in self.states.layouts}
+        prefix_name = names.get("prefix-length")
+        prefix_direct = prefix_name is not None and self._input_dtype("prefix-length") == np.int32
+        prefix = view(prefix_name if prefix_direct else "#prefix-lengths", np.int32, (padded_rows,))
+        merged = self.states.merge(histories, out=state_inputs, prefix_lengths_out=prefix)
+        feeds = dict(merged.inputs)
+        label_name = names["token" if spec.convention == "rasr" else "input_ids"]
+        labels = view(label_name, self._label_dtype, (padded_rows, 1))
+        labels[num_rows:] = 0
+        labels[:num_rows, 0] = ctx.next_labels[rows]
+        feeds[label_name] = labels
+        if spec.convention == "rasr":
+            if "token-length" in names:
+                feeds[names["token-length"]] = view(names["token-length"], self._input_dtype("token-length"),
+                                                    (padded_rows,))
+                feeds[names["token-length"]].fill(1)
+            if prefix_name is not None:
+                if not prefix_direct:
+                    converted = view(prefix_name, self._input_dtype("prefix-length"), (padded_rows,))
+                    converted[...] = prefix
+                    prefix = converted
+                feeds[prefix_name] = prefix
+        else:
+            mask, positions = hf_attention_inputs(prefix, padded_time)
+            for logical, value in (("attention_mask", mask), ("position_ids", positions)):
+                if logical in names:
+                    static = view(names[logical], self._input_dtype(logical), value.shape)
+                    static[...] = value
+                    feeds[names[logical]] = static
+        lane_key = []
+        for name, buffer in self._lane_inputs.items():
+            feeds[name] = buffer[rows.start:rows.start + padded_rows]
+            lane_key.append((name, buffer.shape))
+        if self.session.provider == "cuda":
+            lane_key += [buffer.data.ptr for buffer in self._lane_inputs.values()]
+        state_outputs = [v.output_name for v in spec.state_variables]
+        outputs = graphs.run((bucket, tuple(lane_key)), feeds, [spec.scores_output, *state_outputs],
+                             lambda name, dtype, shape: view(name, dtype, shape))
+        states_out = {k: outputs[k] for k in state_outputs}
+        if all(layout.pre == 1 for layout in self.states.layouts):  # row slices stay contiguous
+            states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
+                          for v in spec.state_variables}
+            new_slots = self.states.split(states_out)
+        else:
+            new_slots = self.states.split(states_out)[:num_rows]
+        return self._log_probs(outputs[spec.scores_output][:num_rows]), new_slots
+
+    def warm_up(self, max_time: int) -> int:
+        """Captures the step's graphs for every history bucket up to ``max_time`` (the current
+        layout's chunks); returns the number of graphs. Runs on empty histories; the slots it
+        allocates belong to no history and are freed by the next ``extend``."""
+        if self._graphs is None:
+            return 0
+        xp = self.states.xp
+        empty = DecoderContext(self.states.initial_histories(self.layout.num_lanes),
+                               xp.zeros(self.layout.num_lanes, dtype=np.int64))
+        for time in time_buckets(max_time, self.graph_options.time_step):
+            for _, rows in self._chunks():
+                for _ in range(2):  # ONNX Runtime captures on the second run of a graph id
+                    self._run_bucketed(empty, rows, time_size=time)
+        return self._graphs.num_graphs
 
     def _input_dtype(self, logical: str):
         return self.session.tensors.input(self.spec.hypothesis_inputs[logical]).dtype
@@ -317,8 +454,11 @@ class OnnxDecoderScorer(LabelScorer):
         return to_host(array) if self.states.device == "cpu" else self.states.xp.asarray(array)
 
     def close(self) -> None:
-        """Returns the state pool's memory."""
+        """Returns the state pool's and the graph buffers' memory."""
         self.states.close()
+        if self._graphs is not None:
+            self._graphs.clear()
+            self._graphs.buffers.close()
 
 
 @register_scorer("recurrent-lm")

@@ -44,6 +44,7 @@ from gpudecode.scorers.base import Context, LaneLayout, UtteranceBatch
 from gpudecode.scorers.onnx_decoder import SCORES_KINDS, DecoderContext, OnnxDecoderScorer
 from gpudecode.scorers.registry import register_scorer
 from gpudecode.session import OnnxSession, SessionOptions
+from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.history import StateHistory
 from gpudecode.states.options import StateManagerOptions
 
@@ -90,12 +91,13 @@ class PrefixLmScorer(OnnxDecoderScorer):
         max_batch_size: int | None = None,
         state_patterns: Sequence[tuple[str, str]] = (),
         utterance_patterns: Sequence[str] = (),
+        graphs: GraphOptions = GraphOptions(),
     ) -> None:
         super().__init__(
             model=model, vocab_size=vocab_size, start_labels=(), state_manager=state_manager,
             session_options=session_options, io_map=io_map, scores_kind=scores_kind,
             max_batch_size=max_batch_size, state_patterns=state_patterns,
-            utterance_patterns=utterance_patterns,
+            utterance_patterns=utterance_patterns, graphs=graphs,
         )
         prefill_scores_kind = prefill_scores_kind or scores_kind
         if prefill_scores_kind not in SCORES_KINDS:
@@ -236,6 +238,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
             rows = np.arange(start, min(start + chunk, len(groups)))
             part = utterances if len(rows) == len(groups) else utterances.select(rows)
             self._admit_chunk(part, groups[rows])
+        self._maybe_warm_up()
 
     def _admit_chunk(self, utterances: UtteranceBatch, groups: np.ndarray) -> None:
         names, spec = self._prefill_names, self.spec

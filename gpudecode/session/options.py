@@ -16,7 +16,10 @@ class SessionOptions:
     ``arena_limit_bytes`` caps ONNX Runtime's CUDA arena (``gpu_mem_limit``); ``use_tf32`` is off by
     default so float32 results match the CPU within 1e-5. ``check_placement`` verifies on CUDA that
     the optimised graph copies no float data between providers. ``dump_inputs`` names a folder that
-    receives every call's inputs as ``.npz``.
+    receives every call's inputs as ``.npz``. ``cuda_graphs``: create the CUDA session with ONNX
+    Runtime's CUDA graphs (``enable_cuda_graph``); plain runs then use graph id -1 and
+    :class:`gpudecode.session.graphs.StepGraphs` captures one graph per bucket. A model that
+    cannot be captured runs without graphs (``OnnxSession.graph_blocker`` says why).
     """
 
     device: Literal["cpu", "cuda"] = "cpu"
@@ -28,6 +31,7 @@ class SessionOptions:
     intra_op_threads: int = 0
     check_placement: bool = True
     dump_inputs: Path | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from gpudecode import backend
+from gpudecode.session.graphs import SKIP_GRAPH, capture_blocker, host_copy_blocker
 from gpudecode.session.options import SessionOptions
 from gpudecode.session.placement import data_copies
 from gpudecode.session.tensors import ModelTensors, from_ort_session
@@ -78,21 +79,42 @@ class OnnxSession:
         else:
             self.stream = None
             providers = ["CPUExecutionProvider"]
+        self.ort = ort
+        #: why CUDA graphs were asked for but are off for this model (None: on, or not asked for)
+        self.graph_blocker: str | None = None
+        self.cuda_graphs = options.device == "cuda" and options.cuda_graphs
+        if self.cuda_graphs:
+            self.graph_blocker = capture_blocker(_load_proto(model))
+            self.cuda_graphs = self.graph_blocker is None
         try:
-            self.session = ort.InferenceSession(model, sess_options=ort_options, providers=providers)
-        except Exception as exc:
-            raise SessionError(f"{self.source}: ONNX Runtime cannot load the model: {exc}") from exc
-        try:
+            self.session = self._create(model, ort_options, providers)
             if options.device == "cuda":
                 self._check_cuda(optimised_path)
         finally:
             if optimised_path:
                 Path(optimised_path).unlink(missing_ok=True)
+        if self.graph_blocker is not None:
+            log.warning("%s: CUDA graphs are off for this model (plain runs): %s", self.source, self.graph_blocker)
         self.tensors: ModelTensors = from_ort_session(self.session, self.source)
         self._run_options = ort.RunOptions()
         if options.device == "cuda":
             self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+            # plain runs stay out of any graph (a session may have graphs on though capture is off)
+            self._run_options.add_run_config_entry("gpu_graph_id", SKIP_GRAPH)
             self._empty = backend.require_cupy().empty(64, np.uint8)  # bound for zero-size tensors
+
+    def _create(self, model, ort_options, providers):
+        ort = self.ort
+        if self.cuda_graphs:
+            providers = [(providers[0][0], {**providers[0][1], "enable_cuda_graph": "1"}), *providers[1:]]
+        try:
+            return ort.InferenceSession(model, sess_options=ort_options, providers=providers)
+        except Exception as exc:
+            if not self.cuda_graphs:
+                raise SessionError(f"{self.source}: ONNX Runtime cannot load the model: {exc}") from exc
+            self.graph_blocker = f"ONNX Runtime cannot capture it: {exc}"
+            self.cuda_graphs = False
+            return self._create(model, ort_options, providers)
 
     def _cuda_provider_options(self) -> dict[str, str]:
         o = self.options
@@ -116,12 +138,16 @@ class OnnxSession:
                 "execution provider failed to load (check the CUDA/cuDNN libraries of onnxruntime-gpu)"
             )
         if optimised_path and Path(optimised_path).stat().st_size:
-            copies = data_copies(onnx.load(optimised_path, load_external_data=False))
+            optimised = onnx.load(optimised_path, load_external_data=False)
+            copies = data_copies(optimised)
             if copies:
                 raise SessionError(
                     f"{self.source}: nodes were placed on the CPU and data is copied between providers "
                     f"every call: {'; '.join(copies)}"
                 )
+            if self.cuda_graphs and host_copy_blocker(optimised):
+                self.graph_blocker = host_copy_blocker(optimised)
+                self.cuda_graphs = False
 
     @property
     def provider(self) -> str:
@@ -197,6 +223,12 @@ class OnnxSession:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.name}-{next(self._calls):06d}.npz"
         np.savez(path, **{k: backend.to_host(v) for k, v in inputs.items()})
+
+
+def _load_proto(model) -> onnx.ModelProto:
+    if isinstance(model, bytes):
+        return onnx.load_from_string(model)
+    return onnx.load(str(model), load_external_data=False)
 
 
 _NP_TYPES = {

@@ -1,0 +1,234 @@
+"""CUDA graphs of a model step: one ONNX Runtime graph per shape bucket.
+
+Shapes are padded up to buckets (rows to powers of two, history time to powers of two up to
+``time_step`` and multiples of it beyond), so a handful of graphs cover a whole decode. Every
+graph reads and writes views of **one device buffer per tensor name**, sized for the largest
+bucket seen (SGLang's shared output buffer, applied to inputs as well): graph memory is
+max(bucket) instead of the sum over buckets. When a buffer has to grow, every graph bound to
+the old buffers is dropped and captured again on next use.
+
+ONNX Runtime captures a graph on the second run of a graph id (the first is a plain run that
+sizes its arena) and replays it from then on; runs outside any graph use id -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from gpudecode import backend
+
+CONTROL_FLOW_OPS = ("If", "Loop", "Scan")
+SKIP_GRAPH = "-1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphOptions:
+    """How a scorer's model step is captured.
+
+    ``time_step``: history lengths are padded to powers of two up to it, then to multiples of it.
+    ``min_rows``: the smallest row bucket. ``shared_buffers``: one buffer per tensor name across
+    buckets (False: one per bucket and tensor, only to measure what sharing saves).
+    ``warm_up_time``: capture every bucket up to this history length when a batch begins
+    (0: capture lazily on first use).
+    """
+
+    enabled: bool = False
+    time_step: int = 32
+    min_rows: int = 8
+    shared_buffers: bool = True
+    warm_up_time: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("time_step", "min_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"cuda_graphs.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.warm_up_time < 0:
+            raise ValueError(f"cuda_graphs.warm_up_time: must be >= 0, got {self.warm_up_time}")
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def bucket_rows(rows: int, min_rows: int = 1) -> int:
+    """The row bucket of ``rows`` hypotheses: the next power of two, at least ``min_rows``."""
+    if rows < 1:
+        raise ValueError(f"bucket_rows: rows must be >= 1, got {rows}")
+    return max(_next_power_of_two(rows), _next_power_of_two(min_rows))
+
+
+def bucket_time(time: int, step: int) -> int:
+    """The history bucket of ``time`` token states: at least 1 (an empty history is one padded,
+    masked position), powers of two up to ``step``, then multiples of ``step``."""
+    if time < 0:
+        raise ValueError(f"bucket_time: time must be >= 0, got {time}")
+    time = max(time, 1)
+    if time <= step:
+        return min(_next_power_of_two(time), step)
+    return -(-time // step) * step
+
+
+def time_buckets(max_time: int, step: int) -> list[int]:
+    """Every history bucket up to the one holding ``max_time``, in increasing order."""
+    return sorted({bucket_time(t, step) for t in range(0, max_time + 1)})
+
+
+def capture_blocker(model: onnx.ModelProto) -> str | None:
+    """Why ``model`` cannot be captured in a CUDA graph, or None.
+
+    Control flow (``If``, ``Loop``, ``Scan``) picks its kernels at run time, which a captured
+    graph cannot replay.
+    """
+    for node in model.graph.node:
+        if node.op_type in CONTROL_FLOW_OPS:
+            return f"it has a control-flow node ({node.op_type} '{node.name}')"
+    return None
+
+
+def host_copy_blocker(optimised: onnx.ModelProto) -> str | None:
+    """Why an optimised CUDA graph cannot be captured because it copies from the host, or None.
+
+    A captured host-to-device copy would replay whatever the host buffer holds then.
+    """
+    for node in optimised.graph.node:
+        if node.op_type == "MemcpyFromHost":
+            return f"ONNX Runtime copies '{node.input[0]}' from the host every run ({node.name})"
+    return None
+
+
+class GraphBuffers:
+    """The buffers captured graphs read and write.
+
+    ``view(name, dtype, shape, bucket)`` is a zero-copy view of the buffer of ``name`` (shared
+    across buckets), or of ``(name, bucket)`` when ``shared`` is False. On CUDA, buffers are
+    plain ``cudaMalloc`` allocations (not CuPy's pool), so ``cudaMemGetInfo`` sees exactly what
+    they hold; on the CPU (padded runs without capture) numpy arrays. ``generation`` changes
+    whenever a buffer is replaced by a larger one.
+    """
+
+    def __init__(self, device: str = "cuda", device_id: int = 0, *, shared: bool = True):
+        self.device = device
+        self.device_id = device_id
+        self.shared = shared
+        self.generation = 0
+        self._memory: dict[Any, Any] = {}
+
+    def view(self, name: str, dtype, shape: tuple[int, ...], bucket: Any = None):
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        nbytes = max(size * dtype.itemsize, 1)
+        key = name if self.shared else (name, bucket)
+        memory = self._memory.get(key)
+        if memory is None or memory.size < nbytes:
+            if memory is not None:
+                self.generation += 1
+            memory = self._allocate(nbytes)
+            self._memory[key] = memory
+        if self.device == "cpu":
+            return memory[: size * dtype.itemsize].view(dtype).reshape(shape)
+        cupy = backend.require_cupy()
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+    def _allocate(self, nbytes: int):
+        if self.device == "cpu":
+            return np.empty(nbytes, dtype=np.uint8)
+        cupy = backend.require_cupy()
+        with cupy.cuda.Device(self.device_id):
+            return cupy.cuda.Memory(nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all buffers."""
+        return sum(m.size for m in self._memory.values())
+
+    def close(self) -> None:
+        self._memory.clear()
+
+
+class PaddedRuns:
+    """Bucketed runs without capture: what :class:`StepGraphs` does, as plain runs (the CPU
+    provider, and models that cannot be captured). Results equal the captured ones."""
+
+    captures = 0
+
+    def __init__(self, session, buffers: GraphBuffers):
+        self.session = session
+        self.buffers = buffers
+        self._keys: set = set()
+
+    def run(self, key, inputs: Mapping[str, Any], output_names, make_output: Callable) -> dict:
+        self._keys.add((key, self.buffers.generation))
+        return self.session.run(inputs, list(output_names))
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        """Buckets run so far (none is captured)."""
+        return len(self._keys)
+
+
+@dataclass
+class _Captured:
+    binding: Any
+    run_options: Any
+    outputs: dict
+
+
+class StepGraphs:
+    """The CUDA graphs of one session, keyed by the caller's bucket key.
+
+    ``run(key, inputs, make_output)``: ``inputs`` are views of :class:`GraphBuffers` (or other
+    buffers whose address stays fixed for ``key``); on the first call for a key the model runs
+    once without a graph to learn its output shapes, ``make_output(name, dtype, shape)`` gives
+    the output views, and the views are bound to a new graph id. Returns the output views.
+    """
+
+    def __init__(self, session, buffers: GraphBuffers):
+        if not session.cuda_graphs:
+            raise ValueError(f"{session.source}: the session was not created with CUDA graphs")
+        self.session = session
+        self.buffers = buffers
+        self._captured: dict[Any, _Captured] = {}
+        self._next_id = 1  # 0 is ONNX Runtime's own default id
+        self.captures = 0  # graph ids created (each is captured on its second run)
+
+    def run(self, key, inputs: Mapping[str, Any], output_names, make_output: Callable) -> dict:
+        entry = self._captured.get((key, self.buffers.generation))
+        if entry is None:
+            entry = self._bind(inputs, list(output_names), make_output)
+            self._captured[(key, self.buffers.generation)] = entry
+        self.session.session.run_with_iobinding(entry.binding, entry.run_options)
+        return entry.outputs
+
+    def _bind(self, inputs, output_names, make_output) -> _Captured:
+        ort = self.session.ort
+        plain = self.session.run(inputs, output_names)
+        outputs = {name: make_output(name, plain[name].dtype, tuple(plain[name].shape)) for name in output_names}
+        binding = self.session.session.io_binding()
+        device_id = self.session.options.device_id
+        for name, value in inputs.items():
+            binding.bind_input(name, "cuda", device_id, value.dtype, list(value.shape), value.data.ptr)
+        for name, value in outputs.items():
+            binding.bind_output(name, "cuda", device_id, value.dtype, list(value.shape), value.data.ptr)
+        run_options = ort.RunOptions()
+        run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        run_options.add_run_config_entry("gpu_graph_id", str(self._next_id))
+        self._next_id += 1
+        self.captures += 1
+        return _Captured(binding, run_options, outputs)
+
+    def clear(self) -> None:
+        """Forgets every graph (ONNX Runtime keeps the graph objects of used ids)."""
+        self._captured.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._captured)

@@ -174,6 +174,28 @@ def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: 
     click.echo(format_table(results))
 
 
+@bench.command("graphs")
+@click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Folder for graphs.json and graphs.png.")
+@click.option("--small", "small_utts", type=int, default=4, show_default=True, help="Utterances of the small batch.")
+@click.option("--large", "large_utts", type=int, default=128, show_default=True, help="Utterances of the large batch.")
+@click.option("--beam", type=int, default=8, show_default=True)
+@click.option("--labels", "num_labels", type=int, default=50, show_default=True, help="Output labels per utterance.")
+@click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
+def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_labels: int, quick: bool) -> None:
+    """CUDA graphs off vs on: time per step at <= 32 and >= 1,024 hypotheses; graph memory with
+    shared vs per-bucket buffers."""
+    from gpudecode.backend import GpuUnavailableError
+    from gpudecode.bench.graphs import format_table, run_graphs_bench
+
+    try:
+        results = run_graphs_bench(small_utts=small_utts, large_utts=large_utts, beam=beam, num_labels=num_labels,
+                                   output_dir=output, quick=quick)
+    except GpuUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_table(results))
+
+
 @bench.command("batching")
 @click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
               help="Folder for batching.json and batching.png.")

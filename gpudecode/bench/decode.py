@@ -71,12 +71,15 @@ def _utterances(cupy, reference, num_utts: int, encoder_length: int, seed: int) 
 
 
 def measure_search(session, reference, manager: str, beam: int, utts: int, *, encoder_length: int,
-                   num_labels: int, repeats: int = 1) -> dict:
+                   num_labels: int, repeats: int = 1, graphs=None) -> dict:
     """The fastest of ``repeats`` timed searches of ``utts`` utterances at ``beam`` with ``manager``.
 
-    A warm-up search of the same batch (3 labels) runs first, so compilation and first
-    allocations stay out of the timing.
+    A warm-up search of the same batch runs first (3 labels; with ``graphs``, all labels so
+    every bucket is captured), so compilation, captures and first allocations stay out of the
+    timing.
     """
+    from gpudecode.session.graphs import GraphOptions
+
     from gpudecode.backend import require_cupy, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
@@ -85,8 +88,10 @@ def measure_search(session, reference, manager: str, beam: int, utts: int, *, en
     cupy, stream = require_cupy(), shared_stream(0)
     vocab_size = reference.vocab_size
     batch = _utterances(cupy, reference, utts, encoder_length, seed=1)
+    graphs = graphs or GraphOptions()
     decoder = OnnxDecoderScorer(model=session, vocab_size=vocab_size, start_labels=[BOS],
-                                state_manager=StateManagerOptions(type=manager, slots_per_chunk=65536))
+                                state_manager=StateManagerOptions(type=manager, slots_per_chunk=65536),
+                                graphs=graphs)
 
     def search(labels: int):
         scorers = [("decoder", decoder, 1.0),
@@ -94,7 +99,7 @@ def measure_search(session, reference, manager: str, beam: int, utts: int, *, en
         options = LabelSyncOptions(beam_size=beam, sentence_end=EOS, max_labels_per_input=1.0, max_labels=labels + 1)
         return label_sync_search(scorers, batch, options, xp=cupy)
 
-    search(3)
+    search(num_labels if graphs.enabled else 3)
     timings = []
     for _ in range(repeats):
         stream.synchronize()
@@ -103,12 +108,15 @@ def measure_search(session, reference, manager: str, beam: int, utts: int, *, en
         stream.synchronize()
         timings.append((time.perf_counter() - wall, time.thread_time() - cpu))
     wall, cpu = min(timings)
-    phases = _phase_times(decoder, stream, lambda: search(num_labels)) if manager.endswith("cuda") else {}
+    measure_phases = manager.endswith("cuda") and not graphs.enabled  # replays bypass session.run
+    phases = _phase_times(decoder, stream, lambda: search(num_labels)) if measure_phases else {}
     steps = num_labels + 1
     assert all(len(n[0].labels) == num_labels for n in nbest), "the fixed output length was not kept"
+    captured = decoder.captured_graphs
     decoder.close()
     cupy.get_default_memory_pool().free_all_blocks()
-    return {"state_manager": manager, "beam": beam, "utterances": utts, "hypotheses": beam * utts,
+    return {"graphs_captured": captured, "state_manager": manager, "cuda_graphs": graphs.enabled, "beam": beam, "utterances": utts,
+            "hypotheses": beam * utts,
             "seconds": wall, "step_ms": 1000 * wall / steps, "host_cpu_ms_per_step": 1000 * cpu / steps,
             "utterances_per_s": utts / wall,
             **{f"{name}_ms_per_step": 1000 * seconds / steps for name, seconds in phases.items()}}

@@ -134,17 +134,20 @@ class OnnxDecoderScorer(LabelScorer):
     # --- lifecycle -----------------------------------------------------------------------------
     def begin(self, layout: LaneLayout) -> None:
         super().begin(layout)
-        self._lane_inputs = {}
         self._ctx = None  # the latest context, whose histories hold the live slots
         # host upper bound of each group's history length: the table is trimmed to their max, so
         # merges never pad to the width of groups that have left (continuous batching)
         self._group_bound = np.zeros(layout.num_groups, dtype=np.int64)
         # lane inputs hold rows for the largest padded chunk (CUDA graphs bind whole buckets)
-        self._lane_rows = layout.num_lanes
+        lane_rows = layout.num_lanes
         if self._graphs is not None:
-            self._lane_rows = max(start + bucket_rows(rows.stop - rows.start, self.graph_options.min_rows)
-                                  for start, rows in self._chunks())
-            self._graphs.clear()  # lane buffers are bound anew
+            lane_rows = max(start + bucket_rows(rows.stop - rows.start, self.graph_options.min_rows)
+                            for start, rows in self._chunks())
+        if lane_rows != getattr(self, "_lane_rows", None):
+            self._lane_inputs = {}
+        # else the lane buffers stay (admissions overwrite their lanes), and with them the
+        # addresses the captured graphs are bound to
+        self._lane_rows = lane_rows
 
     def admit(self, utterances: UtteranceBatch, groups) -> None:
         """Writes the utterances' per-utterance inputs into their groups' lanes (once)."""
@@ -393,6 +396,11 @@ class OnnxDecoderScorer(LabelScorer):
         else:
             new_slots = self.states.split(states_out)[:num_rows]
         return self._log_probs(outputs[spec.scores_output][:num_rows]), new_slots
+
+    @property
+    def captured_graphs(self) -> int:
+        """CUDA graphs captured so far (0 without graphs, or where the model cannot be captured)."""
+        return self._graphs.captures if self._graphs is not None else 0
 
     def warm_up(self, max_time: int) -> int:
         """Captures the step's graphs for every history bucket up to ``max_time`` (the current

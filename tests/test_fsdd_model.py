@@ -1,6 +1,7 @@
 """The shipped FSDD CTC model decodes bundled real test audio (log-mel front end, CTC prefix
 search) to the expected transcripts."""
 
+import json
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -32,3 +33,17 @@ def test_shipped_model_transcribes_the_bundled_test_audio(tmp_path):
     assert "WER                     2.50 % (1 errors / 40 words: 0 sub, 0 del, 1 ins)" in result.output
     references = dict(line.split(" ", 1) for line in (ROOT / "examples/fsdd-model/test-text").read_text().splitlines())
     assert sum(hyps[u] == references[u] for u in references) == 7
+
+
+def test_shipped_model_with_the_lstm_lm_transcribes_the_bundled_test_audio(tmp_path):
+    """CTC prefix beam 8 + the shipped LSTM LM + length reward (configs/fsdd-ctc-lm.yaml): the LM
+    removes the inserted "two" of test-00000, so all 8 transcripts equal the references."""
+    result = CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "fsdd-ctc-lm.yaml"), "--output", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    hyps = dict(line.split(" ", 1) for line in (tmp_path / "text").read_text().splitlines())
+    references = dict(line.split(" ", 1) for line in (ROOT / "examples/fsdd-model/test-text").read_text().splitlines())
+    assert hyps == references
+    assert "WER                     0.00 % (0 errors / 40 words: 0 sub, 0 del, 0 ins)" in result.output
+    # both fused scorers are reported per hypothesis
+    first = json.loads((tmp_path / "nbest.jsonl").read_text().splitlines()[0])
+    assert {"ctc", "lm", "length"} <= set(first["nbest"][0]["scores"])

@@ -157,3 +157,60 @@ class CtcModel(nn.Module):
     def forward(self, features: torch.Tensor, lengths: torch.Tensor):
         states, out_lengths = self.encoder(features, lengths)
         return self.head(states).log_softmax(dim=-1), out_lengths
+
+
+# --- LSTM language model ------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LstmLmOptions:
+    num_labels: int = 12
+    embed_dim: int = 64
+    hidden_dim: int = 128
+    num_layers: int = 2
+    dropout: float = 0.2
+    #: labels the LM never predicts (CTC/transducer blank): their logit is pushed to -1e4
+    never_predicted: tuple[int, ...] = (0,)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class LstmLm(nn.Module):
+    """Embedding -> ``num_layers`` LSTM layers (gates i, f, g, o, as ``nn.LSTM``) -> linear ->
+    log-softmax over all labels; the labels in ``never_predicted`` get log-probability ≈ -1e4.
+
+    ``forward(tokens (B, L))`` -> log-probs (B, L, V) of the next label after each prefix, from a
+    zero initial state. ``step(token (N,), hs, cs)`` is one step with explicit per-layer states
+    ``(N, H)`` each (the export's graph)."""
+
+    def __init__(self, opts: LstmLmOptions):
+        super().__init__()
+        self.opts = opts
+        self.embed = nn.Embedding(opts.num_labels, opts.embed_dim)
+        self.lstm = nn.LSTM(opts.embed_dim, opts.hidden_dim, num_layers=opts.num_layers,
+                            batch_first=True, dropout=opts.dropout if opts.num_layers > 1 else 0.0)
+        self.dropout = nn.Dropout(opts.dropout)
+        self.out = nn.Linear(opts.hidden_dim, opts.num_labels)
+        mask = torch.zeros(opts.num_labels)
+        mask[list(opts.never_predicted)] = -1e4
+        self.register_buffer("mask", mask)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(self.embed(tokens))
+        h, _ = self.lstm(x)
+        return (self.out(self.dropout(h)) + self.mask).log_softmax(dim=-1)
+
+    def step(self, token: torch.Tensor, hs: list[torch.Tensor], cs: list[torch.Tensor]):
+        """``token`` (N,) int64, per layer ``hs[i]``, ``cs[i]`` (N, H) -> log-probs (N, V), new
+        hs, new cs (eval mode: no dropout)."""
+        x = self.embed(token)
+        new_hs, new_cs = [], []
+        for i in range(self.opts.num_layers):
+            w_ih, w_hh = getattr(self.lstm, f"weight_ih_l{i}"), getattr(self.lstm, f"weight_hh_l{i}")
+            b = getattr(self.lstm, f"bias_ih_l{i}") + getattr(self.lstm, f"bias_hh_l{i}")
+            gates = x @ w_ih.t() + hs[i] @ w_hh.t() + b
+            gi, gf, gg, go = gates.chunk(4, dim=-1)
+            c = torch.sigmoid(gf) * cs[i] + torch.sigmoid(gi) * torch.tanh(gg)
+            x = torch.sigmoid(go) * torch.tanh(c)
+            new_hs.append(x)
+            new_cs.append(c)
+        return (self.out(x) + self.mask).log_softmax(dim=-1), new_hs, new_cs

@@ -16,6 +16,13 @@ def _table(rows: list[tuple[str, str]], indent: str = "  ") -> list[str]:
     return [f"{indent}{a:<{width}}  {b}" for a, b in rows]
 
 
+def _is_joint_network(tensors: ModelTensors, io_map: Mapping[str, str]) -> bool:
+    """Inputs 'encoder-frame' and 'prediction', output 'log-probs' (names through ``io_map``)."""
+    name = lambda logical: io_map.get(logical, logical)  # noqa: E731
+    return (tensors.input(name("encoder-frame")) is not None and tensors.input(name("prediction")) is not None
+            and tensors.output(name("log-probs")) is not None)
+
+
 def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) -> str:
     """Inputs, outputs, state variables with time axes, per-utterance inputs, metadata, convention."""
     path = Path(path)
@@ -46,14 +53,24 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 lines.append("further outputs (per-utterance inputs of a decoder): " + ", ".join(encoder.extra_outputs))
         except ModelError as exc:
             lines.append(f"convention: not recognised ({exc})")
+    elif _is_joint_network(tensors, io_map or {}):
+        names = {k: (io_map or {}).get(k, k) for k in ("encoder-frame", "prediction", "log-probs")}
+        lines.append(f"convention: transducer joint network ('{names['encoder-frame']}' + '{names['prediction']}' "
+                     f"-> '{names['log-probs']}')")
     else:
+        io_map = dict(io_map or {})
+        prediction = ("scores" not in io_map and tensors.output("scores") is None
+                      and tensors.output("prediction") is not None)
+        if prediction:  # a transducer prediction network: its prediction vector stands where scores would
+            io_map["scores"] = "prediction"
         try:
             spec = discover_step_model(tensors, io_map=io_map)
         except ModelError as exc:
             lines.append(f"convention: not recognised ({exc})")
         else:
             kind = {"rasr": "RASR stateful step model", "huggingface": "Hugging Face decoder with past"}
-            lines.append(f"convention: {spec.convention} ({kind[spec.convention]})")
+            lines.append(f"convention: {spec.convention} ({kind[spec.convention]}"
+                         + (", as a transducer prediction network)" if prediction else ")"))
             lines.append("per-hypothesis inputs: " + ", ".join(f"{k}='{v}'" for k, v in spec.hypothesis_inputs.items()))
             lines.append(f"scores output: '{spec.scores_output}'")
             lines.append(f"state variables ({len(spec.state_variables)}):")

@@ -197,14 +197,16 @@ class StepGraphs:
         self.session = session
         self.buffers = buffers
         self._captured: dict[Any, _Captured] = {}
-        self._next_id = 1  # 0 is ONNX Runtime's own default id
         self.captures = 0  # graph ids created (each is captured on its second run)
 
     def run(self, key, inputs: Mapping[str, Any], output_names, make_output: Callable) -> dict:
         entry = self._captured.get((key, self.buffers.generation))
         if entry is None:
             entry = self._bind(inputs, list(output_names), make_output)
-            self._captured[(key, self.buffers.generation)] = entry
+            generation = self.buffers.generation
+            # graphs bound to replaced buffers never run again; let their output buffers go
+            self._captured = {k: v for k, v in self._captured.items() if k[1] == generation}
+            self._captured[(key, generation)] = entry
         self.session.session.run_with_iobinding(entry.binding, entry.run_options)
         return entry.outputs
 
@@ -220,8 +222,9 @@ class StepGraphs:
             binding.bind_output(name, "cuda", device_id, value.dtype, list(value.shape), value.data.ptr)
         run_options = ort.RunOptions()
         run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        run_options.add_run_config_entry("gpu_graph_id", str(self._next_id))
-        self._next_id += 1
+        # ids are unique per session: a later scorer on the same session must never replay
+        # (and so write through) an earlier scorer's graph
+        run_options.add_run_config_entry("gpu_graph_id", str(self.session.new_graph_id()))
         self.captures += 1
         return _Captured(binding, run_options, outputs)
 

@@ -80,12 +80,15 @@ class OnnxSession:
             self.stream = None
             providers = ["CPUExecutionProvider"]
         self.ort = ort
+        self._graph_ids = itertools.count(1)  # 0 is ONNX Runtime's own default graph id
         #: why CUDA graphs were asked for but are off for this model (None: on, or not asked for)
         self.graph_blocker: str | None = None
         self.cuda_graphs = options.device == "cuda" and options.cuda_graphs
         if self.cuda_graphs:
             self.graph_blocker = capture_blocker(_load_proto(model))
             self.cuda_graphs = self.graph_blocker is None
+            # captured graphs keep the addresses of their first runs: no per-shape memory patterns
+            ort_options.enable_mem_pattern = False
         try:
             self.session = self._create(model, ort_options, providers)
             if options.device == "cuda":
@@ -148,6 +151,10 @@ class OnnxSession:
             if self.cuda_graphs and host_copy_blocker(optimised):
                 self.graph_blocker = host_copy_blocker(optimised)
                 self.cuda_graphs = False
+
+    def new_graph_id(self) -> int:
+        """A CUDA graph id (``gpu_graph_id``) not used before on this session."""
+        return next(self._graph_ids)
 
     @property
     def provider(self) -> str:

@@ -65,6 +65,18 @@ def _round_up(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+@dataclass
+class _StaticInputs:
+    """One bucket's static model inputs (views that stay valid while the buffers do)."""
+
+    key: tuple  # the graph's key: bucket and lane buffers
+    feeds: dict  # every input by name
+    states: dict  # the merge's out buffers
+    prefix: Any  # int32 prefix lengths (the merge writes them)
+    prefix_converted: Any  # the model's prefix-length when it is not int32, else None
+    labels: Any
+
+
 @register_scorer("onnx-decoder")
 class OnnxDecoderScorer(LabelScorer):
     """A stateful ONNX step model as a label scorer.
@@ -117,6 +129,7 @@ class OnnxDecoderScorer(LabelScorer):
         self._xp = array_module(self.session.provider)  # where the model's inputs live
         self.graph_options = graphs
         self._graphs = None
+        self._static: dict = {}  # (bucket, buffer generation, lane buffers) -> _StaticInputs
         if graphs.enabled and self.states.device != self.session.provider:
             raise ValueError(
                 f"{self.spec.source}: cuda_graphs needs the state manager where the model runs "
@@ -345,49 +358,21 @@ class OnnxDecoderScorer(LabelScorer):
             natural = min(histories.width, self.states._max_history) if time_size is None else time_size
             padded_time = bucket_time(natural, self.graph_options.time_step) if self._pad_time else natural
         bucket = (rows.start, padded_rows, padded_time)
-
-        def view(name, dtype, shape):
-            return buffers.view(name, dtype, shape, bucket)
-
-        state_inputs = {layout.name: view(layout.name, layout.model_dtype, layout.tensor_shape(padded_rows, padded_time))
-                        for layout in self.states.layouts}
-        prefix_name = names.get("prefix-length")
-        prefix_direct = prefix_name is not None and self._input_dtype("prefix-length") == np.int32
-        prefix = view(prefix_name if prefix_direct else "#prefix-lengths", np.int32, (padded_rows,))
-        merged = self.states.merge(histories, out=state_inputs, prefix_lengths_out=prefix)
-        feeds = dict(merged.inputs)
-        label_name = names["token" if spec.convention == "rasr" else "input_ids"]
-        labels = view(label_name, self._label_dtype, (padded_rows, 1))
-        labels[num_rows:] = 0
-        labels[:num_rows, 0] = ctx.next_labels[rows]
-        feeds[label_name] = labels
-        if spec.convention == "rasr":
-            if "token-length" in names:
-                feeds[names["token-length"]] = view(names["token-length"], self._input_dtype("token-length"),
-                                                    (padded_rows,))
-                feeds[names["token-length"]].fill(1)
-            if prefix_name is not None:
-                if not prefix_direct:
-                    converted = view(prefix_name, self._input_dtype("prefix-length"), (padded_rows,))
-                    converted[...] = prefix
-                    prefix = converted
-                feeds[prefix_name] = prefix
-        else:
-            mask, positions = hf_attention_inputs(prefix, padded_time)
-            for logical, value in (("attention_mask", mask), ("position_ids", positions)):
-                if logical in names:
-                    static = view(names[logical], self._input_dtype(logical), value.shape)
-                    static[...] = value
-                    feeds[names[logical]] = static
-        lane_key = []
-        for name, buffer in self._lane_inputs.items():
-            feeds[name] = buffer[rows.start:rows.start + padded_rows]
-            lane_key.append((name, buffer.shape))
-        if self.session.provider == "cuda":
-            lane_key += [buffer.data.ptr for buffer in self._lane_inputs.values()]
+        static = self._static_io(bucket)
+        merged = self.states.merge(histories, out=static.states, prefix_lengths_out=static.prefix)
+        feeds = dict(static.feeds)
+        static.labels[num_rows:] = 0
+        static.labels[:num_rows, 0] = ctx.next_labels[rows]
+        if static.prefix_converted is not None:
+            static.prefix_converted[...] = static.prefix
+        if spec.convention != "rasr":
+            mask, positions = hf_attention_inputs(merged.prefix_lengths, padded_time)
+            for name, value in ((names.get("attention_mask"), mask), (names.get("position_ids"), positions)):
+                if name is not None:
+                    feeds[name][...] = value
         state_outputs = [v.output_name for v in spec.state_variables]
-        outputs = graphs.run((bucket, tuple(lane_key)), feeds, [spec.scores_output, *state_outputs],
-                             lambda name, dtype, shape: view(name, dtype, shape))
+        outputs = graphs.run(static.key, feeds, [spec.scores_output, *state_outputs],
+                             lambda name, dtype, shape: buffers.view(name, dtype, shape, bucket))
         states_out = {k: outputs[k] for k in state_outputs}
         if all(layout.pre == 1 for layout in self.states.layouts):  # row slices stay contiguous
             states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
@@ -396,6 +381,55 @@ class OnnxDecoderScorer(LabelScorer):
         else:
             new_slots = self.states.split(states_out)[:num_rows]
         return self._log_probs(outputs[spec.scores_output][:num_rows]), new_slots
+
+    def _static_io(self, bucket) -> "_StaticInputs":
+        """The static inputs of ``bucket``: views of the graph buffers (and of the lane buffers),
+        made once per bucket and buffer generation."""
+        buffers, names, spec = self._graphs.buffers, self.spec.hypothesis_inputs, self.spec
+        lanes = tuple(id(buffer) for buffer in self._lane_inputs.values())
+        cached = self._static.get((bucket, buffers.generation, lanes))
+        if cached is not None:
+            return cached
+        _, padded_rows, padded_time = bucket
+
+        def view(name, dtype, shape):
+            return buffers.view(name, dtype, shape, bucket)
+
+        states = {layout.name: view(layout.name, layout.model_dtype, layout.tensor_shape(padded_rows, padded_time))
+                  for layout in self.states.layouts}
+        prefix_name = names.get("prefix-length")
+        prefix_direct = prefix_name is not None and self._input_dtype("prefix-length") == np.int32
+        prefix = view(prefix_name if prefix_direct else "#prefix-lengths", np.int32, (padded_rows,))
+        label_name = names["token" if spec.convention == "rasr" else "input_ids"]
+        labels = view(label_name, self._label_dtype, (padded_rows, 1))
+        feeds = {**states, label_name: labels}
+        converted = None
+        if spec.convention == "rasr":
+            if "token-length" in names:
+                feeds[names["token-length"]] = view(names["token-length"], self._input_dtype("token-length"),
+                                                    (padded_rows,))
+                feeds[names["token-length"]].fill(1)
+            if prefix_name is not None:
+                if not prefix_direct:
+                    converted = view(prefix_name, self._input_dtype("prefix-length"), (padded_rows,))
+                feeds[prefix_name] = prefix if prefix_direct else converted
+        else:
+            shapes = {"attention_mask": (padded_rows, padded_time + 1), "position_ids": (padded_rows, 1)}
+            for logical, shape in shapes.items():
+                if logical in names:
+                    feeds[names[logical]] = view(names[logical], self._input_dtype(logical), shape)
+        lane_key = []
+        for name, buffer in self._lane_inputs.items():
+            feeds[name] = buffer[bucket[0]:bucket[0] + padded_rows]
+            lane_key.append((name, buffer.shape))
+        if self.session.provider == "cuda":
+            lane_key += [buffer.data.ptr for buffer in self._lane_inputs.values()]
+        static = _StaticInputs(key=(bucket, tuple(lane_key)), feeds=feeds, states=states, prefix=prefix,
+                               prefix_converted=converted, labels=labels)
+        generation = buffers.generation  # after any growth above
+        self._static = {k: v for k, v in self._static.items() if k[1] == generation}
+        self._static[(bucket, generation, lanes)] = static
+        return static
 
     @property
     def captured_graphs(self) -> int:

@@ -93,6 +93,7 @@ class StateManager:
             self._copy = HostStateCopy(self.layouts, self.pool, quantisation_scale=scale)
         self._buffers: dict[str, object] = {}
         self._prefix_buffer = None
+        self._last_out = None  # (buffer ids, checked result, the buffers themselves)
         self._by_output = {v.output_name: v for v in self.state_variables}
 
     # ---- options -> dtypes ------------------------------------------------------------------------
@@ -171,7 +172,12 @@ class StateManager:
                 raise ValueError(f"state_manager {self.options.type!r}: LSTM states have no time axis")
             time_size = 1
         if out is not None:
-            outputs, out_rows, time_size = self._check_out(out, num_rows, time_size)
+            outputs, out_rows, checked_time = self._checked_out(out)
+            if out_rows < num_rows:
+                raise ValueError(f"merge: out buffers hold {out_rows} rows, the histories {num_rows}")
+            if time_size is not None and time_size != checked_time:
+                raise ValueError(f"merge: time_size {time_size} differs from the out buffers' T {checked_time}")
+            time_size = checked_time
         else:
             if time_size is None:
                 time_size = min(histories.width, self._max_history)
@@ -204,7 +210,17 @@ class StateManager:
         inputs = {layout.name: array for layout, array in zip(self.layouts, outputs)}
         return MergedStates(inputs=inputs, prefix_lengths=prefix_lengths, time_size=time_size)
 
-    def _check_out(self, out: Mapping[str, object], num_rows: int, time_size: int | None):
+    def _checked_out(self, out: Mapping[str, object]):
+        """``_check_out`` of ``out``, remembered for the same buffer objects (a CUDA graph's static
+        inputs come back every step)."""
+        key = tuple(id(out.get(layout.name)) for layout in self.layouts)
+        if self._last_out is not None and self._last_out[0] == key:
+            return self._last_out[1]
+        checked = self._check_out(out)
+        self._last_out = (key, checked, [out[layout.name] for layout in self.layouts])  # ids stay valid
+        return checked
+
+    def _check_out(self, out: Mapping[str, object]):
         outputs, sizes = [], set()
         for layout in self.layouts:
             if layout.name not in out:
@@ -223,10 +239,6 @@ class StateManager:
         if len(sizes) != 1:
             raise ValueError(f"merge: the out buffers disagree on (N, T): {sorted(sizes)}")
         out_rows, out_time = sizes.pop()
-        if out_rows < num_rows:
-            raise ValueError(f"merge: out buffers hold {out_rows} rows, the histories {num_rows}")
-        if time_size is not None and time_size != out_time:
-            raise ValueError(f"merge: time_size {time_size} differs from the out buffers' T {out_time}")
         return outputs, out_rows, out_time
 
     def _owned_buffers(self, rows: int, time: int) -> list:
@@ -296,6 +308,8 @@ class StateManager:
 
     def _to_here(self, array):
         xp = self.xp
+        if self.device == "cuda" and is_device_array(array) and array.flags.c_contiguous:
+            return array
         if self.device == "cuda":
             cupy = xp
             with cupy.cuda.Device(self.options.device_id), shared_stream(self.options.device_id):

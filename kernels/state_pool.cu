@@ -1,5 +1,6 @@
 // State pool bookkeeping kernels (gpudecode/states/pool.py): slot allocation from the free list,
-// reference marking by the windows of live histories, and the sweep that frees unmarked slots.
+// reference marking by the windows of live histories, the sweep that frees unmarked slots, and
+// the children's history tables after a search step (gpudecode/states/history.py).
 // No state data is touched here: these kernels move int32 slot ids only.
 //
 // Memory layout
@@ -13,6 +14,9 @@
 //                                 consumes the marks and leaves them 0 again (no memset needed)
 //   history    [num_rows, history_width] int32 slot ids, oldest first, valid below lengths[b]
 //   new_slots  [num_rows, max_tokens] int32 (allocation result; -1 beyond token_counts[b])
+//   parents    [num_children] int64  the history row each child continues
+//   append     [num_children] uint8  0: the child keeps its parent's history (may be null: all 1)
+//   children   [num_children, history_width + max_tokens] int32, lengths [num_children] int32
 //
 // Window of a history (shared with the merge, see state_copy.cu): positions
 // [length - kept, length) with kept = min(length, max_history), plus position 0 when keep_first
@@ -154,5 +158,36 @@ extern "C" __global__ void sweep_slots(unsigned char* __restrict__ marks, unsign
         if (lane == leader) base = atomicAdd(&counters[0], __popc(ballot));
         base = __shfl_sync(0xffffffffu, base, leader);
         if (release) free_stack[base + __popc(ballot & ((1u << lane) - 1u))] = s;
+    }
+}
+
+// Child c = its parent's history (positions below the parent's length, clipped to the width)
+// followed by the parent row's new slots (those >= 0, a prefix of the row), -1 beyond.
+extern "C" __global__ void extend_histories(const int* __restrict__ history, int history_width,
+                                            const int* __restrict__ lengths,
+                                            const int* __restrict__ new_slots, int max_tokens,
+                                            const long long* __restrict__ parents,
+                                            const unsigned char* __restrict__ append, int num_children,
+                                            int* __restrict__ children, int* __restrict__ child_lengths) {
+    const int out_width = history_width + max_tokens;
+    const long long total = (long long)num_children * out_width;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int c = (int)(i / out_width);
+        const int t = (int)(i % out_width);
+        const long long p = parents[c];
+        const int parent_length = min(max(lengths[p], 0), history_width);
+        int added = 0;
+        if (append == nullptr || append[c]) {
+            for (int s = 0; s < max_tokens; ++s) added += new_slots[p * max_tokens + s] >= 0;
+        }
+        int slot = -1;
+        if (t < parent_length) {
+            slot = history[p * history_width + t];
+        } else if (t - parent_length < added) {
+            slot = new_slots[p * max_tokens + (t - parent_length)];
+        }
+        children[i] = slot;
+        if (t == 0) child_lengths[c] = parent_length + added;
     }
 }

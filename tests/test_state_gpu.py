@@ -229,3 +229,31 @@ def test_steady_search_steps_do_not_synchronise(monkeypatch):
     assert stats.live_slots <= 64 * 8 and stats.capacity_slots == 4096
     assert len(reads) <= 1 + 30, len(reads)  # the statistics call, plus at most one in ten steps
     manager.close()
+
+
+@pytest.mark.parametrize("max_history", [None, 3])
+@pytest.mark.parametrize("with_append", [False, True])
+def test_extend_histories_kernel_equals_the_host_version(max_history, with_append):
+    """The one-launch CUDA extension gives the numpy version's tables, for ragged parents, new
+    slots with -1 padding, children that keep their parent's history, and max_history windows."""
+    import cupy
+
+    from gpudecode.states.history import StateHistory, extend_histories
+
+    rng = np.random.default_rng(7)
+    for rows, width, tokens, children in ((6, 5, 1, 9), (4, 0, 2, 4), (8, 7, 3, 16), (3, 4, 0, 5)):
+        lengths = rng.integers(0, width + 2, size=rows).astype(np.int32)  # some beyond the width
+        table = np.where(np.arange(width)[None, :] < lengths[:, None],
+                         rng.integers(0, 1000, size=(rows, width)), -1).astype(np.int32)
+        counts = rng.integers(0, tokens + 1, size=rows)
+        new_slots = np.where(np.arange(tokens)[None, :] < counts[:, None],
+                             rng.integers(1000, 2000, size=(rows, tokens)), -1).astype(np.int32)
+        parents = rng.integers(0, rows, size=children)
+        append = rng.random(children) < 0.7 if with_append else None
+        host = extend_histories(StateHistory(table=table, lengths=lengths), new_slots, parents, append=append,
+                                max_history=max_history)
+        device = extend_histories(StateHistory(table=cupy.asarray(table), lengths=cupy.asarray(lengths)),
+                                  cupy.asarray(new_slots), cupy.asarray(parents),
+                                  append=None if append is None else cupy.asarray(append), max_history=max_history)
+        np.testing.assert_array_equal(cupy.asnumpy(device.lengths), host.lengths)
+        np.testing.assert_array_equal(cupy.asnumpy(device.table), host.table)

@@ -138,6 +138,21 @@ def extend_histories(
     table, lengths = histories.table, histories.lengths
     xp = get_array_module(table, new_slots, parents)
     parents = xp.asarray(parents).astype(np.int64, copy=False)
+    if xp is not np:
+        from gpudecode.states.cuda import extend_histories_on_device
+
+        extended = extend_histories_on_device(histories, new_slots, parents, append)
+        width = extended.width
+    else:
+        extended, width = _extend_on_host(histories, new_slots, parents, append)
+    if max_history is None or max_history >= width:
+        return extended
+    return _compacted(extended, int(max_history), keep_first)
+
+
+def _extend_on_host(histories: StateHistory, new_slots, parents, append):
+    table, lengths = histories.table, histories.lengths
+    xp = np
     parent_table = table[parents]
     parent_length = xp.clip(lengths[parents], 0, table.shape[1]).astype(np.int32)
     child_new = new_slots[parents]
@@ -160,10 +175,13 @@ def extend_histories(
     else:
         pieces.append(xp.full((parent_table.shape[0], width), NO_SLOT, dtype=np.int32))
     new_table = xp.where(from_parent, pieces[0], xp.where(from_new, pieces[1], NO_SLOT)).astype(np.int32)
-    extended = StateHistory(table=new_table, lengths=(parent_length + added).astype(np.int32))
-    if max_history is None or max_history >= width:
-        return extended
-    compact_width = int(max_history)
+    return StateHistory(table=new_table, lengths=(parent_length + added).astype(np.int32)), width
+
+
+def _compacted(extended: StateHistory, compact_width: int, keep_first: bool) -> StateHistory:
+    """``extended`` cut to each row's window of ``compact_width`` (merges exactly the same)."""
+    xp = get_array_module(extended.table)
+    new_table = extended.table
     slots, kept = window_table(extended, compact_width, compact_width, keep_first)
     # window_table right-aligns; histories are left-aligned: shift each row left by its padding.
     shift = (compact_width - kept)[:, None]

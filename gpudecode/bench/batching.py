@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from gpudecode.bench.common import write_results
+from gpudecode.bench.common import pyplot, write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -174,12 +174,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
 
 def plot_batching(results: dict, path) -> str | None:
     """Utterances/s and lane occupancy, static vs continuous."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     names = ["static", "continuous"]
     cells = results["cells"]

@@ -40,3 +40,15 @@ def write_results(results: dict, output_dir, name: str, plot: Callable[[dict, Pa
         (output_dir / f"{name}.json").write_text(json.dumps(results, indent=2))
         results["png"] = plot(results, output_dir / f"{name}.png")
     return results
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpudecode.backend import array_module
-from gpudecode.bench.common import fastest, write_results
+from gpudecode.bench.common import fastest, pyplot, write_results
 
 BLANK = 0
 
@@ -147,12 +147,8 @@ def _end_to_end(xp, device: str, *, num_utts: int, num_frames: int, num_layers: 
 
 def plot_ctc(results: dict, path) -> str | None:
     """Frames/s per beam, one line per (vocabulary, LM) pair; greedy as a marker."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for vocab_size in results["config"]["vocab_sizes"]:

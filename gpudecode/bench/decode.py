@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from gpudecode.bench.common import write_results
+from gpudecode.bench.common import pyplot, write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -194,12 +194,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
 
 def plot_decode(results: dict, path) -> str | None:
     """Step time per beam (CUDA manager) with the CPU-manager baseline at beam 8."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     cuda = [c for c in results["cells"] if c["state_manager"] == "transformer-cuda"
             and c["utterances"] == results["config"]["utterances"]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpudecode.bench.common import write_results
+from gpudecode.bench.common import pyplot, write_results
 from gpudecode.bench.decode import BOS, _blocking_sync, _utterances, measure_search
 
 
@@ -36,7 +36,7 @@ def _graph_memory(reference, *, utts: int, beam: int, encoder_length: int, max_t
     decoder.admit(_utterances(cupy, reference, utts, encoder_length, seed=2), np.arange(utts))
     cupy.cuda.runtime.deviceSynchronize()
     free_before = cupy.cuda.runtime.memGetInfo()[0]
-    graphs = decoder.warm_up(max_time)
+    decoder.warm_up(max_time)
     cupy.cuda.runtime.deviceSynchronize()
     held = free_before - cupy.cuda.runtime.memGetInfo()[0]
     result = {"shared_buffers": shared, "graphs": decoder.captured_graphs, "device_bytes": held,
@@ -98,12 +98,8 @@ def run_graphs_bench(*, small_utts: int = 4, large_utts: int = 128, beam: int = 
 
 def plot_graphs(results: dict, path) -> str | None:
     """Step time with graphs off/on at both batch sizes, and graph memory both ways."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
     sizes = sorted({c["hypotheses"] for c in results["cells"]})

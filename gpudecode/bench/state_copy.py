@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpudecode.bench.common import write_results
+from gpudecode.bench.common import pyplot, write_results
 
 from gpudecode.spec import StateVariable
 
@@ -234,12 +234,8 @@ def run_state_copy_bench(
 
 def plot_state_copy(results: dict, path: str | Path) -> str | None:
     """A two-panel PNG: merge/split ÷ plain copy, and CPU ÷ CUDA manager time per step."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     cells = results["cells"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpudecode.backend import array_module
-from gpudecode.bench.common import fastest, write_results
+from gpudecode.bench.common import fastest, pyplot, write_results
 
 BLANK = 0
 
@@ -132,12 +132,8 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
 
 def plot_transducer(results: dict, path) -> str | None:
     """Frames/s per beam, greedy as a marker."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     beams = [c for c in results["cells"] if c["search"] != "greedy"]

@@ -158,6 +158,7 @@ class OnnxDecoderScorer(LabelScorer):
                             for start, rows in self._chunks())
         if lane_rows != getattr(self, "_lane_rows", None):
             self._lane_inputs = {}
+            self._static = {}  # its views would keep the old lane buffers alive
         # else the lane buffers stay (admissions overwrite their lanes), and with them the
         # addresses the captured graphs are bound to
         self._lane_rows = lane_rows
@@ -235,6 +236,7 @@ class OnnxDecoderScorer(LabelScorer):
             grown = xp.zeros(shape, dtype=rows.dtype)
             if buffer is not None:
                 grown[tuple(slice(0, d) for d in buffer.shape)] = buffer
+                self._static = {}  # bound to the old buffer
             buffer = grown
             self._lane_inputs[name] = buffer
         if time_axis is not None:

@@ -471,8 +471,8 @@ class OnnxDecoderScorer(LabelScorer):
         xp = self.states.xp
         if ctx.new_slots is None:
             raise AssertionError("extend() before score(): the parents' new token states are unknown")
-        parents = self._on_states(parents).astype(np.int64)
-        labels = self._on_states(labels).astype(np.int64)
+        parents = self._on_states(parents).astype(np.int64, copy=False)
+        labels = self._on_states(labels).astype(np.int64, copy=False)
         append = labels >= 0
         next_labels = xp.where(append, labels, ctx.next_labels[parents])
         if ctx.fresh is not None:  # a fresh parent's history already ends with its whole prompt

@@ -184,10 +184,11 @@ def extend_histories_on_device(histories: StateHistory, new_slots, parents, appe
     parents = cupy.ascontiguousarray(parents, dtype=np.int64)
     num_children, width, max_tokens = int(parents.shape[0]), int(table.shape[1]), int(new_slots.shape[1])
     children = cupy.empty((num_children, width + max_tokens), dtype=np.int32)
-    child_lengths = cupy.zeros(num_children, dtype=np.int32)
+    total = num_children * (width + max_tokens)
+    # the kernel writes every length when a child has at least one position
+    child_lengths = (cupy.empty if total else cupy.zeros)(num_children, dtype=np.int32)
     if append is not None:
         append = cupy.ascontiguousarray(cupy.asarray(append, dtype=bool)).view(np.uint8)
-    total = num_children * (width + max_tokens)
     if total:
         device_id = table.device.id
         from gpudecode.kernels import load_module

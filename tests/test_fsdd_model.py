@@ -1,9 +1,11 @@
-"""The shipped FSDD CTC model decodes bundled real test audio (log-mel front end, CTC prefix
-search) to the expected transcripts."""
+"""The shipped FSDD models decode bundled real test audio (log-mel front end; CTC prefix search,
+with and without the shipped LSTM LM; the transducer greedy, beam and beam + LM) to the
+expected transcripts."""
 
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from gpudecode.cli import main
@@ -47,3 +49,43 @@ def test_shipped_model_with_the_lstm_lm_transcribes_the_bundled_test_audio(tmp_p
     # both fused scorers are reported per hypothesis
     first = json.loads((tmp_path / "nbest.jsonl").read_text().splitlines()[0])
     assert {"ctc", "lm", "length"} <= set(first["nbest"][0]["scores"])
+
+
+def _decode(tmp_path, config: str, *overrides: str) -> tuple[dict[str, str], str]:
+    args = ["decode", str(ROOT / "configs" / config), "--output", str(tmp_path)]
+    for override in overrides:
+        args += ["-o", override]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return dict(line.split(" ", 1) for line in (tmp_path / "text").read_text().splitlines()), result.output
+
+
+def _with(changes: dict[str, str]) -> dict[str, str]:
+    references = dict(line.split(" ", 1) for line in
+                      (ROOT / "examples/fsdd-model/test-text").read_text().splitlines())
+    return {**references, **changes}
+
+
+# The shipped transducer on the bundled test audio: greedy makes 4 errors in 40 words, beam 8
+# three, beam 8 with the LSTM LM one (test-00003's "zero" heard as "two" in all three).
+TRANSDUCER_CASES = {
+    "greedy": ("fsdd-transducer.yaml", ["search.type=transducer-greedy"], _with({
+        "test-00000-nicolas": "two seven seven one one two zero one nine",
+        "test-00003-nicolas": "one two three four",
+        "test-00005-theo": "nine eight seven zero three five",
+        "test-00007-yweweler": "four nine seven two five one"}), "4 errors / 40 words: 1 sub, 2 del, 1 ins"),
+    "beam": ("fsdd-transducer.yaml", [], _with({
+        "test-00000-nicolas": "two seven seven one one two zero one nine",
+        "test-00003-nicolas": "one two three four",
+        "test-00007-yweweler": "four nine seven two five one"}), "3 errors / 40 words: 1 sub, 1 del, 1 ins"),
+    "beam+lm": ("fsdd-transducer-lm.yaml", [], _with({
+        "test-00003-nicolas": "one two three four"}), "1 errors / 40 words: 1 sub, 0 del, 0 ins"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRANSDUCER_CASES))
+def test_shipped_transducer_transcribes_the_bundled_test_audio(tmp_path, case):
+    config, overrides, expected, errors = TRANSDUCER_CASES[case]
+    hyps, output = _decode(tmp_path, config, *overrides)
+    assert hyps == expected
+    assert errors in output

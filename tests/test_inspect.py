@@ -60,3 +60,15 @@ def test_inspect_recognises_a_ctc_encoder(tmp_path):
     path = build_ctc_encoder(seed=1, vocab_size=7).save(tmp_path / "ctc.onnx")
     out = CliRunner().invoke(main, ["inspect", str(path)]).output
     assert "convention: CTC encoder" in out and "log-probs" in out
+
+
+def test_inspect_recognises_transducer_prediction_and_joint_networks(tmp_path):
+    from gpudecode.testing.transducer import build_joint_network, build_prediction_network
+
+    prediction = build_prediction_network(seed=1).save(tmp_path / "prediction.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(prediction)]).output
+    assert "convention: rasr (RASR stateful step model, as a transducer prediction network)" in out
+    assert "scores output: 'prediction'" in out and "pred-h-0 -> new-pred-h-0" in out
+    joint = build_joint_network(seed=1).save(tmp_path / "joint.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(joint)]).output
+    assert "convention: transducer joint network ('encoder-frame' + 'prediction' -> 'log-probs')" in out

@@ -214,3 +214,271 @@ class LstmLm(nn.Module):
             new_hs.append(x)
             new_cs.append(c)
         return (self.out(x) + self.mask).log_softmax(dim=-1), new_hs, new_cs
+
+
+# --- transducer -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TransducerOptions:
+    """The encoder's options (``encoder``, as ``EncoderOptions.to_dict()``) plus the prediction
+    network (embedding, LSTM layers, output width P) and the joint network (width J)."""
+
+    encoder: dict
+    num_labels: int = 12
+    blank: int = 0
+    pred_embed_dim: int = 64
+    pred_hidden_dim: int = 128
+    pred_num_layers: int = 1
+    pred_dim: int = 128
+    joint_dim: int = 128
+    pred_dropout: float = 0.1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PredictionNetwork(nn.Module):
+    """Labels -> prediction vectors: embedding -> LSTM (gates i, f, g, o) -> linear to P.
+    Starts from blank and a zero state."""
+
+    def __init__(self, opts: TransducerOptions):
+        super().__init__()
+        self.opts = opts
+        self.embed = nn.Embedding(opts.num_labels, opts.pred_embed_dim)
+        self.lstm = nn.LSTM(opts.pred_embed_dim, opts.pred_hidden_dim, num_layers=opts.pred_num_layers,
+                            batch_first=True)
+        self.dropout = nn.Dropout(opts.pred_dropout)
+        self.out = nn.Linear(opts.pred_hidden_dim, opts.pred_dim)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        """``labels`` (B, U) -> (B, U + 1, P): the output after blank, blank + y1, ..."""
+        start = torch.full_like(labels[:, :1], self.opts.blank)
+        x = self.dropout(self.embed(torch.cat([start, labels], dim=1)))
+        h, _ = self.lstm(x)
+        return self.out(self.dropout(h))
+
+    def step(self, token: torch.Tensor, hs: list[torch.Tensor], cs: list[torch.Tensor]):
+        """``token`` (N,) int64, per layer (N, H) states -> (N, P), new hs, new cs (eval mode)."""
+        x = self.embed(token)
+        new_hs, new_cs = [], []
+        for i in range(self.opts.pred_num_layers):
+            w_ih, w_hh = getattr(self.lstm, f"weight_ih_l{i}"), getattr(self.lstm, f"weight_hh_l{i}")
+            b = getattr(self.lstm, f"bias_ih_l{i}") + getattr(self.lstm, f"bias_hh_l{i}")
+            gi, gf, gg, go = (x @ w_ih.t() + hs[i] @ w_hh.t() + b).chunk(4, dim=-1)
+            c = torch.sigmoid(gf) * cs[i] + torch.sigmoid(gi) * torch.tanh(gg)
+            x = torch.sigmoid(go) * torch.tanh(c)
+            new_hs.append(x)
+            new_cs.append(c)
+        return self.out(x), new_hs, new_cs
+
+
+class JointNetwork(nn.Module):
+    """log_softmax(Linear(tanh(Linear(encoder frame) + Linear(prediction)))) over all labels."""
+
+    def __init__(self, opts: TransducerOptions):
+        super().__init__()
+        self.enc = nn.Linear(opts.encoder["model_dim"], opts.joint_dim)
+        self.pred = nn.Linear(opts.pred_dim, opts.joint_dim)
+        self.out = nn.Linear(opts.joint_dim, opts.num_labels)
+
+    def forward(self, encoder_frame: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.enc(encoder_frame) + self.pred(prediction))).log_softmax(dim=-1)
+
+    def grid(self, encoder_states: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+        """(B, T', E) x (B, U + 1, P) -> log-probs (B, T', U + 1, V)."""
+        hidden = self.enc(encoder_states)[:, :, None] + self.pred(predictions)[:, None]
+        return self.out(torch.tanh(hidden)).log_softmax(dim=-1)
+
+
+class TransducerModel(nn.Module):
+    def __init__(self, opts: TransducerOptions, mean=None, std=None):
+        super().__init__()
+        self.opts = opts
+        self.encoder = Encoder(EncoderOptions(**opts.encoder), mean, std)
+        self.prediction = PredictionNetwork(opts)
+        self.joint = JointNetwork(opts)
+
+    def forward(self, features, lengths, labels):
+        """-> joint log-probs (B, T', U + 1, V), encoder lengths (B,)."""
+        states, out_lengths = self.encoder(features, lengths)
+        return self.joint.grid(states, self.prediction(labels)), out_lengths
+
+
+def rnnt_loss(log_probs: torch.Tensor, labels: torch.Tensor, frame_lengths: torch.Tensor,
+              label_lengths: torch.Tensor, blank: int = 0) -> torch.Tensor:
+    """Transducer negative log-likelihood per utterance (B,), by the forward algorithm.
+
+    ``log_probs`` (B, T, U + 1, V) joint log-probs, ``labels`` (B, U) (padding: any label),
+    lengths (B,). Every alignment emits any number of labels per frame and ends each frame with
+    blank (Graves 2012). One vectorised step per frame: within a frame, the label recursion
+    ``alpha[t, u] = logaddexp(alpha[t-1, u] + blank[t-1, u], alpha[t, u-1] + y[t, u-1])`` is a
+    log-cumsum-exp over u of the arrivals from frame t-1 shifted by the cumulative label scores.
+    """
+    b, t_max, u1, _ = log_probs.shape
+    blank_lp = log_probs[..., blank]  # (B, T, U+1)
+    if u1 > 1:
+        index = labels[:, None, :, None].expand(b, t_max, u1 - 1, 1)
+        emit_lp = log_probs[:, :, :-1].gather(-1, index).squeeze(-1)  # (B, T, U)
+    else:
+        emit_lp = log_probs.new_zeros(b, t_max, 0)
+    cum = torch.cat([log_probs.new_zeros(b, t_max, 1), emit_lp.cumsum(-1)], dim=-1)  # (B, T, U+1)
+    alphas = [cum[:, 0]]
+    for t in range(1, t_max):
+        arrive = alphas[-1] + blank_lp[:, t - 1]
+        alphas.append(cum[:, t] + torch.logcumsumexp(arrive - cum[:, t], dim=-1))
+    alpha = torch.stack(alphas, dim=1)  # (B, T, U+1)
+    rows = torch.arange(b, device=log_probs.device)
+    last_t, last_u = frame_lengths.long() - 1, label_lengths.long()
+    return -(alpha[rows, last_t, last_u] + blank_lp[rows, last_t, last_u])
+
+
+# --- attention encoder-decoder --------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class AedOptions:
+    """The encoder's options (``encoder``, as ``EncoderOptions.to_dict()``) plus a pre-LN
+    transformer decoder with learned positions; ``sentence`` (``</s>``) begins and ends."""
+
+    encoder: dict
+    num_labels: int = 12
+    sentence: int = 1
+    dec_layers: int = 2
+    dec_dim: int = 128
+    dec_heads: int = 4
+    dec_ff_dim: int = 256
+    max_positions: int = 32
+    dropout: float = 0.1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MASKED = -1e9
+
+
+def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, L, D) -> (B, H, L, D / H)."""
+    b, length, d = x.shape
+    return x.view(b, length, num_heads, d // num_heads).transpose(1, 2)
+
+
+def _attend(q, k, v, valid):
+    """q (B, H, Q, Dh), k/v (B, H, K, Dh), valid broadcastable to (B, H, Q, K) -> (B, Q, H * Dh)."""
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    weights = torch.where(valid, scores, torch.full_like(scores, MASKED)).softmax(dim=-1)
+    out = weights @ v
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, opts: AedOptions):
+        super().__init__()
+        d, e = opts.dec_dim, opts.encoder["model_dim"]
+        self.heads = opts.dec_heads
+        self.self_norm, self.cross_norm, self.ff_norm = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.self_q, self.self_k, self.self_v, self.self_out = (nn.Linear(d, d) for _ in range(4))
+        self.cross_q, self.cross_out = nn.Linear(d, d), nn.Linear(d, d)
+        self.cross_k, self.cross_v = nn.Linear(e, d), nn.Linear(e, d)
+        self.ff = nn.Sequential(nn.Linear(d, opts.dec_ff_dim), nn.ReLU(), nn.Dropout(opts.dropout),
+                                nn.Linear(opts.dec_ff_dim, d))
+        self.dropout = nn.Dropout(opts.dropout)
+
+    def cross_kv(self, encoder_states: torch.Tensor):
+        """(B, S, E) -> key, value (B, H, S, Dh): what the exported encoder precomputes."""
+        return _heads(self.cross_k(encoder_states), self.heads), _heads(self.cross_v(encoder_states), self.heads)
+
+    def forward(self, x, self_k, self_v, self_valid, cross_k, cross_v, cross_valid):
+        """x (B, Q, D) the queries; self_k/v (B, H, K, Dh) include the queries' own keys."""
+        q = _heads(self.self_q(self.self_norm(x)), self.heads)
+        x = x + self.dropout(self.self_out(_attend(q, self_k, self_v, self_valid)))
+        q = _heads(self.cross_q(self.cross_norm(x)), self.heads)
+        x = x + self.dropout(self.cross_out(_attend(q, cross_k, cross_v, cross_valid)))
+        return x + self.dropout(self.ff(self.ff_norm(x)))
+
+    def self_kv(self, x):
+        h = self.self_norm(x)
+        return _heads(self.self_k(h), self.heads), _heads(self.self_v(h), self.heads)
+
+
+class AttentionDecoder(nn.Module):
+    def __init__(self, opts: AedOptions):
+        super().__init__()
+        self.opts = opts
+        self.embed = nn.Embedding(opts.num_labels, opts.dec_dim)
+        self.positions = nn.Embedding(opts.max_positions, opts.dec_dim)
+        self.layers = nn.ModuleList(DecoderLayer(opts) for _ in range(opts.dec_layers))
+        self.norm = nn.LayerNorm(opts.dec_dim)
+        self.out = nn.Linear(opts.dec_dim, opts.num_labels)
+        self.dropout = nn.Dropout(opts.dropout)
+
+    def forward(self, tokens, encoder_states, encoder_lengths):
+        """Teacher forcing: ``tokens`` (B, L) from ``</s>`` -> log-probs (B, L, V) of the next label."""
+        length = tokens.shape[1]
+        x = self.dropout(self.embed(tokens) + self.positions(torch.arange(length, device=tokens.device))[None])
+        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()[None, None]
+        cross_valid = (torch.arange(encoder_states.shape[1], device=tokens.device)[None]
+                       < encoder_lengths[:, None])[:, None, None]
+        for layer in self.layers:
+            k, v = layer.self_kv(x)
+            ck, cv = layer.cross_kv(encoder_states)
+            x = layer(x, k, v, causal, ck, cv, cross_valid)
+        return self.out(self.norm(x)).log_softmax(dim=-1)
+
+    def step(self, token, prefix_length, past, cross, encoder_lengths):
+        """One label per hypothesis, RASR convention. ``token`` (N,), ``prefix_length`` (N,) the
+        number of valid past positions (right-aligned in the T positions of ``past``),
+        ``past``/``cross``: per layer (key, value) (N, H, T, Dh) / (N, H, S, Dh) -> log-probs
+        (N, V) and per layer the present (key, value) (N, H, T + 1, Dh)."""
+        x = (self.embed(token) + self.positions(prefix_length))[:, None]  # (N, 1, D)
+        num_t1 = past[0][0].shape[2] + 1
+        distance = torch.arange(num_t1 - 1, -1, -1, device=token.device)  # T - t for t in 0..T
+        self_valid = (distance[None] <= prefix_length[:, None])[:, None, None]  # (N, 1, 1, T+1)
+        num_s = cross[0][0].shape[2]
+        cross_valid = (torch.arange(num_s, device=token.device)[None] < encoder_lengths[:, None])[:, None, None]
+        presents = []
+        for layer, (past_k, past_v), (ck, cv) in zip(self.layers, past, cross):
+            k, v = layer.self_kv(x)
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            presents.append((k, v))
+            x = layer(x, k, v, self_valid, ck, cv, cross_valid)
+        return self.out(self.norm(x))[:, 0].log_softmax(dim=-1), presents
+
+
+class AedModel(nn.Module):
+    """Encoder (as the CTC model's) + attention decoder; the CTC head is an auxiliary loss."""
+
+    def __init__(self, opts: AedOptions, mean=None, std=None):
+        super().__init__()
+        self.opts = opts
+        self.encoder = Encoder(EncoderOptions(**opts.encoder), mean, std)
+        self.decoder = AttentionDecoder(opts)
+        self.ctc_head = nn.Linear(opts.encoder["model_dim"], opts.num_labels)
+
+
+def one_symbol_rnnt_loss(log_probs: torch.Tensor, labels: torch.Tensor, frame_lengths: torch.Tensor,
+                         label_lengths: torch.Tensor, blank: int = 0) -> torch.Tensor:
+    """Transducer negative log-likelihood (B,) where every frame emits exactly one symbol: a label
+    (then the next frame, without a blank) or blank — the topology of k2's modified transducer and
+    of ``gpudecode``'s transducer search with ``max_symbols_per_frame: 1``. Needs T >= U.
+
+    ``alpha[t + 1, u] = logaddexp(alpha[t, u] + blank[t, u], alpha[t, u - 1] + y[t, u - 1])``.
+    A label's frame is never visited again after it is emitted, so the joint need not tell an
+    already-emitted label from a repetition of it (which a CTC-initialised, spiky encoder
+    cannot); the standard topology (:func:`rnnt_loss`) made such a model delete repeated digits.
+    """
+    b, t_max, u1, _ = log_probs.shape
+    blank_lp = log_probs[..., blank]  # (B, T, U+1)
+    if u1 > 1:
+        index = labels[:, None, :, None].expand(b, t_max, u1 - 1, 1)
+        emit_lp = log_probs[:, :, :-1].gather(-1, index).squeeze(-1)  # (B, T, U)
+    else:
+        emit_lp = log_probs.new_zeros(b, t_max, 0)
+    impossible = torch.full((b, 1), -1e30, dtype=log_probs.dtype, device=log_probs.device)
+    alpha = torch.cat([log_probs.new_zeros(b, 1), impossible.expand(b, u1 - 1)], dim=1)  # before frame 0
+    alphas = []
+    for t in range(t_max):
+        stay = alpha + blank_lp[:, t]
+        move = torch.cat([impossible, alpha[:, :-1] + emit_lp[:, t]], dim=1)
+        alpha = torch.logaddexp(stay, move)
+        alphas.append(alpha)  # after frame t
+    alpha = torch.stack(alphas, dim=1)  # (B, T, U+1)
+    rows = torch.arange(b, device=log_probs.device)
+    return -alpha[rows, frame_lengths.long() - 1, label_lengths.long()]

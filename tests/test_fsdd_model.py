@@ -1,6 +1,6 @@
 """The shipped FSDD models decode bundled real test audio (log-mel front end; CTC prefix search,
-with and without the shipped LSTM LM; the transducer greedy, beam and beam + LM) to the
-expected transcripts."""
+with and without the shipped LSTM LM; the transducer and the attention encoder-decoder greedy,
+beam and beam + LM; joint CTC/attention) to the expected transcripts."""
 
 import json
 from pathlib import Path
@@ -86,6 +86,35 @@ TRANSDUCER_CASES = {
 @pytest.mark.parametrize("case", list(TRANSDUCER_CASES))
 def test_shipped_transducer_transcribes_the_bundled_test_audio(tmp_path, case):
     config, overrides, expected, errors = TRANSDUCER_CASES[case]
+    hyps, output = _decode(tmp_path, config, *overrides)
+    assert hyps == expected
+    assert errors in output
+
+
+# The shipped attention encoder-decoder on the bundled test audio: alone (greedy = beam 1, beam 8,
+# beam 8 + LM) it drops and repeats digits (4-5 errors in 40 words); joint CTC/attention decoding
+# with the encoder's CTC head leaves one substitution, with or without the LM.
+_AED_ALONE = {"test-00002-nicolas": "five three zero zero", "test-00005-theo": "nine four eight seven three zero"}
+AED_CASES = {
+    "greedy": ("fsdd-aed.yaml", ["search.beam_size=1"], _with({
+        **_AED_ALONE, "test-00007-yweweler": "four nine seven two five one"}),
+        "4 errors / 40 words: 1 sub, 2 del, 1 ins"),
+    "beam": ("fsdd-aed.yaml", [], _with({
+        **_AED_ALONE, "test-00007-yweweler": "four nine seven two five zero one"}),
+        "5 errors / 40 words: 1 sub, 2 del, 2 ins"),
+    "beam+lm": ("fsdd-aed-lm.yaml", [], _with({
+        **_AED_ALONE, "test-00007-yweweler": "four nine seven two five zero one"}),
+        "5 errors / 40 words: 1 sub, 2 del, 2 ins"),
+    "joint-ctc": ("fsdd-aed-ctc.yaml", [], _with({"test-00007-yweweler": "four nine seven two two five one"}),
+                  "1 errors / 40 words: 1 sub, 0 del, 0 ins"),
+    "joint-ctc+lm": ("fsdd-aed-ctc-lm.yaml", [], _with({"test-00007-yweweler": "four nine seven two two five one"}),
+                     "1 errors / 40 words: 1 sub, 0 del, 0 ins"),
+}
+
+
+@pytest.mark.parametrize("case", list(AED_CASES))
+def test_shipped_aed_transcribes_the_bundled_test_audio(tmp_path, case):
+    config, overrides, expected, errors = AED_CASES[case]
     hyps, output = _decode(tmp_path, config, *overrides)
     assert hyps == expected
     assert errors in output

@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Train the FSDD attention encoder-decoder (the CTC model's encoder + a 2-layer transformer
+decoder with cross-attention) on the HDF5 features of make_data.py.
+
+    python examples/fsdd/train_aed.py [--data examples/fsdd/data] [--exp examples/fsdd/exp/aed]
+        [--init-encoder examples/fsdd/exp/ctc/checkpoint.pt]
+
+The decoder reads ``</s> y1 ... yn`` and predicts ``y1 ... yn </s>`` (cross-entropy with label
+smoothing); the encoder starts from the trained CTC model's encoder and CTC head (``--init-encoder
+none``: random) and keeps an auxiliary CTC loss (``--ctc-weight``). Writes ``--exp``/checkpoint.pt
+(the best dev decoder loss) and ``--exp``/log.jsonl (losses in nats per utterance without
+smoothing, dev greedy errors). Stops after ``--epochs`` or ``--max-minutes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from fsdd_common import (
+    BLANK,
+    DEFAULT_DATA_DIR,
+    RECIPE_DIR,
+    SENTENCE_END,
+    VOCABULARY,
+    load_hdf5_split,
+    resolve,
+)
+from fsdd_models import AedModel, AedOptions, EncoderOptions
+from train_ctc import batches, collate, edit_distance
+
+END = VOCABULARY.index(SENTENCE_END)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="make_data.py's --out")
+    p.add_argument("--exp", type=Path, default=RECIPE_DIR / "exp" / "aed", help="output folder")
+    p.add_argument("--init-encoder", default=str(RECIPE_DIR / "exp" / "ctc" / "checkpoint.pt"),
+                   help="CTC checkpoint whose encoder and CTC head start the model; 'none': random")
+    p.add_argument("--ctc-weight", type=float, default=0.3, help="weight of the auxiliary CTC loss")
+    p.add_argument("--label-smoothing", type=float, default=0.1)
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--max-minutes", type=float, default=None, help="wall-clock limit")
+    p.add_argument("--max-train-utterances", type=int, default=None)
+    p.add_argument("--max-dev-utterances", type=int, default=None)
+    p.add_argument("--batch-frames", type=int, default=20000,
+                   help="at most this many padded feature frames per batch")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (Adam)")
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--grad-clip", type=float, default=5.0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    for f in fields(AedOptions):
+        if f.name not in ("encoder", "num_labels", "sentence"):
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    args = p.parse_args(argv)
+    args.data, args.exp = resolve(args.data), resolve(args.exp)
+    return args
+
+
+def decoder_io(labels: list[np.ndarray], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """inputs ``</s> y1 .. yn`` (B, L) padded with ``</s>``; targets ``y1 .. yn </s>`` padded with -100."""
+    length = max(labels[i].shape[0] for i in ids) + 1
+    x = torch.full((len(ids), length), END, dtype=torch.long)
+    y = torch.full((len(ids), length), -100, dtype=torch.long)
+    for row, i in enumerate(ids):
+        n = labels[i].shape[0]
+        x[row, 1: n + 1] = torch.from_numpy(labels[i])
+        y[row, :n] = torch.from_numpy(labels[i])
+        y[row, n] = END
+    return x, y
+
+
+@torch.no_grad()
+def greedy(model: AedModel, states, lengths, max_labels: int) -> list[list[int]]:
+    """Greedy decoding by re-running the decoder on the growing prefixes (fine for ≤ 12 labels)."""
+    b = states.shape[0]
+    tokens = torch.full((b, 1), END, dtype=torch.long)
+    done = torch.zeros(b, dtype=torch.bool)
+    for _ in range(max_labels):
+        best = model.decoder(tokens, states, lengths)[:, -1].argmax(dim=-1)
+        best = torch.where(done, torch.full_like(best, END), best)
+        tokens = torch.cat([tokens, best[:, None]], dim=1)
+        done |= best == END
+        if bool(done.all()):
+            break
+    return [[int(t) for t in row[1:] if t != END] for row in tokens]
+
+
+@torch.no_grad()
+def evaluate(model, feats, labels, batch_frames) -> dict:
+    model.eval()
+    total_loss, errors, words = 0.0, 0, 0
+    for ids in batches([f.shape[0] for f in feats], batch_frames, None):
+        x, x_len, _, _ = collate(feats, labels, ids, "cpu")
+        states, out_len = model.encoder(x, x_len)
+        dec_in, dec_out = decoder_io(labels, ids)
+        log_probs = model.decoder(dec_in, states, out_len)
+        total_loss += float(torch.nn.functional.nll_loss(log_probs.flatten(0, 1), dec_out.flatten(),
+                                                         ignore_index=-100, reduction="sum"))
+        for i, hyp in zip(ids, greedy(model, states, out_len, model.opts.max_positions - 1)):
+            errors += edit_distance(labels[i].tolist(), hyp)
+            words += labels[i].shape[0]
+    model.train()
+    return {"dev_loss": total_loss / len(feats), "dev_errors": errors, "dev_words": words,
+            "dev_wer": errors / max(words, 1)}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    blank = VOCABULARY.index(BLANK)
+    _, train_feats, train_labels = load_hdf5_split(args.data / "train" / "feats.h5")
+    _, dev_feats, dev_labels = load_hdf5_split(args.data / "dev" / "feats.h5")
+    train_feats, train_labels = train_feats[: args.max_train_utterances], train_labels[: args.max_train_utterances]
+    dev_feats, dev_labels = dev_feats[: args.max_dev_utterances], dev_labels[: args.max_dev_utterances]
+    stats = np.load(args.data / "stats.npz")
+
+    init = None if args.init_encoder.lower() == "none" else torch.load(args.init_encoder, map_location="cpu",
+                                                                         weights_only=False)
+    encoder_opts = init["options"] if init else EncoderOptions(num_features=train_feats[0].shape[1],
+                                                                num_labels=len(VOCABULARY)).to_dict()
+    opts = AedOptions(encoder=encoder_opts, num_labels=len(VOCABULARY), sentence=END,
+                      **{f.name: getattr(args, f.name) for f in fields(AedOptions)
+                         if f.name not in ("encoder", "num_labels", "sentence")})
+    model = AedModel(opts, stats["mean"], stats["std"])
+    if init:
+        model.encoder.load_state_dict({k[len("encoder."):]: v for k, v in init["state_dict"].items()
+                                       if k.startswith("encoder.")})
+        model.ctc_head.load_state_dict({k[len("head."):]: v for k, v in init["state_dict"].items()
+                                        if k.startswith("head.")})
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{len(train_feats)} train / {len(dev_feats)} dev utterances; {num_params} parameters (with the CTC "
+          f"head); encoder from {args.init_encoder}; {torch.get_num_threads()} threads", flush=True)
+
+    optimiser = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda step: min((step + 1) / args.warmup_steps, (args.warmup_steps / (step + 1)) ** 0.5))
+    ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
+    args.exp.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    best_dev_loss, step, out_of_time = float("inf"), 0, False
+    train_lengths = [f.shape[0] for f in train_feats]
+    with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:
+        for epoch in range(1, args.epochs + 1):
+            window_loss, window_utts = 0.0, 0
+            for ids in batches(train_lengths, args.batch_frames, rng):
+                x, x_len, y_flat, y_len = collate(train_feats, train_labels, ids, "cpu")
+                states, out_len = model.encoder(x, x_len)
+                dec_in, dec_out = decoder_io(train_labels, ids)
+                log_probs = model.decoder(dec_in, states, out_len)
+                flat_lp, flat_y = log_probs.flatten(0, 1), dec_out.flatten()
+                ce = torch.nn.functional.nll_loss(flat_lp, flat_y, ignore_index=-100, reduction="sum")
+                valid = flat_y != -100
+                smooth = -flat_lp[valid].mean(dim=-1).sum()
+                loss = (1 - args.label_smoothing) * ce + args.label_smoothing * smooth
+                if args.ctc_weight > 0:
+                    ctc_lp = model.ctc_head(states).log_softmax(-1)
+                    loss = (1 - args.ctc_weight) * loss + args.ctc_weight * ctc(ctc_lp.transpose(0, 1), y_flat,
+                                                                                 out_len, y_len)
+                optimiser.zero_grad()
+                (loss / len(ids)).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                optimiser.step()
+                schedule.step()
+                step += 1
+                window_loss, window_utts = window_loss + ce.item(), window_utts + len(ids)
+                minutes = (time.perf_counter() - started) / 60
+                if step % args.log_every == 0:
+                    record = {"step": step, "epoch": epoch, "minutes": round(minutes, 2),
+                              "train_loss": round(window_loss / window_utts, 3), "lr": schedule.get_last_lr()[0]}
+                    print(json.dumps(record), flush=True)
+                    log.write(json.dumps(record) + "\n")
+                    window_loss, window_utts = 0.0, 0
+                if args.max_minutes is not None and minutes >= args.max_minutes:
+                    out_of_time = True
+                    break
+            result = evaluate(model, dev_feats, dev_labels, args.batch_frames)
+            record = {"epoch": epoch, "step": step, "minutes": round((time.perf_counter() - started) / 60, 2),
+                      **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}}
+            print(json.dumps(record), flush=True)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            if result["dev_loss"] < best_dev_loss:
+                best_dev_loss = result["dev_loss"]
+                torch.save({"model": "aed", "options": opts.to_dict(), "state_dict": model.state_dict(),
+                            "vocabulary": list(VOCABULARY),
+                            "front_end": json.loads((args.data / "front_end.json").read_text()),
+                            "epoch": epoch, "step": step, **result}, args.exp / "checkpoint.pt")
+            if out_of_time:
+                print(f"stopped after {args.max_minutes} minutes", flush=True)
+                break
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,6 +5,7 @@ CuPy is imported lazily so that ``import gpudecode`` works on machines without C
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from types import ModuleType
 
@@ -69,9 +70,16 @@ def get_array_module(*arrays) -> ModuleType:
 
 
 def to_host(array) -> np.ndarray:
-    """A numpy copy of a CuPy array (ordered on the shared stream); numpy arrays pass through."""
+    """A numpy copy of a CuPy array, read on the shared stream after the work queued so far on
+    the caller's current stream; numpy arrays pass through."""
     if is_device_array(array):
-        return array.get(stream=shared_stream(array.device.id))
+        cupy = require_cupy()
+        stream = shared_stream(array.device.id)
+        with cupy.cuda.Device(array.device.id):
+            current = cupy.cuda.get_current_stream()
+            if current.ptr != stream.ptr:
+                stream.wait_event(current.record())
+        return array.get(stream=stream)
     return np.asarray(array)
 
 
@@ -80,8 +88,28 @@ def to_device(array, device_id: int = 0):
     cupy = require_cupy()
     if is_device_array(array):
         return array
-    with cupy.cuda.Device(device_id), shared_stream(device_id):
+    with on_shared_stream(device_id):
         return cupy.asarray(array)
+
+
+@contextlib.contextmanager
+def on_shared_stream(device_id: int = 0):
+    """Runs the block on the shared stream of ``device_id``, after the work queued so far on the
+    caller's current stream; afterwards the caller's stream waits for the block's work. Inside
+    the search (whose current stream is the shared one) this costs nothing."""
+    cupy = require_cupy()
+    stream = shared_stream(device_id)
+    with cupy.cuda.Device(device_id):
+        outer = cupy.cuda.get_current_stream()
+        if outer.ptr == stream.ptr:
+            yield stream
+            return
+        stream.wait_event(outer.record())
+        try:
+            with stream:
+                yield stream
+        finally:
+            outer.wait_event(stream.record())
 
 
 @functools.cache

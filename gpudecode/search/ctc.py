@@ -47,7 +47,7 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import is_device_array, shared_stream, to_host
+from gpudecode.backend import is_device_array, on_shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
@@ -159,9 +159,7 @@ def _on_shared_stream(xp, run):
     """``run()`` on the stream shared with ONNX Runtime (CuPy), after the caller's queued work."""
     if xp is np:
         return run()
-    stream = shared_stream(xp.cuda.Device().id)
-    stream.wait_event(xp.cuda.get_current_stream().record())
-    with stream:
+    with on_shared_stream(xp.cuda.Device().id):
         return run()
 
 

@@ -26,7 +26,7 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import shared_stream, to_host
+from gpudecode.backend import on_shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
@@ -159,9 +159,7 @@ def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: La
         return search()
     # On CuPy, all work runs on the stream shared with ONNX Runtime (and with to_host), after
     # whatever the caller queued on its own stream (e.g. uploading the inputs).
-    stream = shared_stream(xp.cuda.Device().id)
-    stream.wait_event(xp.cuda.get_current_stream().record())
-    with stream:
+    with on_shared_stream(xp.cuda.Device().id):
         return search()
 
 

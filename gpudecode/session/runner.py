@@ -217,6 +217,8 @@ class OnnxSession:
                     raise ValueError(f"{self.source}: output buffer for '{name}' must be a contiguous CuPy array")
                 binding.bind_output(name, "cuda", device_id, buffer.dtype, list(buffer.shape), buffer.data.ptr)
         self.session.run_with_iobinding(binding, self._run_options)
+        if current.ptr != self.stream.ptr:  # outputs read on the caller's stream come after the run
+            current.wait_event(self.stream.record())
         results = {}
         for name, value in zip(names, binding.get_outputs()):
             if name in outputs:

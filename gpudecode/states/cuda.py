@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpudecode.backend import require_cupy, shared_stream
+from gpudecode.backend import on_shared_stream, require_cupy
 from gpudecode.states.history import StateHistory
 from gpudecode.states.layout import VariableLayout
 from gpudecode.states.pool import StatePool
@@ -106,7 +106,7 @@ class CudaStateCopy:
                 dtype_code(layout.storage_dtype), dtype_code(layout.model_dtype),
                 layout.storage_dtype.itemsize, layout.model_dtype.itemsize,
             )
-        with self.cupy.cuda.Device(device_id), shared_stream(device_id):
+        with on_shared_stream(device_id):
             self.geometry = self.cupy.asarray(geometry)  # uploaded once
         self._pointers = np.zeros(1, dtype=_POINTERS)
         self._merge = _kernel("merge_states", device_id)
@@ -143,7 +143,7 @@ class CudaStateCopy:
         pool = self.pool
         grid = self._grid("merge", out_rows * time_size, min_blocks=min(-(-out_rows // THREADS_PER_BLOCK),
                                                                          self._full_grid["merge"]))
-        with self.cupy.cuda.Device(self.device_id), shared_stream(self.device_id):
+        with on_shared_stream(self.device_id):
             self._merge(
                 grid, (THREADS_PER_BLOCK,),
                 (
@@ -162,7 +162,7 @@ class CudaStateCopy:
         num_new = int(new_slots.shape[1])
         if num_rows * num_new == 0:
             return
-        with self.cupy.cuda.Device(self.device_id), shared_stream(self.device_id):
+        with on_shared_stream(self.device_id):
             self._split(
                 self._grid("split", num_rows * num_new), (THREADS_PER_BLOCK,),
                 (
@@ -178,24 +178,24 @@ class CudaStateCopy:
 def extend_histories_on_device(histories: StateHistory, new_slots, parents, append) -> StateHistory:
     """``extend_histories`` on CuPy arrays in one launch (``kernels/state_pool.cu``)."""
     cupy = require_cupy()
-    table = cupy.ascontiguousarray(histories.table, dtype=np.int32)
-    lengths = cupy.ascontiguousarray(histories.lengths, dtype=np.int32)
-    new_slots = cupy.ascontiguousarray(new_slots, dtype=np.int32)
-    parents = cupy.ascontiguousarray(parents, dtype=np.int64)
-    num_children, width, max_tokens = int(parents.shape[0]), int(table.shape[1]), int(new_slots.shape[1])
-    children = cupy.empty((num_children, width + max_tokens), dtype=np.int32)
-    total = num_children * (width + max_tokens)
-    # the kernel writes every length when a child has at least one position
-    child_lengths = (cupy.empty if total else cupy.zeros)(num_children, dtype=np.int32)
-    if append is not None:
-        append = cupy.ascontiguousarray(cupy.asarray(append, dtype=bool)).view(np.uint8)
-    if total:
-        device_id = table.device.id
-        from gpudecode.kernels import load_module
+    device_id = histories.table.device.id
+    with on_shared_stream(device_id):
+        table = cupy.ascontiguousarray(histories.table, dtype=np.int32)
+        lengths = cupy.ascontiguousarray(histories.lengths, dtype=np.int32)
+        new_slots = cupy.ascontiguousarray(new_slots, dtype=np.int32)
+        parents = cupy.ascontiguousarray(parents, dtype=np.int64)
+        num_children, width, max_tokens = int(parents.shape[0]), int(table.shape[1]), int(new_slots.shape[1])
+        children = cupy.empty((num_children, width + max_tokens), dtype=np.int32)
+        total = num_children * (width + max_tokens)
+        # the kernel writes every length when a child has at least one position
+        child_lengths = (cupy.empty if total else cupy.zeros)(num_children, dtype=np.int32)
+        if append is not None:
+            append = cupy.ascontiguousarray(cupy.asarray(append, dtype=bool)).view(np.uint8)
+        if total:
+            from gpudecode.kernels import load_module
 
-        kernel = load_module("state_pool", (), device_id).get_function("extend_histories")
-        grid = min(-(-total // THREADS_PER_BLOCK), 4096)
-        with cupy.cuda.Device(device_id):
+            kernel = load_module("state_pool", (), device_id).get_function("extend_histories")
+            grid = min(-(-total // THREADS_PER_BLOCK), 4096)
             kernel((grid,), (THREADS_PER_BLOCK,), (
                 table, np.int32(width), lengths, new_slots, np.int32(max_tokens), parents,
                 append if append is not None else np.uint64(0), np.int32(num_children), children, child_lengths,

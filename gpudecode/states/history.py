@@ -135,8 +135,7 @@ def extend_histories(
     With ``max_history`` the result is compacted to each row's window (width at most L), which
     merges exactly as the full history would.
     """
-    table, lengths = histories.table, histories.lengths
-    xp = get_array_module(table, new_slots, parents)
+    xp = get_array_module(histories.table, new_slots, parents)
     parents = xp.asarray(parents).astype(np.int64, copy=False)
     if xp is not np:
         from gpudecode.states.cuda import extend_histories_on_device

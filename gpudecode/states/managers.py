@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpudecode.backend import is_device_array, shared_stream, to_host
+from gpudecode.backend import is_device_array, on_shared_stream, to_host
 from gpudecode.spec import StateVariable
 from gpudecode.states.history import (
     StateHistory,
@@ -312,7 +312,7 @@ class StateManager:
             return array
         if self.device == "cuda":
             cupy = xp
-            with cupy.cuda.Device(self.options.device_id), shared_stream(self.options.device_id):
+            with on_shared_stream(self.options.device_id):
                 return cupy.ascontiguousarray(cupy.asarray(array))
         return np.ascontiguousarray(to_host(array))
 

@@ -133,14 +133,9 @@ class StatePool:
             import contextlib
 
             return contextlib.nullcontext()
-        import contextlib
+        from gpudecode.backend import on_shared_stream
 
-        from gpudecode.backend import shared_stream
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._cupy.cuda.Device(self.device_id))
-        stack.enter_context(shared_stream(self.device_id))
-        return stack
+        return on_shared_stream(self.device_id)
 
     def _read_counters(self) -> np.ndarray:
         if self._cupy is None:

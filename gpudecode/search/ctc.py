@@ -47,10 +47,10 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import is_device_array, on_shared_stream, to_host
+from gpudecode.backend import on_shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
-from gpudecode.search.options import coerce_ints, option_error
+from gpudecode.search.options import check_frames, check_time_sync_options, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
 
@@ -99,33 +99,10 @@ class CtcPrefixOptions:
     history_compare_steps: int | None = 2
 
     def __post_init__(self) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return option_error(self, name, expected)
-
-        coerce_ints(self, ("beam_size", "blank", "sentence_end", "max_cached_score_vectors", "nbest",
-                           "hash_modulus", "history_compare_steps"))
-        if not isinstance(self.beam_size, int) or self.beam_size < 1:
-            raise bad("beam_size", "an int >= 1")
-        if not isinstance(self.blank, int) or self.blank < 0:
-            raise bad("blank", "a label index >= 0")
-        if self.sentence_end is not None and not (isinstance(self.sentence_end, int)
-                                                  and self.sentence_end >= 0):
-            raise bad("sentence_end", "None or a label index >= 0")
-        if self.score_threshold is not None and not self.score_threshold > 0:
-            raise bad("score_threshold", "None or a number > 0")
+        check_time_sync_options(self)
         if self.blank_skip_threshold_logp is not None and not (
                 math.isfinite(self.blank_skip_threshold_logp) and self.blank_skip_threshold_logp <= 0):
-            raise bad("blank_skip_threshold_logp", "None or a log-probability <= 0")
-        if not isinstance(self.max_cached_score_vectors, int) or self.max_cached_score_vectors < 0:
-            raise bad("max_cached_score_vectors", "an int >= 0")
-        if self.nbest is not None and not (isinstance(self.nbest, int)
-                                           and 1 <= self.nbest <= self.beam_size):
-            raise bad("nbest", f"None or an int in [1, beam_size={self.beam_size}]")
-        if not isinstance(self.hash_modulus, int) or not 1 <= self.hash_modulus <= 2**31 - 1:
-            raise bad("hash_modulus", "an int in [1, 2**31 - 1]")
-        if self.history_compare_steps is not None and not (
-                isinstance(self.history_compare_steps, int) and self.history_compare_steps >= 0):
-            raise bad("history_compare_steps", "None or an int >= 0")
+            raise option_error(self, "blank_skip_threshold_logp", "None or a log-probability <= 0")
 
     @property
     def num_best(self) -> int:
@@ -138,20 +115,8 @@ def _to_host(*arrays) -> tuple[np.ndarray, ...]:
 
 
 def _check_log_probs(log_probs, lengths, xp) -> tuple[object, np.ndarray]:
-    if log_probs.ndim != 3:
-        raise ValueError(f"log_probs: expected [U, T, V], got shape {tuple(log_probs.shape)}")
-    if is_device_array(log_probs) != (xp is not np):
-        raise ValueError(f"log_probs: a {type(log_probs).__module__} array, but the search runs "
-                         f"on {xp.__name__}")
-    num_utts, num_frames, _ = log_probs.shape
     (lengths,) = _to_host(lengths)
-    lengths = np.asarray(lengths).astype(np.int64, copy=False)
-    if lengths.shape != (num_utts,):
-        raise ValueError(f"lengths: expected shape ({num_utts},) for log_probs of shape "
-                         f"{tuple(log_probs.shape)}, got {lengths.shape}")
-    if ((lengths < 0) | (lengths > num_frames)).any():
-        u = int(np.argmax((lengths < 0) | (lengths > num_frames)))
-        raise ValueError(f"lengths[{u}] = {lengths[u]} is outside [0, T={num_frames}]")
+    lengths = check_frames(log_probs, lengths, xp, "log_probs", "V")
     return log_probs.astype(np.float32, copy=False), lengths
 
 

@@ -50,11 +50,11 @@ from typing import Any
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import is_device_array, to_host
+from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, same_label_paths
-from gpudecode.search.options import coerce_ints, option_error
+from gpudecode.search.options import check_frames, check_time_sync_options, coerce_ints, option_error
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.topk import top_k_indices
@@ -99,32 +99,12 @@ class TransducerOptions:
     history_compare_steps: int | None = 2
 
     def __post_init__(self) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return option_error(self, name, expected)
-
-        coerce_ints(self, ("beam_size", "blank", "max_symbols_per_frame", "sentence_end",
-                           "max_cached_score_vectors", "nbest", "hash_modulus", "history_compare_steps"))
-        if not isinstance(self.beam_size, int) or self.beam_size < 1:
-            raise bad("beam_size", "an int >= 1")
-        if not isinstance(self.blank, int) or self.blank < 0:
-            raise bad("blank", "a label index >= 0")
+        check_time_sync_options(self)
+        coerce_ints(self, ("max_symbols_per_frame",))
         if not isinstance(self.max_symbols_per_frame, int) or self.max_symbols_per_frame < 1:
-            raise bad("max_symbols_per_frame", "an int >= 1")
+            raise option_error(self, "max_symbols_per_frame", "an int >= 1")
         if self.recombination not in RECOMBINATIONS:
-            raise bad("recombination", f"one of {', '.join(RECOMBINATIONS)}")
-        if self.sentence_end is not None and not (isinstance(self.sentence_end, int) and self.sentence_end >= 0):
-            raise bad("sentence_end", "None or a label index >= 0")
-        if self.score_threshold is not None and not self.score_threshold > 0:
-            raise bad("score_threshold", "None or a number > 0")
-        if not isinstance(self.max_cached_score_vectors, int) or self.max_cached_score_vectors < 0:
-            raise bad("max_cached_score_vectors", "an int >= 0")
-        if self.nbest is not None and not (isinstance(self.nbest, int) and 1 <= self.nbest <= self.beam_size):
-            raise bad("nbest", f"None or an int in [1, beam_size={self.beam_size}]")
-        if not isinstance(self.hash_modulus, int) or not 1 <= self.hash_modulus <= 2**31 - 1:
-            raise bad("hash_modulus", "an int in [1, 2**31 - 1]")
-        if self.history_compare_steps is not None and not (
-                isinstance(self.history_compare_steps, int) and self.history_compare_steps >= 0):
-            raise bad("history_compare_steps", "None or an int >= 0")
+            raise option_error(self, "recombination", f"one of {', '.join(RECOMBINATIONS)}")
 
     @property
     def num_best(self) -> int:
@@ -143,21 +123,8 @@ def _on_xp(xp, array):
 
 # --- input checks -----------------------------------------------------------------------------------
 def _check_encoder_states(encoder_states, lengths, xp) -> tuple[Any, np.ndarray]:
-    if encoder_states.ndim != 3:
-        raise ValueError(f"encoder_states: expected [U, T, E], got shape {tuple(encoder_states.shape)}")
-    if is_device_array(encoder_states) != (xp is not np):
-        raise ValueError(f"encoder_states: a {type(encoder_states).__module__} array, but the search runs on "
-                         f"{xp.__name__}")
-    num_utts, num_frames, _ = encoder_states.shape
     (lengths,) = _to_host(lengths)
-    lengths = np.asarray(lengths).astype(np.int64, copy=False)
-    if lengths.shape != (num_utts,):
-        raise ValueError(f"lengths: expected shape ({num_utts},) for encoder_states of shape "
-                         f"{tuple(encoder_states.shape)}, got {lengths.shape}")
-    if ((lengths < 0) | (lengths > num_frames)).any():
-        u = int(np.argmax((lengths < 0) | (lengths > num_frames)))
-        raise ValueError(f"lengths[{u}] = {lengths[u]} is outside [0, T={num_frames}]")
-    return encoder_states, lengths
+    return encoder_states, check_frames(encoder_states, lengths, xp, "encoder_states", "E")
 
 
 def _joint_log_probs(joint, encoder_frames, prediction, xp, num_lanes: int):

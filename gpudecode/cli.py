@@ -130,6 +130,21 @@ def bench() -> None:
     """Benchmarks; each measures its baseline in the same run and reports ratios (JSON + PNG)."""
 
 
+def _run_bench(module: str, function: str, **options) -> None:
+    """Runs ``gpudecode.bench.<module>.<function>(**options)`` and prints its table; a missing GPU
+    is a clean CLI error."""
+    import importlib
+
+    from gpudecode.backend import GpuUnavailableError
+
+    bench_module = importlib.import_module(f"gpudecode.bench.{module}")
+    try:
+        results = getattr(bench_module, function)(**options)
+    except GpuUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(bench_module.format_table(results))
+
+
 @bench.command("state-copy")
 @click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
               help="Folder for state_copy.json and state_copy.png.")
@@ -140,17 +155,9 @@ def bench() -> None:
 @click.option("--repeats", type=int, default=10, show_default=True)
 def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype: str | None, repeats: int) -> None:
     """Merge and split GB/s against a plain device-to-device copy of the same bytes (fragmented pool)."""
-    from gpudecode.backend import GpuUnavailableError
-    from gpudecode.bench.state_copy import format_table, run_state_copy_bench
-
-    try:
-        results = run_state_copy_bench(
-            hypotheses=_int_list(hypotheses), histories=_int_list(histories), storage_dtype=storage_dtype,
-            repeats=repeats, output_dir=output,
-        )
-    except GpuUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(format_table(results))
+    _run_bench("state_copy", "run_state_copy_bench", hypotheses=_int_list(hypotheses),
+               histories=_int_list(histories), storage_dtype=storage_dtype, repeats=repeats,
+               output_dir=output)
     click.echo(f"written: {output}/state_copy.json, {output}/state_copy.png")
 
 
@@ -163,15 +170,8 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
-    from gpudecode.backend import GpuUnavailableError
-    from gpudecode.bench.decode import format_table, run_decode_bench
-
-    try:
-        results = run_decode_bench(num_utts=utterances, encoder_length=encoder_length, num_labels=num_labels,
-                                   output_dir=output, quick=quick)
-    except GpuUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(format_table(results))
+    _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
+               num_labels=num_labels, output_dir=output, quick=quick)
 
 
 @bench.command("graphs")
@@ -185,15 +185,8 @@ def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: 
 def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_labels: int, quick: bool) -> None:
     """CUDA graphs off vs on: time per step at <= 32 and >= 1,024 hypotheses; graph memory with
     shared vs per-bucket buffers."""
-    from gpudecode.backend import GpuUnavailableError
-    from gpudecode.bench.graphs import format_table, run_graphs_bench
-
-    try:
-        results = run_graphs_bench(small_utts=small_utts, large_utts=large_utts, beam=beam, num_labels=num_labels,
-                                   output_dir=output, quick=quick)
-    except GpuUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(format_table(results))
+    _run_bench("graphs", "run_graphs_bench", small_utts=small_utts, large_utts=large_utts,
+               beam=beam, num_labels=num_labels, output_dir=output, quick=quick)
 
 
 @bench.command("batching")
@@ -205,15 +198,8 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
 @click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""
-    from gpudecode.backend import GpuUnavailableError
-    from gpudecode.bench.batching import format_table, run_batching_bench
-
-    try:
-        results = run_batching_bench(num_utts=utterances, max_active=max_active, beam=beam, quick=quick,
-                                     output_dir=output)
-    except GpuUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(format_table(results))
+    _run_bench("batching", "run_batching_bench", num_utts=utterances, max_active=max_active,
+               beam=beam, quick=quick, output_dir=output)
 
 
 @bench.command("ctc")
@@ -227,15 +213,9 @@ def bench_batching(output: str, utterances: int, max_active: int, beam: int, qui
               help="Input frames per utterance for the end-to-end beam ÷ greedy with the pinned encoder.")
 def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams: str, encoder_frames: int) -> None:
     """CTC prefix search frames/s (with and without an LSTM LM) and end-to-end beam 8 ÷ greedy."""
-    from gpudecode.backend import GpuUnavailableError
-    from gpudecode.bench.ctc import format_table, run_ctc_bench
-
-    try:
-        results = run_ctc_bench(num_utts=utterances, num_frames=frames, vocab_sizes=_int_list(vocab_sizes),
-                                beams=_int_list(beams), encoder_frames=encoder_frames, output_dir=output)
-    except GpuUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(format_table(results))
+    _run_bench("ctc", "run_ctc_bench", num_utts=utterances, num_frames=frames,
+               vocab_sizes=_int_list(vocab_sizes), beams=_int_list(beams),
+               encoder_frames=encoder_frames, output_dir=output)
 
 
 @bench.command("transducer")
@@ -247,12 +227,6 @@ def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams
 @click.option("--max-symbols-per-frame", type=int, default=1, show_default=True)
 def bench_transducer(output: str, utterances: int, encoder_frames: int, beams: str, max_symbols_per_frame: int) -> None:
     """Transducer search frames/s at several beams and end-to-end beam 8 ÷ greedy (pinned encoder)."""
-    from gpudecode.backend import GpuUnavailableError
-    from gpudecode.bench.transducer import format_table, run_transducer_bench
-
-    try:
-        results = run_transducer_bench(num_utts=utterances, encoder_frames=encoder_frames, beams=_int_list(beams),
-                                       max_symbols_per_frame=max_symbols_per_frame, output_dir=output)
-    except GpuUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(format_table(results))
+    _run_bench("transducer", "run_transducer_bench", num_utts=utterances,
+               encoder_frames=encoder_frames, beams=_int_list(beams),
+               max_symbols_per_frame=max_symbols_per_frame, output_dir=output)

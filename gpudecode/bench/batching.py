@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from gpudecode.bench.common import pyplot, write_results
+from gpudecode.bench.common import pyplot, save_figure, write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -188,10 +188,7 @@ def plot_batching(results: dict, path) -> str | None:
     c = results["config"]
     fig.suptitle(f"{c['utterances']} utterances, K={c['max_active_utterances']}, beam {c['beam']}, "
                  f"{c['output_labels'][0]}–{c['output_labels'][1]} labels")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def format_table(results: dict) -> str:

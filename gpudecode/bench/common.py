@@ -52,3 +52,11 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def save_figure(plt, fig, path) -> str:
+    """Writes ``fig`` as a PNG to ``path`` and closes it; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpudecode.backend import array_module
-from gpudecode.bench.common import fastest, pyplot, write_results
+from gpudecode.bench.common import fastest, pyplot, save_figure, write_results
 
 BLANK = 0
 
@@ -167,10 +167,7 @@ def plot_ctc(results: dict, path) -> str | None:
     ax.set_title(f"CTC prefix search, {results['config']['utterances']} utterances × "
                  f"{results['config']['frames']} frames")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def format_table(results: dict) -> str:

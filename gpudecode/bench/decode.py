@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from gpudecode.bench.common import pyplot, write_results
+from gpudecode.bench.common import pyplot, save_figure, write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -209,10 +209,7 @@ def plot_decode(results: dict, path) -> str | None:
     ax.set_title(f"{results['config']['utterances']} utterances, d={results['config']['model_dim']}, "
                  f"V={results['config']['vocab_size']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def format_table(results: dict) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpudecode.bench.common import pyplot, write_results
+from gpudecode.bench.common import pyplot, save_figure, write_results
 from gpudecode.bench.decode import BOS, _blocking_sync, _utterances, measure_search
 
 
@@ -116,10 +116,7 @@ def plot_graphs(results: dict, path) -> str | None:
               [m["device_bytes"] / 2**20 for m in sorted(memory, key=lambda m: not m["shared_buffers"])])
     right.set_ylabel("MiB held by the graphs (cudaMemGetInfo)")
     fig.suptitle(f"CUDA graphs, d={results['config']['model_dim']}, V={results['config']['vocab_size']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def format_table(results: dict) -> str:

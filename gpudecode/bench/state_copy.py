@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpudecode.bench.common import pyplot, write_results
+from gpudecode.bench.common import pyplot, save_figure, write_results
 
 from gpudecode.spec import StateVariable
 
@@ -258,10 +258,7 @@ def plot_state_copy(results: dict, path: str | Path) -> str | None:
     ax2.set_yscale("log")
     ax2.set_ylabel("CPU manager ÷ CUDA manager, time per step")
     ax2.set_title("time per step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def format_table(results: dict) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpudecode.backend import array_module
-from gpudecode.bench.common import fastest, pyplot, write_results
+from gpudecode.bench.common import fastest, pyplot, save_figure, write_results
 
 BLANK = 0
 
@@ -150,10 +150,7 @@ def plot_transducer(results: dict, path) -> str | None:
         title += f"; end to end beam 8 ÷ greedy = {ratio:.2f}"
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 def format_table(results: dict) -> str:

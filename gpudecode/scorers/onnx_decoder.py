@@ -143,6 +143,8 @@ class OnnxDecoderScorer(LabelScorer):
         # left padding of the history is exact only when the model masks it
         self._pad_time = self.states.family == "transformer" and (
             "prefix-length" in names or "attention_mask" in names)
+        # state outputs sliced to their first rows stay contiguous when the batch axis is outermost
+        self._rows_outermost = all(layout.pre == 1 for layout in self.states.layouts)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def begin(self, layout: LaneLayout) -> None:
@@ -376,7 +378,7 @@ class OnnxDecoderScorer(LabelScorer):
         outputs = graphs.run(static.key, feeds, [spec.scores_output, *state_outputs],
                              lambda name, dtype, shape: buffers.view(name, dtype, shape, bucket))
         states_out = {k: outputs[k] for k in state_outputs}
-        if all(layout.pre == 1 for layout in self.states.layouts):  # row slices stay contiguous
+        if self._rows_outermost:
             states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
                           for v in spec.state_variables}
             new_slots = self.states.split(states_out)
@@ -447,11 +449,13 @@ class OnnxDecoderScorer(LabelScorer):
         xp = self.states.xp
         empty = DecoderContext(self.states.initial_histories(self.layout.num_lanes),
                                xp.zeros(self.layout.num_lanes, dtype=np.int64))
-        for time in time_buckets(max_time, self.graph_options.time_step):
+        # largest bucket first: the shared buffers reach their size at once, so no later growth
+        # drops the graphs captured before it
+        for time in reversed(time_buckets(max_time, self.graph_options.time_step)):
             for _, rows in self._chunks():
                 for _ in range(2):  # ONNX Runtime captures on the second run of a graph id
                     self._run_bucketed(empty, rows, time_size=time)
-        return max(self._graphs.num_graphs, self._graphs.captures)
+        return self._graphs.num_graphs
 
     def _input_dtype(self, logical: str):
         return self.session.tensors.input(self.spec.hypothesis_inputs[logical]).dtype

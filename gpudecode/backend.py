@@ -73,13 +73,8 @@ def to_host(array) -> np.ndarray:
     """A numpy copy of a CuPy array, read on the shared stream after the work queued so far on
     the caller's current stream; numpy arrays pass through."""
     if is_device_array(array):
-        cupy = require_cupy()
-        stream = shared_stream(array.device.id)
-        with cupy.cuda.Device(array.device.id):
-            current = cupy.cuda.get_current_stream()
-            if current.ptr != stream.ptr:
-                stream.wait_event(current.record())
-        return array.get(stream=stream)
+        with on_shared_stream(array.device.id) as stream:
+            return array.get(stream=stream)
     return np.asarray(array)
 
 

@@ -207,13 +207,8 @@ class StepGraphs:
             # graphs bound to replaced buffers never run again; let their output buffers go
             self._captured = {k: v for k, v in self._captured.items() if k[1] == generation}
             self._captured[(key, generation)] = entry
-        stream = self.session.stream
-        current = backend.require_cupy().cuda.get_current_stream()
-        if current.ptr != stream.ptr:  # static inputs written on the caller's stream come first
-            stream.wait_event(current.record())
-        self.session.session.run_with_iobinding(entry.binding, entry.run_options)
-        if current.ptr != stream.ptr:
-            current.wait_event(stream.record())
+        with backend.on_shared_stream(self.session.options.device_id):  # after the static inputs' writes
+            self.session.session.run_with_iobinding(entry.binding, entry.run_options)
         return entry.outputs
 
     def _bind(self, inputs, output_names, make_output) -> _Captured:

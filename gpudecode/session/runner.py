@@ -197,28 +197,26 @@ class OnnxSession:
     def _run_cuda(self, inputs: Mapping[str, object], names: list[str], outputs: dict) -> dict:
         cupy = backend.require_cupy()
         device_id = self.options.device_id
-        current = cupy.cuda.get_current_stream()
-        if current.ptr != self.stream.ptr:  # inputs made on another stream are ready first
-            self.stream.wait_event(current.record())
-        binding = self.session.io_binding()
-        for name, value in inputs.items():
-            if backend.is_device_array(value):
-                value = cupy.ascontiguousarray(value)
-                pointer = value.data.ptr if value.size else self._empty.data.ptr
-                binding.bind_input(name, "cuda", device_id, value.dtype, list(value.shape), pointer)
-            else:
-                binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for name in names:
-            buffer = outputs.get(name)
-            if buffer is None:
-                binding.bind_output(name, "cuda", device_id)
-            else:
-                if not (backend.is_device_array(buffer) and buffer.flags.c_contiguous):
-                    raise ValueError(f"{self.source}: output buffer for '{name}' must be a contiguous CuPy array")
-                binding.bind_output(name, "cuda", device_id, buffer.dtype, list(buffer.shape), buffer.data.ptr)
-        self.session.run_with_iobinding(binding, self._run_options)
-        if current.ptr != self.stream.ptr:  # outputs read on the caller's stream come after the run
-            current.wait_event(self.stream.record())
+        # on the shared stream, after the caller's queued work (inputs, and any contiguous copies
+        # below); the caller's stream then waits for the outputs
+        with backend.on_shared_stream(device_id):
+            binding = self.session.io_binding()
+            for name, value in inputs.items():
+                if backend.is_device_array(value):
+                    value = cupy.ascontiguousarray(value)
+                    pointer = value.data.ptr if value.size else self._empty.data.ptr
+                    binding.bind_input(name, "cuda", device_id, value.dtype, list(value.shape), pointer)
+                else:
+                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            for name in names:
+                buffer = outputs.get(name)
+                if buffer is None:
+                    binding.bind_output(name, "cuda", device_id)
+                else:
+                    if not (backend.is_device_array(buffer) and buffer.flags.c_contiguous):
+                        raise ValueError(f"{self.source}: output buffer for '{name}' must be a contiguous CuPy array")
+                    binding.bind_output(name, "cuda", device_id, buffer.dtype, list(buffer.shape), buffer.data.ptr)
+            self.session.run_with_iobinding(binding, self._run_options)
         results = {}
         for name, value in zip(names, binding.get_outputs()):
             if name in outputs:

@@ -66,6 +66,26 @@ class GraphBuilder:
     def reshape(self, x: str, shape: Sequence[int]) -> str:
         return self.op("Reshape", x, self.const(list(shape), np.int64))
 
+    def stacked_frames(self, features: str, size: str, stride: int, num_features: int, dtype) -> str:
+        """[U, T, F] ``features`` with frames at or beyond ``size`` ([U] int32) zeroed, padded to
+        a multiple of ``stride`` frames and stacked: [U, ceil(T / stride), stride * F]."""
+        i64 = np.int64
+        num_t = self.dim(features, 1)
+        x = self.masked_frames(features, size, dtype, num_t)
+        step = self.const(stride, i64)
+        pad = self.op("Mod", self.op("Sub", step, self.op("Mod", num_t, step)), step)  # (s - T % s) % s
+        pads = self.op("Concat", self.const([0, 0, 0, 0], i64), self.unsqueeze(pad, [0]), self.const([0], i64), axis=0)
+        return self.reshape(self.op("Pad", x, pads), [0, -1, stride * num_features])
+
+    def masked_frames(self, x: str, size: str, dtype, num_t: str | None = None, out: str | None = None) -> str:
+        """[U, T, D] ``x`` with frames t >= ``size`` ([U] int32) zeroed (``num_t``: T, if known)."""
+        i64 = np.int64
+        num_t = num_t if num_t is not None else self.dim(x, 1)
+        frames = self.op("Range", self.const(0, i64), num_t, self.const(1, i64))
+        size64 = self.op("Cast", size, to=onnx_type(i64))
+        valid = self.op("Less", self.unsqueeze(frames, [0]), self.unsqueeze(size64, [1]))  # [U, T]
+        return self.op("Mul", x, self.unsqueeze(self.op("Cast", valid, to=onnx_type(dtype)), [2]), out=out)
+
     def build(
         self,
         inputs: Sequence[tuple[str, np.dtype, Sequence[Dim]]],
@@ -123,6 +143,20 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
+
+
+def stacked_frames(features: np.ndarray, size: np.ndarray, stride: int) -> np.ndarray:
+    """numpy twin of :meth:`GraphBuilder.stacked_frames` (float32)."""
+    num_u, num_t, num_f = features.shape
+    features = masked_frames(features.astype(np.float32), size)
+    num_out = -(-num_t // stride)
+    features = np.pad(features, [(0, 0), (0, num_out * stride - num_t), (0, 0)])
+    return features.reshape(num_u, num_out, stride * num_f)
+
+
+def masked_frames(x: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """numpy twin of :meth:`GraphBuilder.masked_frames`."""
+    return x * (np.arange(x.shape[1])[None, :] < np.asarray(size, dtype=np.int64)[:, None])[:, :, None]
 
 
 def random_linear(rng: np.random.Generator, weights: dict, key: str, fan_in: int, fan_out: int) -> None:

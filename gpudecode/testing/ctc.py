@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from gpudecode.testing._graph import GraphBuilder, cast_all, linear, log_softmax, onnx_type, random_linear
+from gpudecode.testing._graph import GraphBuilder, cast_all, linear, log_softmax, random_linear, stacked_frames
 from gpudecode.testing.reference import Feeds, ReferenceModel
 
 
@@ -50,16 +50,7 @@ def build_ctc_encoder(
     weights = cast_all(weights, dtype)
 
     g = GraphBuilder()
-    i64 = np.int64
-    num_t = g.dim("features", 1)
-    frames = g.op("Range", g.const(0, i64), num_t, g.const(1, i64))
-    size64 = g.op("Cast", "features-size", to=onnx_type(np.int64))
-    valid = g.op("Less", g.unsqueeze(frames, [0]), g.unsqueeze(size64, [1]))  # [U, T]
-    x = g.op("Mul", "features", g.unsqueeze(g.op("Cast", valid, to=onnx_type(dtype)), [2]))
-    step = g.const(s, i64)
-    pad = g.op("Mod", g.op("Sub", step, g.op("Mod", num_t, step)), step)  # (s - T % s) % s
-    pads = g.op("Concat", g.const([0, 0, 0, 0], i64), g.unsqueeze(pad, [0]), g.const([0], i64), axis=0)
-    x = g.reshape(g.op("Pad", x, pads), [0, -1, s * num_f])  # [U, T', s*F]
+    x = g.stacked_frames("features", "features-size", s, num_f, dtype)  # [U, T', s*F]
     h = g.op("Tanh", g.linear(x, weights, "in"))
     for i in range(num_layers):
         h = g.op("Add", h, g.linear(g.op("Relu", g.linear(h, weights, f"ff1_{i}")), weights, f"ff2_{i}"))
@@ -75,13 +66,8 @@ def build_ctc_encoder(
     w32 = cast_all(weights, np.float32)
 
     def oracle(feeds: Feeds) -> Feeds:
-        features = feeds["features"].astype(np.float32)
         size = feeds["features-size"].astype(np.int64)
-        num_u, num_t, _ = features.shape
-        features = features * (np.arange(num_t)[None, :] < size[:, None])[:, :, None]
-        num_out = -(-num_t // s)
-        features = np.pad(features, [(0, 0), (0, num_out * s - num_t), (0, 0)])
-        h = np.tanh(linear(features.reshape(num_u, num_out, s * num_f), w32, "in"))
+        h = np.tanh(linear(stacked_frames(feeds["features"], size, s), w32, "in"))
         for i in range(num_layers):
             h = h + linear(np.maximum(linear(h, w32, f"ff1_{i}"), 0), w32, f"ff2_{i}")
         return {"log-probs": log_softmax(linear(h, w32, "out")).astype(dtype),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpudecode.testing._graph import GraphBuilder, cast_all, linear, onnx_type, random_linear
+from gpudecode.testing._graph import GraphBuilder, cast_all, linear, masked_frames, random_linear, stacked_frames
 from gpudecode.testing.reference import Feeds, ReferenceModel
 from gpudecode.testing.transformer import cross_projection_weights
 
@@ -48,26 +48,12 @@ def build_encoder(
     weights = cast_all(weights, dtype)
 
     g = GraphBuilder()
-    i64 = np.int64
-    num_t = g.dim("features", 1)
-    frames = g.op("Range", g.const(0, i64), num_t, g.const(1, i64))
-    size64 = g.op("Cast", "features-size", to=onnx_type(np.int64))  # int64
-    valid = g.op("Less", g.unsqueeze(frames, [0]), g.unsqueeze(size64, [1]))  # [U, T]
-    mask = g.unsqueeze(g.op("Cast", valid, to=onnx_type(dtype)), [2])
-    x = g.op("Mul", "features", mask)
-    step = g.const(s, i64)
-    pad = g.op("Mod", g.op("Sub", step, g.op("Mod", num_t, step)), step)  # (s - T % s) % s
-    pads = g.op("Concat", g.const([0, 0, 0, 0], i64), g.unsqueeze(pad, [0]), g.const([0], i64), axis=0)
-    x = g.reshape(g.op("Pad", x, pads), [0, -1, s * num_f])  # [U, T', s*F]
+    x = g.stacked_frames("features", "features-size", s, num_f, dtype)  # [U, T', s*F]
     h = g.op("Tanh", g.linear(x, weights, "in"))
     h = g.op("Add", h, g.linear(g.op("Relu", g.linear(h, weights, "ff1")), weights, "ff2"))
     out_size = g.op("Div", g.op("Add", "features-size", g.const(s - 1, np.int32)), g.const(s, np.int32),
                     out="encoder-states-size")
-    out_frames = g.op("Range", g.const(0, i64), g.dim(h, 1), g.const(1, i64))
-    out_size64 = g.op("Cast", out_size, to=onnx_type(np.int64))
-    out_valid = g.op("Less", g.unsqueeze(out_frames, [0]), g.unsqueeze(out_size64, [1]))
-    out_mask = g.unsqueeze(g.op("Cast", out_valid, to=onnx_type(dtype)), [2])
-    states = g.op("Mul", h, out_mask, out="encoder-states")
+    states = g.masked_frames(h, out_size, dtype, out="encoder-states")
     outputs = [
         ("encoder-states", dtype, ["batch", "encoder-time", dim]),
         ("encoder-states-size", np.int32, ["batch"]),
@@ -86,22 +72,17 @@ def build_encoder(
     w32 = cast_all(weights, np.float32)
 
     def oracle(feeds: Feeds) -> Feeds:
-        features = feeds["features"].astype(np.float32)
         size = feeds["features-size"].astype(np.int64)
-        num_u, num_t, _ = features.shape
-        features = features * (np.arange(num_t)[None, :] < size[:, None])[:, :, None]
-        num_out = -(-num_t // s)
-        features = np.pad(features, [(0, 0), (0, num_out * s - num_t), (0, 0)])
-        x = features.reshape(num_u, num_out, s * num_f)
+        x = stacked_frames(feeds["features"], size, s)
         h = np.tanh(linear(x, w32, "in"))
         h = h + linear(np.maximum(linear(h, w32, "ff1"), 0), w32, "ff2")
         out_size = (size + s - 1) // s
-        h = h * (np.arange(num_out)[None, :] < out_size[:, None])[:, :, None]
+        h = masked_frames(h, out_size)
         h = h.astype(dtype).astype(np.float32)  # the model hands fp16 states to its projections
         result = {"encoder-states": h.astype(dtype), "encoder-states-size": out_size.astype(np.int32)}
         for i in range(num_decoder_layers):
             for kind in ("key", "value"):
-                proj = linear(h, w32, f"cross_{kind}_{i}").reshape(num_u, num_out, num_heads, head_dim)
+                proj = linear(h, w32, f"cross_{kind}_{i}").reshape(*h.shape[:2], num_heads, head_dim)
                 result[f"cross-{kind}-{i}"] = proj.transpose(0, 2, 1, 3).astype(dtype)
         return result
 

@@ -30,9 +30,10 @@ from gpudecode.testing._graph import (
     cast_all,
     linear,
     log_softmax,
-    onnx_type,
+    masked_frames,
     random_linear,
     sigmoid,
+    stacked_frames,
 )
 from gpudecode.testing.reference import Feeds, ReferenceModel
 
@@ -66,26 +67,14 @@ def build_transducer_encoder(
     weights = cast_all(weights, dtype)
 
     g = GraphBuilder()
-    i64 = np.int64
-    num_t = g.dim("features", 1)
-    frames = g.op("Range", g.const(0, i64), num_t, g.const(1, i64))
-    size64 = g.op("Cast", "features-size", to=onnx_type(np.int64))
-    valid = g.op("Less", g.unsqueeze(frames, [0]), g.unsqueeze(size64, [1]))
-    x = g.op("Mul", "features", g.unsqueeze(g.op("Cast", valid, to=onnx_type(dtype)), [2]))
-    step = g.const(s, i64)
-    pad = g.op("Mod", g.op("Sub", step, g.op("Mod", num_t, step)), step)
-    pads = g.op("Concat", g.const([0, 0, 0, 0], i64), g.unsqueeze(pad, [0]), g.const([0], i64), axis=0)
-    x = g.reshape(g.op("Pad", x, pads), [0, -1, s * num_f])
+    x = g.stacked_frames("features", "features-size", s, num_f, dtype)  # [U, T', s*F]
     h = g.op("Tanh", g.linear(x, weights, "in"))
     for i in range(num_layers):
         h = g.op("Add", h, g.linear(g.op("Relu", g.linear(h, weights, f"ff1_{i}")), weights, f"ff2_{i}"))
     h = g.op("Tanh", g.linear(h, weights, "out"))
     out_size = g.op("Div", g.op("Add", "features-size", g.const(s - 1, np.int32)), g.const(s, np.int32),
                     out="encoder-states-size")
-    out_frames = g.op("Range", g.const(0, i64), g.dim(h, 1), g.const(1, i64))
-    out_valid = g.op("Less", g.unsqueeze(out_frames, [0]),
-                     g.unsqueeze(g.op("Cast", out_size, to=onnx_type(np.int64)), [1]))
-    g.op("Mul", h, g.unsqueeze(g.op("Cast", out_valid, to=onnx_type(dtype)), [2]), out="encoder-states")
+    g.masked_frames(h, out_size, dtype, out="encoder-states")
     model = g.build(
         [("features", dtype, ["batch", "time", num_f]), ("features-size", np.int32, ["batch"])],
         [("encoder-states", dtype, ["batch", "encoder-time", out_dim]),
@@ -95,18 +84,13 @@ def build_transducer_encoder(
     w32 = cast_all(weights, np.float32)
 
     def oracle(feeds: Feeds) -> Feeds:
-        features = feeds["features"].astype(np.float32)
         size = feeds["features-size"].astype(np.int64)
-        num_u, num_t, _ = features.shape
-        features = features * (np.arange(num_t)[None, :] < size[:, None])[:, :, None]
-        num_out = -(-num_t // s)
-        features = np.pad(features, [(0, 0), (0, num_out * s - num_t), (0, 0)])
-        h = np.tanh(linear(features.reshape(num_u, num_out, s * num_f), w32, "in"))
+        h = np.tanh(linear(stacked_frames(feeds["features"], size, s), w32, "in"))
         for i in range(num_layers):
             h = h + linear(np.maximum(linear(h, w32, f"ff1_{i}"), 0), w32, f"ff2_{i}")
         h = np.tanh(linear(h, w32, "out"))
         out_size = (size + s - 1) // s
-        h = h * (np.arange(num_out)[None, :] < out_size[:, None])[:, :, None]
+        h = masked_frames(h, out_size)
         return {"encoder-states": h.astype(dtype), "encoder-states-size": out_size.astype(np.int32)}
 
     return ReferenceModel(model=model, oracle=oracle, dtype=dtype, hidden_dim=out_dim, num_layers=num_layers)

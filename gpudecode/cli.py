@@ -168,10 +168,12 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @click.option("--encoder-length", type=int, default=200, show_default=True)
 @click.option("--labels", "num_labels", type=int, default=50, show_default=True, help="Output labels per utterance.")
 @click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
-def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool) -> None:
+@click.option("--cuda-graphs", is_flag=True, help="Run the CUDA-manager cells with CUDA graphs (decode-graphs.json).")
+def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
+                 cuda_graphs: bool) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
-               num_labels=num_labels, output_dir=output, quick=quick)
+               num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs)
 
 
 @bench.command("graphs")
@@ -196,10 +198,11 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
 @click.option("--max-active", type=int, default=64, show_default=True, help="Utterances in flight.")
 @click.option("--beam", type=int, default=8, show_default=True)
 @click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
-def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool) -> None:
+@click.option("--cuda-graphs", is_flag=True, help="Decoder step as CUDA graphs in both modes (batching-graphs.json).")
+def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""
     _run_bench("batching", "run_batching_bench", num_utts=utterances, max_active=max_active,
-               beam=beam, quick=quick, output_dir=output)
+               beam=beam, quick=quick, output_dir=output, cuda_graphs=cuda_graphs)
 
 
 @bench.command("ctc")

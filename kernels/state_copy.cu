@@ -32,7 +32,11 @@
 // kept (0 for padding rows).  Slot ids < 0 or >= capacity read as zero states.
 //
 // Split semantics: new token p of row b is read at time index src_time - num_new + p and written to
-// slot new_slots[b * num_new + p] (skipped where the slot is < 0).
+// slot new_slots[b * num_new + p] (skipped where the slot is < 0).  With free_stack non-null the
+// split also allocates those slots (the pool's uniform allocation, state_pool.cu: allocate_uniform
+// + finish_allocation, fused): copy r = b * num_new + p takes free_stack[num_free - 1 - r], the
+// warps of variable 0 write new_slots and the allocated flags, and the last thread block to finish
+// (counted in counters[3], left at 0 again) updates counters[0..2].
 //
 // Thread mapping: the (variable, token) copies of a launch are numbered variable-major and split
 // into one contiguous, equal range per warp (the grid is sized by the launcher to the resident
@@ -638,9 +642,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS_PE
 split_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
              int capacity, StatePointers sources,
-             int num_rows, int src_time, int num_new, const int* __restrict__ new_slots, int num_variables) {
+             int num_rows, int src_time, int num_new, int* __restrict__ new_slots,
+             const int* __restrict__ free_stack, int* __restrict__ counters, unsigned char* __restrict__ allocated,
+             int num_variables) {
     const int lane = threadIdx.x & 31;
     const long long per_var = (long long)num_rows * num_new;
+    // read by every thread before any block can reach the counter update below
+    const int num_free = free_stack != nullptr ? counters[0] : 0;
     long long begin, end;
     warp_range(per_var * num_variables, begin, end);
     auto pass = [&](auto tag) -> bool {
@@ -663,7 +671,17 @@ split_states(const long long* __restrict__ geometry,
             long long index = 0;
             if (lane < n) {
                 const long long r = r0 + lane;
-                const int slot = new_slots[r];
+                int slot;
+                if (free_stack != nullptr) {
+                    const long long position = num_free - 1 - r;
+                    slot = position >= 0 ? free_stack[position] : -1;
+                    if (var == 0) {
+                        new_slots[r] = slot;
+                        if (slot >= 0) allocated[slot] = 1; else counters[2] = 1;
+                    }
+                } else {
+                    slot = new_slots[r];
+                }
                 if (slot >= 0 && slot < capacity) {
                     const int b = (int)(r / num_new);
                     const int t = src_time - num_new + (int)(r - (long long)b * num_new);
@@ -680,4 +698,18 @@ split_states(const long long* __restrict__ geometry,
         return left;
     };
     if (pass(PassTag<false>{})) pass(PassTag<true>{});
+    if (free_stack == nullptr) return;
+    __shared__ bool last_block;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last_block = atomicAdd(reinterpret_cast<unsigned int*>(&counters[3]), 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last_block && threadIdx.x == 0) {
+        const int remaining = (int)max((long long)num_free - per_var, 0ll);
+        counters[0] = remaining;
+        counters[1] = max(counters[1], capacity - remaining);
+        counters[3] = 0;
+    }
 }

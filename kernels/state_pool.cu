@@ -9,6 +9,8 @@
 //   counters   [4] int32          [0] num_free, [1] peak live slots (capacity - num_free, highest
 //                                 seen after an allocation), [2] overflow flag (an allocation asked
 //                                 for more slots than were free: a bug in the host's bound), [3] 0
+//                                 between launches (split_states in state_copy.cu counts its
+//                                 finished thread blocks there when it allocates)
 //   allocated  [capacity] uint8   1 while a slot is handed out
 //   marks      [capacity] uint8   1 if a live history window references the slot; the sweep
 //                                 consumes the marks and leaves them 0 again (no memset needed)

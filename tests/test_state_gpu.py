@@ -119,6 +119,34 @@ def test_cuda_pool_invariants_and_growth():
     assert device.statistics().live_slots == 0
 
 
+def test_split_with_fused_allocation_equals_separate_allocation():
+    """The split's own allocation (free stack read in the copy kernel) hands out the slots, flags
+    and counters that StatePool.allocate's kernels would, and stores the same states."""
+    import cupy
+
+    variables = kv_variables(3, np.float32, "heads")
+    managers = [create_state_manager(StateManagerOptions(type="transformer-cuda", slots_per_chunk=64), variables,
+                                     execution_provider="cuda") for _ in range(2)]
+    for manager in managers:
+        manager.pool.reserve(400)
+        manager.pool.shuffle_free_slots(3)
+    rng = np.random.default_rng(5)
+    for num_rows, num_new in ((7, 3), (50, 1), (1, 9)):
+        outputs = {k: cupy.asarray(v) for k, v in random_outputs(rng, variables, num_rows, num_new + 2).items()}
+        fused = managers[0].split(outputs, num_new_tokens=num_new)
+        separate = managers[1].pool.allocate(num_rows, num_new)
+        managers[1]._copy.split([outputs[v.output_name] for v in variables], num_rows=num_rows,
+                                source_time=num_new + 2, new_slots=separate)
+        assert fused.get().tolist() == separate.get().tolist()
+        assert (fused.get() >= 0).all()
+        for name in ("counters", "allocated", "free_stack"):
+            assert getattr(managers[0].pool, name).get().tolist() == getattr(managers[1].pool, name).get().tolist(), name
+        assert managers[0].pool.counters.get()[3] == 0
+        for slabs_fused, slabs_separate in zip(managers[0].pool.slabs, managers[1].pool.slabs):
+            for a, b in zip(slabs_fused, slabs_separate):
+                assert np.array_equal(bits(a), bits(b))
+
+
 # ---- launch graph: constant in N, T and the number of state variables ---------------------------
 
 _NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",

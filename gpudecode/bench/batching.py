@@ -79,22 +79,29 @@ def make_lengths(num_utts: int, min_labels: int, max_labels: int, seed: int = 0)
 
 def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
                        max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
-                       quick: bool = False, output_dir=None) -> dict:
-    """Runs both modes in one process (after a warm-up); returns (and writes) the results."""
+                       quick: bool = False, output_dir=None, cuda_graphs: bool = False) -> dict:
+    """Runs both modes in one process (after a warm-up); returns (and writes) the results.
+    ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes."""
     from gpudecode.backend import array_module, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
     from gpudecode.search.batching import admission_order
     from gpudecode.session import OnnxSession, SessionOptions
+    from gpudecode.session.graphs import GraphOptions
     from gpudecode.states.options import StateManagerOptions
     from gpudecode.testing import build_transformer_decoder
 
+    if cuda_graphs and device != "cuda":
+        raise ValueError("bench batching: CUDA graphs need device cuda")
     xp = array_module(device)
     dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
     if quick:
         dims = dict(vocab_size=500, model_dim=64, num_layers=2, num_heads=4, ffn_dim=128)
     reference = build_transformer_decoder(0, max_positions=max_labels + 8, **dims)
-    session = OnnxSession(reference.serialized(), SessionOptions(device=device, use_tf32=False))
+    session = OnnxSession(reference.serialized(), SessionOptions(device=device, use_tf32=False,
+                                                                 cuda_graphs=cuda_graphs))
+    if cuda_graphs and not session.cuda_graphs:
+        raise RuntimeError(f"the benchmark decoder cannot be captured: {session.graph_blocker}")
     inputs, targets = make_lengths(num_utts, min_labels, max_labels)
     rng = np.random.default_rng(1)
     shape = (num_utts, reference.num_heads, encoder_length, reference.head_dim)
@@ -105,7 +112,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                            sizes={k: np.full(num_utts, encoder_length) for k in cross})
     manager = "transformer-cuda" if device == "cuda" else "transformer-cpu"
     decoder = OnnxDecoderScorer(model=session, vocab_size=reference.vocab_size, start_labels=[BOS],
-                                state_manager=StateManagerOptions(type=manager, slots_per_chunk=16384))
+                                state_manager=StateManagerOptions(type=manager, slots_per_chunk=16384),
+                                graphs=GraphOptions(enabled=cuda_graphs))
     options = LabelSyncOptions(beam_size=beam, sentence_end=EOS, max_labels_per_input=8.0,
                                max_labels=max_labels + 1)
     steps = {"count": 0}
@@ -161,7 +169,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     decoder.close()
     results = {
         "benchmark": "batching",
-        "config": {**dims, "device": device, "utterances": num_utts, "max_active_utterances": max_active,
+        "config": {**dims, "device": device, "cuda_graphs": cuda_graphs, "utterances": num_utts, "max_active_utterances": max_active,
                    "beam": beam, "output_labels": [min_labels, max_labels], "encoder_length": encoder_length,
                    "order": "longest-first by input length (both runs)",
                    "input_output_length_correlation": float(np.corrcoef(inputs, targets)[0, 1])},
@@ -169,7 +177,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         "ratios": {"continuous_over_static_throughput":
                    cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
     }
-    return write_results(results, output_dir, "batching", plot_batching)
+    return write_results(results, output_dir, "batching-graphs" if cuda_graphs else "batching", plot_batching)
 
 
 def plot_batching(results: dict, path) -> str | None:

@@ -155,10 +155,16 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 
 
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
-                     beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False) -> dict:
-    """Runs every measurement in one process; returns (and writes) the results."""
+                     beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
+                     cuda_graphs: bool = False) -> dict:
+    """Runs every measurement in one process; returns (and writes) the results.
+
+    ``cuda_graphs``: the CUDA-manager cells run the decoder step as CUDA graphs (results as
+    ``decode-graphs.json``); the CPU-manager baseline cannot be captured and runs plain.
+    """
     from gpudecode.backend import require_cupy
     from gpudecode.session import OnnxSession, SessionOptions
+    from gpudecode.session.graphs import GraphOptions
     from gpudecode.testing import build_transformer_decoder
 
     blocking = _blocking_sync()  # before any CUDA work: waiting must not count as host CPU time
@@ -168,19 +174,27 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         dims = dict(vocab_size=1000, model_dim=128, num_layers=2, num_heads=4, ffn_dim=256)
     reference = build_transformer_decoder(0, max_positions=num_labels + 8, **dims)
     session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=False))
+    cuda_session, graphs = session, None
+    if cuda_graphs:
+        cuda_session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=False,
+                                                                          cuda_graphs=True))
+        if not cuda_session.cuda_graphs:
+            raise RuntimeError(f"the benchmark decoder cannot be captured: {cuda_session.graph_blocker}")
+        graphs = GraphOptions(enabled=True)
     fixed = dict(encoder_length=encoder_length, num_labels=num_labels)
     results = {"benchmark": "decode", "config": {**dims, "encoder_length": encoder_length, "num_labels": num_labels,
                                                  "utterances": num_utts, "cross_attention": "precomputed",
+                                                 "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
                                                  "timing": "fastest of 3 searches (CPU manager: 1)"},
                "cells": []}
 
     for beam in beams:
-        results["cells"].append(measure_search(session, reference, "transformer-cuda", beam, num_utts, repeats=3,
-                                               **fixed))
+        results["cells"].append(measure_search(cuda_session, reference, "transformer-cuda", beam, num_utts,
+                                               repeats=3, graphs=graphs, **fixed))
     results["cells"].append(measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
-    results["cells"].append(measure_search(session, reference, "transformer-cuda", 8, large_utts, repeats=3,
-                                           **fixed))
+    results["cells"].append(measure_search(cuda_session, reference, "transformer-cuda", 8, large_utts, repeats=3,
+                                           graphs=graphs, **fixed))
     cell = {(c["state_manager"], c["beam"], c["utterances"]): c for c in results["cells"]}
     cuda8, cpu8 = cell[("transformer-cuda", 8, num_utts)], cell[("transformer-cpu", 8, num_utts)]
     beam1, large = cell[("transformer-cuda", 1, num_utts)], cell[("transformer-cuda", 8, large_utts)]
@@ -189,7 +203,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         "beam8_over_beam1": cuda8["seconds"] / beam1["seconds"],
         "host_cpu_per_step_4096_over_64": large["host_cpu_ms_per_step"] / beam1["host_cpu_ms_per_step"],
     }
-    return write_results(results, output_dir, "decode", plot_decode)
+    return write_results(results, output_dir, "decode-graphs" if cuda_graphs else "decode", plot_decode)
 
 
 def plot_decode(results: dict, path) -> str | None:

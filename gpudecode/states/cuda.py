@@ -88,6 +88,8 @@ def _resident_blocks(kernel, device_id: int) -> int:
 class CudaStateCopy:
     """Merge and split on CuPy arrays for the variables ``layouts`` stored in ``pool``."""
 
+    allocates = True  # split(allocate=True) takes uniform allocations from the free stack itself
+
     def __init__(self, layouts: Sequence[VariableLayout], pool: StatePool, *, device_id: int = 0):
         if len(layouts) > MAX_STATE_VARIABLES:
             raise ValueError(
@@ -157,11 +159,14 @@ class CudaStateCopy:
             )
         self.num_launches += 1
 
-    def split(self, sources, *, num_rows: int, source_time: int, new_slots) -> None:
+    def split(self, sources, *, num_rows: int, source_time: int, new_slots, allocate: bool = False) -> None:
+        """``allocate``: ``new_slots`` is filled here with ``num_new`` slots per row from the pool's
+        free stack (booked by ``StatePool.book_uniform``), the allocation fused into the copy."""
         pool = self.pool
         num_new = int(new_slots.shape[1])
         if num_rows * num_new == 0:
             return
+        free_stack, counters, allocated = (pool.free_stack, pool.counters, pool.allocated) if allocate else (np.uint64(0),) * 3
         with on_shared_stream(self.device_id):
             self._split(
                 self._grid("split", num_rows * num_new), (THREADS_PER_BLOCK,),
@@ -169,7 +174,7 @@ class CudaStateCopy:
                     self.geometry, pool.slab_table, np.int32(pool.chunk_stride), np.int32(pool.slots_per_chunk),
                     np.int32(pool.capacity), self._pointer_struct(sources),
                     np.int32(num_rows), np.int32(source_time), np.int32(num_new), new_slots,
-                    np.int32(len(self.layouts)),
+                    free_stack, counters, allocated, np.int32(len(self.layouts)),
                 ),
             )
         self.num_launches += 1

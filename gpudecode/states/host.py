@@ -20,6 +20,8 @@ class HostStateCopy:
     stored as ``clip(rint(x / scale))`` and read back as ``q * scale``.
     """
 
+    allocates = False  # split takes slots from StatePool.allocate
+
     def __init__(self, layouts: Sequence[VariableLayout], pool: StatePool, *, quantisation_scale: float | None = None):
         self.layouts = list(layouts)
         self.pool = pool

@@ -302,8 +302,12 @@ class StateManager:
             raise ValueError(f"split: token_counts must have shape ({num_rows},), got {tuple(token_counts.shape)}")
         if token_counts is not None and self.device == "cpu":
             token_counts = to_host(token_counts)
-        new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts)
-        self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots)
+        if token_counts is None and self._copy.allocates:
+            new_slots = self.pool.book_uniform(num_rows, num_new_tokens)
+            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, allocate=True)
+        else:
+            new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts)
+            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots)
         return new_slots
 
     def _to_here(self, array):

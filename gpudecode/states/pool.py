@@ -216,7 +216,6 @@ class StatePool:
         """New slots: ``[num_rows, max_tokens]`` int32, row b gets ``token_counts[b]`` (default all
         ``max_tokens``) slots, -1 beyond. ``token_counts`` may be a host or device array; with a
         host array the bound the pool tracks is exact."""
-        self._check_open()
         xp = self.xp
         if token_counts is not None and not isinstance(token_counts, np.ndarray):
             need = num_rows * max_tokens  # a device array: count the upper bound
@@ -224,9 +223,7 @@ class StatePool:
             need = int(np.clip(token_counts, 0, max_tokens).sum())
         else:
             need = num_rows * max_tokens
-        self.reserve(need)
-        self._live_bound += need
-        self._allocated_total += need
+        self._book(need)
         with self._on_device():
             new_slots = xp.empty((num_rows, max_tokens), dtype=np.int32)
             if token_counts is not None:
@@ -254,6 +251,24 @@ class StatePool:
                     ),
                 )
         return new_slots
+
+    def book_uniform(self, num_rows: int, max_tokens: int):
+        """Like ``allocate`` with every row getting ``max_tokens`` slots, but without the kernel:
+        the caller's kernel takes them from the free stack itself (the split fuses the
+        allocation, see ``kernels/state_copy.cu``). Returns the ``[num_rows, max_tokens]`` int32
+        array that kernel fills. CUDA only."""
+        if self._cupy is None:
+            raise RuntimeError("state pool: book_uniform is for the CUDA pool")
+        self._book(num_rows * max_tokens)
+        with self._on_device():
+            return self.xp.empty((num_rows, max_tokens), dtype=np.int32)
+
+    def _book(self, need: int) -> None:
+        """Host bookkeeping of an allocation of at most ``need`` slots (grows the pool if needed)."""
+        self._check_open()
+        self.reserve(need)
+        self._live_bound += need
+        self._allocated_total += need
 
     def _allocate_numpy(self, num_rows, max_tokens, token_counts, new_slots) -> None:
         counts = (

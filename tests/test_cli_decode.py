@@ -19,7 +19,7 @@ from gpudecode.cli import main
 from gpudecode.decoder import Decoder
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "configs" / "example.yaml"
+EXAMPLE = ROOT / "configs" / "random-aed.yaml"
 
 
 def decode(*args):

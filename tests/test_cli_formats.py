@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from gpudecode.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "configs" / "example.yaml"
+EXAMPLE = ROOT / "configs" / "random-aed.yaml"
 
 
 def nbest(folder):

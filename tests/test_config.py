@@ -21,7 +21,7 @@ from gpudecode.config import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "configs" / "example.yaml"
+EXAMPLE = REPO / "configs" / "random-aed.yaml"
 
 MINIMAL = {"models": {"vocabulary": {"path": "vocab.txt"}}}
 

@@ -107,7 +107,7 @@ AED_CASES = {
         "5 errors / 40 words: 1 sub, 2 del, 2 ins"),
     "joint-ctc": ("fsdd-aed-ctc.yaml", [], _with({"test-00007-yweweler": "four nine seven two two five one"}),
                   "1 errors / 40 words: 1 sub, 0 del, 0 ins"),
-    "joint-ctc+lm": ("fsdd-aed-ctc-lm.yaml", [], _with({"test-00007-yweweler": "four nine seven two two five one"}),
+    "joint-ctc+lm": ("example.yaml", [], _with({"test-00007-yweweler": "four nine seven two two five one"}),
                      "1 errors / 40 words: 1 sub, 0 del, 0 ins"),
 }
 

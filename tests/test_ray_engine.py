@@ -27,7 +27,7 @@ from gpudecode.engines.ray_engine import KILL_WORKER_ENV
 from gpudecode.run import run_decode
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "configs" / "example.yaml"
+EXAMPLE = ROOT / "configs" / "random-aed.yaml"
 NUM_UTTS = 24
 
 

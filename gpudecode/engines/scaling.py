@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("-o", "--override", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
     ray = import_ray()
-    output = Path(args.output)
+    output = Path(args.output).resolve()  # overrides resolve relative paths against the config
     config = load_config(args.config, args.overrides)
     features = _repeat_features(config, args.utterances, output / "features")
     ray.init(address=args.address, include_dashboard=False)

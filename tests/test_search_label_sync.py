@@ -395,8 +395,13 @@ def test_exact_ties_go_to_lower_lane_then_lower_label(eos, expected):
     assert [h.labels for h in result[0]] == expected
 
 
-@pytest.mark.parametrize("top_k", [top_k_indices, topk._top_k_rows, topk._top_k_flat])
+@pytest.mark.parametrize("top_k", [top_k_indices, topk._top_k_rows, topk._top_k_flat,
+                                   pytest.param("kernel", marks=pytest.mark.gpu)])
 def test_top_k_indices_tie_break(top_k):
+    if top_k == "kernel":
+        import cupy
+
+        top_k = lambda keys, k: cupy.asnumpy(topk._top_k_kernel(cupy.asarray(keys), k))  # noqa: E731
     nan, inf = np.nan, np.inf
     keys = np.array([[1.0, 3.0, 3.0, -inf, 3.0, 2.0],
                      [0.0, -0.0, 0.0, nan, -inf, -0.0],
@@ -517,9 +522,14 @@ def test_cupy_top_k_matches_numpy_on_ties():
     keys[rng.random(keys.shape) < 0.1] = -np.inf
     keys[rng.random(keys.shape) < 0.05] = -0.0
     assert gpu_available()
+    keys[rng.random(keys.shape) < 0.02] = np.nan
     expected = top_k_indices(keys, 16)
-    for top_k in (top_k_indices, topk._top_k_rows, topk._top_k_flat):
+    for top_k in (top_k_indices, topk._top_k_rows, topk._top_k_flat, topk._top_k_kernel):
         assert (cupy.asnumpy(top_k(cupy.asarray(keys), 16)) == expected).all()
-    wide = np.repeat(keys, 5, axis=1)  # long rows take the flat sort
-    assert (cupy.asnumpy(top_k_indices(cupy.asarray(wide), 16))
-            == top_k_indices(wide, 16)).all()
+    wide = np.repeat(keys, 20, axis=1)  # 80k columns, as beam 8 x vocabulary 10k
+    for k in (1, 8, 32, 33):  # 33: beyond the kernel's k, the flat sort
+        assert (cupy.asnumpy(top_k_indices(cupy.asarray(wide), k)) == top_k_indices(wide, k)).all(), k
+    # a strided (non-contiguous) view, a single column, and no rows at all
+    assert (cupy.asnumpy(top_k_indices(cupy.asarray(keys)[::3, 1::2], 5)) == top_k_indices(keys[::3, 1::2], 5)).all()
+    assert cupy.asnumpy(top_k_indices(cupy.asarray(keys[:, :1]), 1)).tolist() == [[0]] * 64
+    assert top_k_indices(cupy.zeros((0, 9), np.float32), 3).shape == (0, 3)

@@ -6,9 +6,12 @@ import numpy as np
 
 from gpudecode.backend import get_array_module
 
-# On CuPy, rows at least this long are sorted as one flat radix sort of (row, key) — about 3×
-# faster than the row-wise sort at 64 × 80k on an H200, slower for short rows.
+# On CuPy, k up to this many columns are selected by one kernel launch (kernels/top_k.cu), one
+# thread block per row; larger k sort. Rows at least _FLAT_SORT_MIN_COLUMNS long are sorted as one
+# flat radix sort of (row, key) — about 3× faster than the row-wise sort at 64 × 80k on an H200.
+_KERNEL_MAX_K = 32
 _FLAT_SORT_MIN_COLUMNS = 16384
+_TOP_K_THREADS = 256  # TOP_K_THREADS of kernels/top_k.cu
 
 
 def top_k_indices(keys, k: int):
@@ -23,9 +26,25 @@ def top_k_indices(keys, k: int):
     if keys.ndim != 2 or not 1 <= k <= keys.shape[1]:
         raise ValueError(f"top_k_indices: expected keys [R, M] with 1 <= k <= M, got shape "
                          f"{tuple(keys.shape)} and k={k}")
+    if xp is not np and k <= _KERNEL_MAX_K:
+        return _top_k_kernel(keys, k)
     if xp is not np and keys.shape[1] >= _FLAT_SORT_MIN_COLUMNS:
         return _top_k_flat(keys, k)
     return _top_k_rows(keys, k)
+
+
+def _top_k_kernel(keys, k: int):
+    """``row_top_k`` of kernels/top_k.cu: one launch, no sort, on the current stream."""
+    from gpudecode.kernels import load_module
+
+    xp = get_array_module(keys)
+    keys = xp.ascontiguousarray(keys, dtype=np.float32)
+    num_rows, num_cols = keys.shape
+    out = xp.empty((num_rows, k), dtype=np.int64)
+    if num_rows:
+        kernel = load_module("top_k", (), keys.device.id).get_function("row_top_k")
+        kernel((num_rows,), (_TOP_K_THREADS,), (keys, np.int64(num_cols), np.int32(num_cols), np.int32(k), out))
+    return out
 
 
 def _clean(keys):

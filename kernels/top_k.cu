@@ -17,7 +17,7 @@
 #define TOP_K_MAX_K 32
 
 __device__ __forceinline__ unsigned long long pack_candidate(float key, unsigned int column) {
-    if (isnan(key)) key = -INFINITY;
+    if (isnan(key)) key = __int_as_float(0xff800000);  // -inf (NVRTC has no INFINITY)
     key += 0.0f;  // -0.0 -> +0.0
     const unsigned int bits = __float_as_uint(key);
     const unsigned int ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);

@@ -73,8 +73,15 @@ def to_host(array) -> np.ndarray:
     """A numpy copy of a CuPy array, read on the shared stream after the work queued so far on
     the caller's current stream; numpy arrays pass through."""
     if is_device_array(array):
+        cupy = require_cupy()
         with on_shared_stream(array.device.id) as stream:
-            return array.get(stream=stream)
+            # into pinned memory: the copy is asynchronous and the wait is a stream
+            # synchronisation (which blocks rather than spins under a blocking-sync context);
+            # a copy into pageable memory waits inside the driver
+            array = cupy.ascontiguousarray(array)
+            pinned = cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
+            out = np.frombuffer(pinned, array.dtype, array.size).reshape(array.shape)
+            return array.get(stream=stream, out=out)
     return np.asarray(array)
 
 

@@ -127,3 +127,14 @@ def test_host_outputs_uploaded_on_request(cp):
     session = OnnxSession(double_model().SerializeToString())  # CPU provider, e.g. a prefill model
     out = session.run({"x": np.ones((2, 2), np.float32)}, upload_outputs=True)
     assert isinstance(out["y"], cp.ndarray) and float(out["y"].sum()) == 8.0
+
+
+def test_to_host_copies_any_device_array_through_pinned_memory(cp):
+    from gpudecode.backend import to_host
+
+    base = cp.arange(60, dtype=cp.float32).reshape(3, 4, 5)
+    for array in (base, base[:, ::2, 1:], base.T, base[0, 0, 0], base[:0], cp.asarray([True, False]),
+                  cp.arange(7, dtype=cp.int64)):
+        host = to_host(array)
+        assert isinstance(host, np.ndarray) and host.shape == array.shape and host.dtype == array.dtype
+        assert np.array_equal(host, cp.asnumpy(array))

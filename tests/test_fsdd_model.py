@@ -1,6 +1,6 @@
 """The shipped FSDD models decode bundled real test audio (log-mel front end; CTC prefix search,
-with and without the shipped LSTM LM; the transducer and the attention encoder-decoder greedy,
-beam and beam + LM; joint CTC/attention) to the expected transcripts."""
+with and without the shipped LSTM or transformer LM; the transducer and the attention
+encoder-decoder greedy, beam and beam + LM; joint CTC/attention) to the expected transcripts."""
 
 import json
 from pathlib import Path
@@ -49,6 +49,43 @@ def test_shipped_model_with_the_lstm_lm_transcribes_the_bundled_test_audio(tmp_p
     # both fused scorers are reported per hypothesis
     first = json.loads((tmp_path / "nbest.jsonl").read_text().splitlines()[0])
     assert {"ctc", "lm", "length"} <= set(first["nbest"][0]["scores"])
+
+
+def test_shipped_model_with_the_transformer_lm_transcribes_the_bundled_test_audio(tmp_path):
+    """CTC prefix beam 8 + the shipped transformer LM (KV caches through the transformer state
+    manager) + length reward (configs/fsdd-ctc-tlm.yaml): like the LSTM LM it removes the inserted
+    "two" of test-00000, so all 8 transcripts equal the references; each best hypothesis's LM
+    score is the step model's own sentence log-probability (``</s> w1 ... wn </s>``, run here step
+    by step from an empty history), and the total is the scaled sum of the scorers."""
+    np = pytest.importorskip("numpy")
+    ort = pytest.importorskip("onnxruntime")
+    result = CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "fsdd-ctc-tlm.yaml"), "--output", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    hyps = dict(line.split(" ", 1) for line in (tmp_path / "text").read_text().splitlines())
+    references = dict(line.split(" ", 1) for line in (ROOT / "examples/fsdd-model/test-text").read_text().splitlines())
+    assert hyps == references
+    assert "WER                     0.00 % (0 errors / 40 words: 0 sub, 0 del, 0 ins)" in result.output
+
+    session = ort.InferenceSession(str(ROOT / "examples/fsdd-model/transformer-lm.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    past = [f"past-{kind}-{i}" for i in range(2) for kind in ("key", "value")]
+    end = 1  # "</s>": sentence begin and end
+    records = [json.loads(line) for line in (tmp_path / "nbest.jsonl").read_text().splitlines()]
+    assert len(records) == 8
+    for record in records:
+        best = record["nbest"][0]
+        assert set(best["scores"]) == {"ctc", "lm", "length"}
+        sequence = [end, *best["labels"], end]
+        feeds = {p: np.zeros((1, 4, 0, 32), np.float32) for p in past}
+        log_prob = 0.0
+        for t in range(len(sequence) - 1):
+            outputs = session.run(None, {"token": np.array([[sequence[t]]], np.int32),
+                                         "prefix-length": np.array([t], np.int32), **feeds})
+            log_prob += float(outputs[0][0, 0, sequence[t + 1]])
+            feeds = dict(zip(past, outputs[1:]))
+        assert best["scores"]["lm"] == pytest.approx(log_prob, abs=1e-4)
+        scores = best["scores"]  # scales of configs/fsdd-ctc-tlm.yaml: ctc 1, lm 1.2, length 1
+        assert best["score"] == pytest.approx(scores["ctc"] + 1.2 * scores["lm"] + scores["length"], abs=1e-4)
 
 
 def _decode(tmp_path, config: str, *overrides: str) -> tuple[dict[str, str], str]:

@@ -78,10 +78,11 @@ def to_host(array) -> np.ndarray:
             # into pinned memory: the copy is asynchronous and the wait is a stream
             # synchronisation (which blocks rather than spins under a blocking-sync context);
             # a copy into pageable memory waits inside the driver
-            array = cupy.ascontiguousarray(array)
+            shape = array.shape
+            array = cupy.ascontiguousarray(array)  # 0-d arrays come back 1-d
             pinned = cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
             out = np.frombuffer(pinned, array.dtype, array.size).reshape(array.shape)
-            return array.get(stream=stream, out=out)
+            return array.get(stream=stream, out=out).reshape(shape)
     return np.asarray(array)
 
 

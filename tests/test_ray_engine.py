@@ -319,3 +319,27 @@ def test_when_retries_are_used_up_the_error_says_to_resume(cluster, data, tmp_pa
     assert (tmp_path / "killed").exists()
     _, written = records(tmp_path / "ray")
     assert written < NUM_UTTS
+
+
+def test_scaling_tool_compares_pools_on_the_running_cluster(cluster, tmp_path):
+    """`python -m gpudecode.engines.scaling` on CPU workers: two rounds of 1 vs 2 workers on the
+    example's features repeated to 12 utterances; the same labels in every pool, one ratio per
+    run against the first pool of its round, medians over the rounds, and the caller's Ray
+    connection left open."""
+    import ray
+
+    from gpudecode.engines import scaling
+
+    result = scaling.main([str(EXAMPLE), "--utterances", "12", "--pools", "1x0,2x0", "--repeats", "2",
+                           "--output", str(tmp_path / "scaling")])
+    runs = result["runs"]
+    assert [(r["round"], r["pool"]) for r in runs] == [(0, "1x0"), (0, "2x0"), (1, "1x0"), (1, "2x0")]
+    assert all(r["utterances"] == 12 for r in runs)
+    for first, second in ((runs[0], runs[1]), (runs[2], runs[3])):
+        assert first["wall_ratio"] == 1.0
+        assert second["wall_ratio"] == pytest.approx(second["wall_utt_per_s"] / first["wall_utt_per_s"])
+    medians = result["median_ratios"]
+    assert medians["2x0"]["wall_ratio"] == pytest.approx((runs[1]["wall_ratio"] + runs[3]["wall_ratio"]) / 2)
+    assert json.loads((tmp_path / "scaling" / "scaling.json").read_text())["median_ratios"] == medians
+    assert len(list((tmp_path / "scaling" / "features").glob("*.npy"))) == 12
+    assert ray.is_initialized()

@@ -239,6 +239,42 @@ def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: 
         step += 1
 
 
+def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node, node_parent, node_label,
+                        node_frames: Sequence[int], num_best: int) -> list[list[Hypothesis]]:
+    """N-best lists of a time-synchronous search from host arrays: ``order`` [U, B] lanes of each
+    utterance best first, ``ranks`` [N], ``own_scores`` name -> [N] (the search's own score),
+    ``lm_scores`` [S, N] of ``entries``, and the emission tree (``node`` [N]; node ``1 + k * N + lane``
+    was made at frame ``node_frames[k]``, node 0 is the empty sequence). Lanes ranked -inf end a list."""
+    num_utts, beam = order.shape
+    num_lanes = num_utts * beam
+    node_frame = np.concatenate([[-1], np.repeat(np.asarray(node_frames, np.int64), num_lanes)])
+    # trace every lane's labels back at once, newest first
+    traced_labels, traced_frames = [], []
+    current = node.copy()
+    while (current != 0).any():
+        traced_labels.append(node_label[current])
+        traced_frames.append(node_frame[current])
+        current = node_parent[current]
+    empty = np.zeros((0, num_lanes), np.int64)
+    traced_labels = np.stack(traced_labels[::-1]) if traced_labels else empty
+    traced_frames = np.stack(traced_frames[::-1]) if traced_frames else empty
+
+    results = []
+    for u in range(num_utts):
+        nbest = []
+        for lane in (u * beam + order[u]).tolist():
+            if not np.isfinite(ranks[lane]) or len(nbest) == num_best:
+                break
+            kept = traced_labels[:, lane] >= 0  # shorter sequences have -1 at the front
+            labels = traced_labels[kept, lane].tolist()
+            scores = {name: float(values[lane]) for name, values in own_scores.items()}
+            scores.update({e.name: float(lm_scores[s, lane]) for s, e in enumerate(entries)})
+            nbest.append(Hypothesis(labels=labels, score=float(ranks[lane]), scores=scores,
+                                    length=len(labels), frames=traced_frames[kept, lane].tolist()))
+        results.append(nbest)
+    return results
+
+
 class _PrefixSearch:
     """One run of the prefix beam search; lane state as arrays on ``xp`` (N = U × beam lanes).
 
@@ -495,7 +531,7 @@ class _PrefixSearch:
     # --- results ---------------------------------------------------------------------------------
     def _nbest(self, exact: bool):
         xp, layout, options = self.xp, self.layout, self.options
-        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        num_utts, beam = layout.num_groups, layout.beam_size
         ctc = xp.logaddexp(self.blank_logp, self.label_logp)
         ranks = ctc + combine_scores(self.lm_scores, self.scales) if self.entries else ctc
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
@@ -504,29 +540,5 @@ class _PrefixSearch:
             self.unresolved)
         if not exact and bool(unresolved):
             return None
-        node_frame = np.concatenate([[-1], np.repeat(np.asarray(self.node_frames, np.int64), num_lanes)])
-
-        # trace every lane's labels back at once, newest first
-        traced_labels, traced_frames = [], []
-        current = node.copy()
-        while (current != 0).any():
-            traced_labels.append(node_label[current])
-            traced_frames.append(node_frame[current])
-            current = node_parent[current]
-        traced_labels = np.stack(traced_labels[::-1]) if traced_labels else np.zeros((0, num_lanes), np.int64)
-        traced_frames = np.stack(traced_frames[::-1]) if traced_frames else np.zeros((0, num_lanes), np.int64)
-
-        results = []
-        for u in range(num_utts):
-            nbest = []
-            for lane in (u * beam + order[u]).tolist():
-                if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
-                    break
-                kept = traced_labels[:, lane] >= 0  # shorter prefixes have -1 at the front
-                labels = traced_labels[kept, lane].tolist()
-                scores = {CTC_SCORE_NAME: float(ctc[lane])}
-                scores.update({e.name: float(lm_scores[s, lane]) for s, e in enumerate(self.entries)})
-                nbest.append(Hypothesis(labels=labels, score=float(ranks[lane]), scores=scores,
-                                        length=len(labels), frames=traced_frames[kept, lane].tolist()))
-            results.append(nbest)
-        return results
+        return emission_tree_nbest(order, ranks, {CTC_SCORE_NAME: ctc}, lm_scores, self.entries, node, node_parent,
+                                   node_label, self.node_frames, options.num_best)

@@ -53,7 +53,7 @@ from gpudecode import defaults
 from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
-from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, same_label_paths
+from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, emission_tree_nbest, same_label_paths
 from gpudecode.search.options import check_frames, check_time_sync_options, coerce_ints, option_error
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.results import Hypothesis
@@ -495,35 +495,12 @@ class _TransducerSearch:
     # --- results ---------------------------------------------------------------------------------
     def _nbest(self, exact: bool):
         layout, options = self.layout, self.options
-        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        num_utts, beam = layout.num_groups, layout.beam_size
         ranks = self.score + combine_scores(self.lm_scores, self.scales) if self.entries else self.score
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
         (order, ranks, score, lm_scores, node, node_parent, node_label, unresolved) = _to_host(
             order, ranks, self.score, self.lm_scores, self.node, self.node_parent, self.node_label, self.unresolved)
         if not exact and bool(unresolved):
             return None
-        node_frame = np.concatenate([[-1], np.repeat(np.asarray(self.node_frames, np.int64), num_lanes)])
-        traced_labels, traced_frames = [], []
-        current = node.copy()
-        while (current != 0).any():
-            traced_labels.append(node_label[current])
-            traced_frames.append(node_frame[current])
-            current = node_parent[current]
-        empty = np.zeros((0, num_lanes), np.int64)
-        traced_labels = np.stack(traced_labels[::-1]) if traced_labels else empty
-        traced_frames = np.stack(traced_frames[::-1]) if traced_frames else empty
-
-        results = []
-        for u in range(num_utts):
-            nbest = []
-            for lane in (u * beam + order[u]).tolist():
-                if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
-                    break
-                kept = traced_labels[:, lane] >= 0  # shorter sequences have -1 at the front
-                labels = traced_labels[kept, lane].tolist()
-                scores = {TRANSDUCER_SCORE_NAME: float(score[lane])}
-                scores.update({e.name: float(lm_scores[s, lane]) for s, e in enumerate(self.entries)})
-                nbest.append(Hypothesis(labels=labels, score=float(ranks[lane]), scores=scores,
-                                        length=len(labels), frames=traced_frames[kept, lane].tolist()))
-            results.append(nbest)
-        return results
+        return emission_tree_nbest(order, ranks, {TRANSDUCER_SCORE_NAME: score}, lm_scores, self.entries, node,
+                                   node_parent, node_label, self.node_frames, options.num_best)

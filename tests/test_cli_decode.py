@@ -1,8 +1,6 @@
 """`gpudecode decode`: the example config, outputs, overrides, resume after a kill, bad input."""
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -6,7 +6,7 @@ import pytest
 
 from gpudecode.scorers import UtteranceBatch
 from gpudecode.scorers.ctc_prefix import CtcPrefixScorer
-from tests.test_onnx_decoder_search import BOS, EOS, Setup, search, terminated, xp_of
+from tests.test_onnx_decoder_search import EOS, Setup, search, terminated, xp_of
 
 BLANK = 2
 

@@ -166,11 +166,9 @@ def truncated_oracle_score(reference, encoder_inputs, labels, ended, max_history
         feeds["token-length"] = np.ones(1, np.int32)
         feeds["prefix-length"] = np.array([len(kept)], np.int32)
         for name in names:
-            shape = list(token_states[name][0].shape) if n else None
             if kept:
                 feeds[name] = np.stack([token_states[name][i] for i in kept], axis=axis)
             else:
-                template = reference.oracle  # empty past: time size 0
                 dims = [1, reference.num_heads, 0, reference.head_dim] if axis == 2 else [1, 0, reference.num_heads * reference.head_dim]
                 feeds[name] = np.zeros(dims, np.float32)
         out = reference.oracle(feeds)

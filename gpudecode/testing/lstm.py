@@ -37,10 +37,10 @@ def build_lstm_lm(
 
     if stacked:
         states = {"lstm-h": "new-lstm-h", "lstm-c": "new-lstm-c"}
-        state_shape, batch_axis = [num_layers, "batch", hid], 1
+        state_shape = [num_layers, "batch", hid]
     else:
         states = {f"lstm-{k}-{i}": f"new-lstm-{k}-{i}" for i in range(num_layers) for k in "hc"}
-        state_shape, batch_axis = ["batch", hid], 0
+        state_shape = ["batch", hid]
 
     g = GraphBuilder()
     x = g.op("Squeeze", g.op("Gather", g.weight("emb", weights["emb"]), "token"), g.const([1], np.int64))

@@ -132,7 +132,7 @@ def build_prefix_lm(
     enc = g.linear("encoder-states", w, "enc_proj")  # [N, S, D]
     suffix = g.op("Gather", tok_emb, "suffix")  # [N, Q, D]
     cat = g.op("Concat", prompt, enc, suffix, axis=1)  # [N, P+S+Q, D]
-    num_p, num_s = g.dim("prompt", 1), g.dim("encoder-states", 1)
+    num_p, num_s, num_q = g.dim("prompt", 1), g.dim("encoder-states", 1), g.dim("suffix", 1)
     num_t = g.dim(cat, 1)
     one = g.const(1, i64)
     t = g.unsqueeze(g.op("Range", g.const(0, i64), num_t, one), [0])  # [1, T]

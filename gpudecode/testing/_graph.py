@@ -86,6 +86,16 @@ class GraphBuilder:
         valid = self.op("Less", self.unsqueeze(frames, [0]), self.unsqueeze(size64, [1]))  # [U, T]
         return self.op("Mul", x, self.unsqueeze(self.op("Cast", valid, to=onnx_type(dtype)), [2]), out=out)
 
+    def frame_encoder(self, features: str, size: str, weights: dict[str, np.ndarray], stride: int,
+                      num_features: int, num_layers: int, dtype) -> str:
+        """The reference encoders' body: ``stacked_frames``, tanh(Linear ``in``), then ``num_layers``
+        residual blocks h + Linear ``ff2_i``(relu(Linear ``ff1_i``(h))) (weights of
+        :func:`random_frame_encoder`)."""
+        h = self.op("Tanh", self.linear(self.stacked_frames(features, size, stride, num_features, dtype), weights, "in"))
+        for i in range(num_layers):
+            h = self.op("Add", h, self.linear(self.op("Relu", self.linear(h, weights, f"ff1_{i}")), weights, f"ff2_{i}"))
+        return h
+
     def build(
         self,
         inputs: Sequence[tuple[str, np.dtype, Sequence[Dim]]],
@@ -157,6 +167,23 @@ def stacked_frames(features: np.ndarray, size: np.ndarray, stride: int) -> np.nd
 def masked_frames(x: np.ndarray, size: np.ndarray) -> np.ndarray:
     """numpy twin of :meth:`GraphBuilder.masked_frames`."""
     return x * (np.arange(x.shape[1])[None, :] < np.asarray(size, dtype=np.int64)[:, None])[:, :, None]
+
+
+def frame_encoder(features: np.ndarray, size: np.ndarray, weights: dict[str, np.ndarray], stride: int,
+                  num_layers: int) -> np.ndarray:
+    """numpy twin of :meth:`GraphBuilder.frame_encoder` (float32 ``weights``)."""
+    h = np.tanh(linear(stacked_frames(features, size, stride), weights, "in"))
+    for i in range(num_layers):
+        h = h + linear(np.maximum(linear(h, weights, f"ff1_{i}"), 0), weights, f"ff2_{i}")
+    return h
+
+
+def random_frame_encoder(rng: np.random.Generator, weights: dict, in_dim: int, dim: int, num_layers: int) -> None:
+    """Draws the weights of :meth:`GraphBuilder.frame_encoder`: ``in`` and each block's ``ff1_i``/``ff2_i``."""
+    random_linear(rng, weights, "in", in_dim, dim)
+    for i in range(num_layers):
+        random_linear(rng, weights, f"ff1_{i}", dim, 2 * dim)
+        random_linear(rng, weights, f"ff2_{i}", 2 * dim, dim)
 
 
 def random_linear(rng: np.random.Generator, weights: dict, key: str, fan_in: int, fan_out: int) -> None:

@@ -8,7 +8,15 @@ from collections import defaultdict
 
 import numpy as np
 
-from gpudecode.testing._graph import GraphBuilder, cast_all, linear, log_softmax, random_linear, stacked_frames
+from gpudecode.testing._graph import (
+    GraphBuilder,
+    cast_all,
+    frame_encoder,
+    linear,
+    log_softmax,
+    random_frame_encoder,
+    random_linear,
+)
 from gpudecode.testing.reference import Feeds, ReferenceModel
 
 
@@ -40,20 +48,14 @@ def build_ctc_encoder(
                          f"{blank=}, {vocab_size=}")
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
-    random_linear(rng, weights, "in", s * num_f, dim)
-    for i in range(num_layers):
-        random_linear(rng, weights, f"ff1_{i}", dim, 2 * dim)
-        random_linear(rng, weights, f"ff2_{i}", 2 * dim, dim)
+    random_frame_encoder(rng, weights, s * num_f, dim, num_layers)
     random_linear(rng, weights, "out", dim, vocab_size)
     weights["out.w"] = weights["out.w"] * 3.0  # peaky posteriors, as trained CTC models have
     weights["out.b"][blank] += blank_bias
     weights = cast_all(weights, dtype)
 
     g = GraphBuilder()
-    x = g.stacked_frames("features", "features-size", s, num_f, dtype)  # [U, T', s*F]
-    h = g.op("Tanh", g.linear(x, weights, "in"))
-    for i in range(num_layers):
-        h = g.op("Add", h, g.linear(g.op("Relu", g.linear(h, weights, f"ff1_{i}")), weights, f"ff2_{i}"))
+    h = g.frame_encoder("features", "features-size", weights, s, num_f, num_layers, dtype)  # [U, T', D]
     g.op("LogSoftmax", g.linear(h, weights, "out"), axis=-1, out="log-probs")
     g.op("Div", g.op("Add", "features-size", g.const(s - 1, np.int32)), g.const(s, np.int32),
          out="log-probs-size")
@@ -67,9 +69,7 @@ def build_ctc_encoder(
 
     def oracle(feeds: Feeds) -> Feeds:
         size = feeds["features-size"].astype(np.int64)
-        h = np.tanh(linear(stacked_frames(feeds["features"], size, s), w32, "in"))
-        for i in range(num_layers):
-            h = h + linear(np.maximum(linear(h, w32, f"ff1_{i}"), 0), w32, f"ff2_{i}")
+        h = frame_encoder(feeds["features"], size, w32, s, num_layers)
         return {"log-probs": log_softmax(linear(h, w32, "out")).astype(dtype),
                 "log-probs-size": ((size + s - 1) // s).astype(np.int32)}
 

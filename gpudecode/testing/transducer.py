@@ -28,12 +28,13 @@ import numpy as np
 from gpudecode.testing._graph import (
     GraphBuilder,
     cast_all,
+    frame_encoder,
     linear,
     log_softmax,
     masked_frames,
+    random_frame_encoder,
     random_linear,
     sigmoid,
-    stacked_frames,
 )
 from gpudecode.testing.reference import Feeds, ReferenceModel
 
@@ -59,18 +60,12 @@ def build_transducer_encoder(
         raise ValueError(f"need subsampling >= 1, got {subsampling}")
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
-    random_linear(rng, weights, "in", s * num_f, dim)
-    for i in range(num_layers):
-        random_linear(rng, weights, f"ff1_{i}", dim, 2 * dim)
-        random_linear(rng, weights, f"ff2_{i}", 2 * dim, dim)
+    random_frame_encoder(rng, weights, s * num_f, dim, num_layers)
     random_linear(rng, weights, "out", dim, out_dim)
     weights = cast_all(weights, dtype)
 
     g = GraphBuilder()
-    x = g.stacked_frames("features", "features-size", s, num_f, dtype)  # [U, T', s*F]
-    h = g.op("Tanh", g.linear(x, weights, "in"))
-    for i in range(num_layers):
-        h = g.op("Add", h, g.linear(g.op("Relu", g.linear(h, weights, f"ff1_{i}")), weights, f"ff2_{i}"))
+    h = g.frame_encoder("features", "features-size", weights, s, num_f, num_layers, dtype)  # [U, T', D]
     h = g.op("Tanh", g.linear(h, weights, "out"))
     out_size = g.op("Div", g.op("Add", "features-size", g.const(s - 1, np.int32)), g.const(s, np.int32),
                     out="encoder-states-size")
@@ -85,9 +80,7 @@ def build_transducer_encoder(
 
     def oracle(feeds: Feeds) -> Feeds:
         size = feeds["features-size"].astype(np.int64)
-        h = np.tanh(linear(stacked_frames(feeds["features"], size, s), w32, "in"))
-        for i in range(num_layers):
-            h = h + linear(np.maximum(linear(h, w32, f"ff1_{i}"), 0), w32, f"ff2_{i}")
+        h = frame_encoder(feeds["features"], size, w32, s, num_layers)
         h = np.tanh(linear(h, w32, "out"))
         out_size = (size + s - 1) // s
         h = masked_frames(h, out_size)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from examples.custom_scorer import BigramScorer
+from gpudecode.backend import to_host
 from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
 from gpudecode.search import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search, top_k_indices
 from gpudecode.search import ctc as ctc_module
@@ -65,14 +66,13 @@ def as_dict(hyps):
     return {tuple(h.labels): h for h in hyps}
 
 
-@pytest.fixture
-def gaps(monkeypatch):
-    """Records, for every top-k the CTC search runs, the smallest gap between the k-th and the
-    (k+1)-th key among rows whose k-th key is finite (inf when nothing was cut)."""
+def record_top_k_gaps(monkeypatch, search_module) -> list[float]:
+    """Records, for every top-k ``search_module`` runs, the smallest gap between the k-th and the
+    (k+1)-th key among rows whose k-th key is finite."""
     recorded = []
 
     def recording_top_k(keys, k):
-        host = np.sort(np.asarray(ctc_module.to_host(keys), dtype=np.float64), axis=1)[:, ::-1]
+        host = np.sort(np.asarray(to_host(keys), dtype=np.float64), axis=1)[:, ::-1]
         if host.shape[1] > k:
             kth, next_ = host[:, k - 1], host[:, k]
             cut = np.isfinite(kth)
@@ -80,8 +80,14 @@ def gaps(monkeypatch):
                 recorded.append(float(np.min(kth[cut] - next_[cut])))
         return top_k_indices(keys, k)
 
-    monkeypatch.setattr(ctc_module, "top_k_indices", recording_top_k)
+    monkeypatch.setattr(search_module, "top_k_indices", recording_top_k)
     return recorded
+
+
+@pytest.fixture
+def gaps(monkeypatch):
+    """The top-k gaps of the CTC search (:func:`record_top_k_gaps`)."""
+    return record_top_k_gaps(monkeypatch, ctc_module)
 
 
 def assert_same_nbest(expected, got, *, frames=True):

@@ -17,7 +17,6 @@ from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
 from gpudecode.scorers.transducer import JointNetwork, StatefulPredictionNetwork, StatelessPredictionNetwork
 from gpudecode.search import (
     TransducerOptions,
-    top_k_indices,
     transducer_greedy_search,
     transducer_search,
 )
@@ -32,6 +31,7 @@ from gpudecode.testing import (
     build_transducer_encoder,
 )
 from gpudecode.testing._graph import log_softmax
+from tests.test_ctc_search import assert_same_nbest, record_top_k_gaps
 from gpudecode.testing.transducer import (
     lstm_prediction_fn,
     stateless_prediction_fn,
@@ -127,34 +127,8 @@ def oracle_scores(models, encoder_states, lengths, u, max_symbols, recombination
 
 @pytest.fixture
 def gaps(monkeypatch):
-    """Records, for every top-k the search runs, the smallest gap between the k-th and the
-    (k+1)-th key among rows whose k-th key is finite."""
-    recorded = []
-
-    def recording_top_k(keys, k):
-        host = np.sort(np.asarray(transducer_module.to_host(keys), dtype=np.float64), axis=1)[:, ::-1]
-        if host.shape[1] > k:
-            kth, next_ = host[:, k - 1], host[:, k]
-            cut = np.isfinite(kth)
-            if cut.any():
-                recorded.append(float(np.min(kth[cut] - next_[cut])))
-        return top_k_indices(keys, k)
-
-    monkeypatch.setattr(transducer_module, "top_k_indices", recording_top_k)
-    return recorded
-
-
-def assert_same_nbest(expected, got, *, frames=True):
-    assert len(expected) == len(got)
-    for a, b in zip(expected, got):
-        assert [h.labels for h in a] == [h.labels for h in b]
-        np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=TOL)
-        for x, y in zip(a, b):
-            assert x.scores.keys() == y.scores.keys()
-            for name in x.scores:
-                assert x.scores[name] == pytest.approx(y.scores[name], abs=TOL)
-            if frames:
-                assert x.frames == y.frames
+    """The top-k gaps of the transducer search (:func:`record_top_k_gaps`)."""
+    return record_top_k_gaps(monkeypatch, transducer_module)
 
 
 # --- reference models -------------------------------------------------------------------------------

@@ -71,6 +71,34 @@ def batch_tensors(sentences: list[list[int]]) -> tuple[torch.Tensor, torch.Tenso
     return x, y
 
 
+def load_sentences(data: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """(train sentences of ``lm_text.txt``, dev reference sentences of ``dev/text``)."""
+    train = sentences_of(line.split() for line in
+                         (data / "lm_text.txt").read_text(encoding="utf-8").splitlines() if line.strip())
+    return train, sentences_of(read_text(data / "dev" / "text").values())
+
+
+def train_epoch(model, optimiser, train: list[list[int]], rng: random.Random, batch_size: int, grad_clip: float,
+                before_step=None) -> float:
+    """One pass over ``train`` in a shuffled order; ``before_step()`` runs before each update.
+    Returns the training perplexity."""
+    order = list(range(len(train)))
+    rng.shuffle(order)
+    total, count = 0.0, 0
+    for start in range(0, len(order), batch_size):
+        if before_step is not None:
+            before_step()
+        x, y = batch_tensors([train[i] for i in order[start: start + batch_size]])
+        loss = torch.nn.functional.nll_loss(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        optimiser.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimiser.step()
+        n = int((y != -100).sum())
+        total, count = total + loss.item() * n, count + n
+    return math.exp(total / count)
+
+
 @torch.no_grad()
 def perplexity(model: LstmLm, sentences: list[list[int]], batch_size: int = 256) -> float:
     model.eval()
@@ -90,9 +118,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    train = sentences_of(line.split() for line in
-                         (args.data / "lm_text.txt").read_text(encoding="utf-8").splitlines() if line.strip())
-    dev = sentences_of(read_text(args.data / "dev" / "text").values())
+    train, dev = load_sentences(args.data)
     opts = LstmLmOptions(num_labels=len(VOCABULARY), **{f.name: getattr(args, f.name) for f in fields(LstmLmOptions)
                                                         if f.name not in ("num_labels", "never_predicted")})
     model = LstmLm(opts)
@@ -105,21 +131,10 @@ def main(argv=None) -> None:
     best = float("inf")
     with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:
         for epoch in range(1, args.epochs + 1):
-            order = list(range(len(train)))
-            rng.shuffle(order)
-            total, count = 0.0, 0
-            for start in range(0, len(order), args.batch_size):
-                x, y = batch_tensors([train[i] for i in order[start: start + args.batch_size]])
-                loss = torch.nn.functional.nll_loss(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
-                optimiser.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                optimiser.step()
-                n = int((y != -100).sum())
-                total, count = total + loss.item() * n, count + n
+            train_ppl = train_epoch(model, optimiser, train, rng, args.batch_size, args.grad_clip)
             dev_ppl = perplexity(model, dev)
             record = {"epoch": epoch, "minutes": round((time.perf_counter() - started) / 60, 2),
-                      "train_ppl": round(math.exp(total / count), 4), "dev_ppl": round(dev_ppl, 4),
+                      "train_ppl": round(train_ppl, 4), "dev_ppl": round(dev_ppl, 4),
                       "lr": optimiser.param_groups[0]["lr"]}
             print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")

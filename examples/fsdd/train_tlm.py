@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from fsdd_common import DEFAULT_DATA_DIR, RECIPE_DIR, VOCABULARY, read_text, resolve
+from fsdd_common import DEFAULT_DATA_DIR, RECIPE_DIR, VOCABULARY, resolve
 from torch import nn
-from train_lm import batch_tensors, perplexity, sentences_of
+from train_lm import load_sentences, perplexity, train_epoch
 
 MASKED = -1e9  # attention logit of a masked key
 
@@ -177,9 +177,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    train = sentences_of(line.split() for line in
-                         (args.data / "lm_text.txt").read_text(encoding="utf-8").splitlines() if line.strip())
-    dev = sentences_of(read_text(args.data / "dev" / "text").values())
+    train, dev = load_sentences(args.data)
     opts = TransformerLmOptions(num_labels=len(VOCABULARY), **{
         f.name: getattr(args, f.name) for f in fields(TransformerLmOptions)
         if f.name not in ("num_labels", "never_predicted")})
@@ -193,27 +191,20 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     best, step = float("inf"), 0
     total_steps = args.epochs * math.ceil(len(train) / args.batch_size)
+
+    def warm_up_or_decay() -> None:
+        nonlocal step
+        step += 1
+        for group in optimiser.param_groups:
+            group["lr"] = learning_rate(args, peak, step, total_steps)
+
     with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:
         for epoch in range(1, args.epochs + 1):
-            order = list(range(len(train)))
-            rng.shuffle(order)
-            total, count = 0.0, 0
-            for start in range(0, len(order), args.batch_size):
-                step += 1
-                for group in optimiser.param_groups:
-                    group["lr"] = learning_rate(args, peak, step, total_steps)
-                x, y = batch_tensors([train[i] for i in order[start: start + args.batch_size]])
-                loss = torch.nn.functional.nll_loss(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
-                optimiser.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                optimiser.step()
-                n = int((y != -100).sum())
-                total, count = total + loss.item() * n, count + n
+            train_ppl = train_epoch(model, optimiser, train, rng, args.batch_size, args.grad_clip, warm_up_or_decay)
             dev_ppl = perplexity(model, dev)
             minutes = (time.perf_counter() - started) / 60
             record = {"epoch": epoch, "step": step, "minutes": round(minutes, 2),
-                      "train_ppl": round(math.exp(total / count), 4), "dev_ppl": round(dev_ppl, 4),
+                      "train_ppl": round(train_ppl, 4), "dev_ppl": round(dev_ppl, 4),
                       "lr": optimiser.param_groups[0]["lr"]}
             print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")

@@ -86,5 +86,14 @@ def load_hdf5_split(path: Path) -> tuple[list[str], list[np.ndarray], list[np.nd
     return tags, feats, labels
 
 
+def load_training_data(data: Path, max_train: int | None = None, max_dev: int | None = None):
+    """(train features, train labels, dev features, dev labels, normalisation stats) of
+    make_data.py's output, the splits cut to their first ``max_train`` / ``max_dev`` utterances."""
+    _, train_feats, train_labels = load_hdf5_split(data / "train" / "feats.h5")
+    _, dev_feats, dev_labels = load_hdf5_split(data / "dev" / "feats.h5")
+    return (train_feats[:max_train], train_labels[:max_train], dev_feats[:max_dev], dev_labels[:max_dev],
+            np.load(data / "stats.npz"))
+
+
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

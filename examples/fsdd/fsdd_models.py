@@ -39,6 +39,24 @@ class EncoderOptions:
         return asdict(self)
 
 
+def load_init_encoder(path: str, num_features: int, num_labels: int) -> tuple[dict | None, dict]:
+    """(the CTC checkpoint at ``path`` or None for "none", its encoder options — or the defaults)."""
+    init = None if path.lower() == "none" else torch.load(path, map_location="cpu", weights_only=False)
+    options = init["options"] if init else EncoderOptions(num_features=num_features, num_labels=num_labels).to_dict()
+    return init, options
+
+
+def prefixed_state(state_dict: dict, prefix: str) -> dict:
+    """The entries of ``state_dict`` under ``prefix`` (e.g. "encoder."), without it."""
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def noam_schedule(optimiser, warmup_steps: int):
+    """Linear warm-up over ``warmup_steps``, then inverse square-root decay."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda step: min((step + 1) / warmup_steps, (warmup_steps / (step + 1)) ** 0.5))
+
+
 def subsampled_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Frames after the two stride-2, kernel-3 convolutions without padding."""
     return torch.div(torch.div(lengths - 1, 2, rounding_mode="floor") - 1, 2,

@@ -30,10 +30,10 @@ from fsdd_common import (
     RECIPE_DIR,
     SENTENCE_END,
     VOCABULARY,
-    load_hdf5_split,
+    load_training_data,
     resolve,
 )
-from fsdd_models import AedModel, AedOptions, EncoderOptions
+from fsdd_models import AedModel, AedOptions, load_init_encoder, noam_schedule, prefixed_state
 from train_ctc import batches, collate, edit_distance
 
 END = VOCABULARY.index(SENTENCE_END)
@@ -121,32 +121,23 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     blank = VOCABULARY.index(BLANK)
-    _, train_feats, train_labels = load_hdf5_split(args.data / "train" / "feats.h5")
-    _, dev_feats, dev_labels = load_hdf5_split(args.data / "dev" / "feats.h5")
-    train_feats, train_labels = train_feats[: args.max_train_utterances], train_labels[: args.max_train_utterances]
-    dev_feats, dev_labels = dev_feats[: args.max_dev_utterances], dev_labels[: args.max_dev_utterances]
-    stats = np.load(args.data / "stats.npz")
+    train_feats, train_labels, dev_feats, dev_labels, stats = load_training_data(
+        args.data, args.max_train_utterances, args.max_dev_utterances)
 
-    init = None if args.init_encoder.lower() == "none" else torch.load(args.init_encoder, map_location="cpu",
-                                                                         weights_only=False)
-    encoder_opts = init["options"] if init else EncoderOptions(num_features=train_feats[0].shape[1],
-                                                                num_labels=len(VOCABULARY)).to_dict()
+    init, encoder_opts = load_init_encoder(args.init_encoder, train_feats[0].shape[1], len(VOCABULARY))
     opts = AedOptions(encoder=encoder_opts, num_labels=len(VOCABULARY), sentence=END,
                       **{f.name: getattr(args, f.name) for f in fields(AedOptions)
                          if f.name not in ("encoder", "num_labels", "sentence")})
     model = AedModel(opts, stats["mean"], stats["std"])
     if init:
-        model.encoder.load_state_dict({k[len("encoder."):]: v for k, v in init["state_dict"].items()
-                                       if k.startswith("encoder.")})
-        model.ctc_head.load_state_dict({k[len("head."):]: v for k, v in init["state_dict"].items()
-                                        if k.startswith("head.")})
+        model.encoder.load_state_dict(prefixed_state(init["state_dict"], "encoder."))
+        model.ctc_head.load_state_dict(prefixed_state(init["state_dict"], "head."))
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{len(train_feats)} train / {len(dev_feats)} dev utterances; {num_params} parameters (with the CTC "
           f"head); encoder from {args.init_encoder}; {torch.get_num_threads()} threads", flush=True)
 
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda step: min((step + 1) / args.warmup_steps, (args.warmup_steps / (step + 1)) ** 0.5))
+    schedule = noam_schedule(optimiser, args.warmup_steps)
     ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
     args.exp.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)

@@ -27,10 +27,10 @@ from fsdd_common import (
     DEFAULT_DATA_DIR,
     RECIPE_DIR,
     VOCABULARY,
-    load_hdf5_split,
+    load_training_data,
     resolve,
 )
-from fsdd_models import CtcModel, EncoderOptions
+from fsdd_models import CtcModel, EncoderOptions, noam_schedule
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -133,12 +133,8 @@ def main(argv=None) -> None:
     if tuple(vocab) != VOCABULARY:
         raise SystemExit(f"{args.data / 'vocab.txt'}: {vocab}; expected {list(VOCABULARY)}")
     blank = VOCABULARY.index(BLANK)
-    _, train_feats, train_labels = load_hdf5_split(args.data / "train" / "feats.h5")
-    _, dev_feats, dev_labels = load_hdf5_split(args.data / "dev" / "feats.h5")
-    train_feats = train_feats[: args.max_train_utterances]
-    train_labels = train_labels[: args.max_train_utterances]
-    dev_feats, dev_labels = dev_feats[: args.max_dev_utterances], dev_labels[: args.max_dev_utterances]
-    stats = np.load(args.data / "stats.npz")
+    train_feats, train_labels, dev_feats, dev_labels, stats = load_training_data(
+        args.data, args.max_train_utterances, args.max_dev_utterances)
     opts = EncoderOptions(num_features=train_feats[0].shape[1], num_labels=len(VOCABULARY),
                           **{f.name: getattr(args, f.name) for f in fields(EncoderOptions)
                              if f.name not in ("num_features", "num_labels")})
@@ -148,9 +144,7 @@ def main(argv=None) -> None:
           f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
 
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda step: min((step + 1) / args.warmup_steps,
-                                    (args.warmup_steps / (step + 1)) ** 0.5))
+    schedule = noam_schedule(optimiser, args.warmup_steps)
     ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
     args.exp.mkdir(parents=True, exist_ok=True)
     with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:

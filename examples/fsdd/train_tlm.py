@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from fsdd_common import DEFAULT_DATA_DIR, RECIPE_DIR, VOCABULARY, resolve
+from fsdd_models import _heads
 from torch import nn
 from train_lm import load_sentences, perplexity, train_epoch
 
@@ -47,12 +48,6 @@ class TransformerLmOptions:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """(B, L, D) -> (B, H, L, D / H)."""
-    b, length, d = x.shape
-    return x.view(b, length, num_heads, d // num_heads).transpose(1, 2)
 
 
 class TransformerLmLayer(nn.Module):

@@ -119,6 +119,40 @@ def test_cuda_pool_invariants_and_growth():
     assert device.statistics().live_slots == 0
 
 
+@pytest.mark.parametrize("shape,time_axis,batch_axis", [
+    ((None, 3, None, 8), 2, 0),       # 32-byte spans: 2 vectors
+    ((None, 2, None, 64), 2, 0),      # 256-byte spans: 16 vectors
+    ((None, None, 48), 1, 0),         # [N, T, 48]: 12 vectors, the lane walk carries
+    ((2, None, 3, None, 4), 3, 1),    # layered, 1 vector per span
+    ((None, 1, None, 160), 2, 0),     # 40 vectors per span: more than a warp
+], ids=["v2", "v16", "v12-flat", "v1-layered", "v40"])
+def test_split_of_several_new_tokens_equals_numpy(shape, time_axis, batch_axis):
+    """split_states_span_major (rows with several new tokens) with 16-byte spans, the fast path,
+    on a fragmented pool: the stored states merge back to what the numpy manager stores, for token
+    runs shorter than, equal to and longer than a warp's batch of 32."""
+    import cupy
+
+    variables = [StateVariable(input_name=f"past_{n}", output_name=f"present_{n}", dtype=np.dtype(np.float32),
+                               shape=shape, batch_axis=batch_axis, time_axis=time_axis) for n in ("key", "value")]
+    host, device = _pair("transformer", variables, slots_per_chunk=32)
+    device.pool.reserve(2000)
+    device.pool.shuffle_free_slots(7)
+    rng = np.random.default_rng(17)
+    for num_rows, num_new, extra in ((5, 2, 0), (3, 32, 1), (4, 70, 3), (1, 3, 2)):
+        outputs = random_outputs(rng, variables, num_rows, num_new + extra)
+        merged = []
+        for manager, outs in ((host, outputs), (device, {k: cupy.asarray(v) for k, v in outputs.items()})):
+            launches = getattr(getattr(manager, "_copy", None), "num_launches", 0)
+            slots = manager.split(outs, num_new_tokens=num_new)
+            if manager is device:
+                assert device._copy.num_launches == launches + 1
+            histories = manager.extend(manager.initial_histories(num_rows), slots, manager.xp.arange(num_rows))
+            merged.append(manager.merge(histories, time_size=num_new + 1))
+            manager.release_all()
+        for name in merged[0].inputs:
+            assert np.array_equal(bits(merged[0].inputs[name]), bits(merged[1].inputs[name])), name
+
+
 def test_split_with_fused_allocation_equals_separate_allocation():
     """The split's own allocation (free stack read in the copy kernel) hands out the slots, flags
     and counters that StatePool.allocate's kernels would, and stores the same states."""

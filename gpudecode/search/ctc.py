@@ -52,6 +52,7 @@ from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import check_frames, check_time_sync_options, option_error
 from gpudecode.search.results import Hypothesis
+from gpudecode.search import ctc_frame
 from gpudecode.search.topk import top_k_indices
 
 _NEG_INF = np.float32(-np.inf)
@@ -387,6 +388,8 @@ class _PrefixSearch:
         self.label_logp = xp.full_like(self.label_logp, _NEG_INF)
 
     def _full_frame(self, t: int, exact: bool) -> None:
+        if ctc_frame.use_kernel(self):  # CuPy without scorers: the frame is one launch
+            return ctc_frame.full_frame_kernel(self, t, exact)
         xp, options = self.xp, self.options
         layout = self.layout
         num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes

@@ -1,0 +1,186 @@
+"""The CTC prefix beam search's full frame in one kernel launch (``kernels/ctc_frame.cu``).
+
+:meth:`gpudecode.search.ctc._PrefixSearch._full_frame` runs a frame as ~80 array operations;
+without label scorers the whole frame — candidates, recombination with the collision check,
+score threshold, per-utterance top-k and the new lanes — is one thread block per utterance
+here. :func:`full_frame_reference` is the same algorithm written utterance by utterance and lane
+by lane in Python (what each thread block does), the oracle of the kernel's structure; the
+tests check it against the array version.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_NEG_INF = np.float32(-np.inf)
+
+
+def _logaddexp(a, b):
+    return np.logaddexp(np.float32(a), np.float32(b)).astype(np.float32)
+
+
+def _paths_equal(a: int, b: int, node_label, node_parent, steps: int | None) -> tuple[bool, bool]:
+    """(equal, undecided) for one pair of emission nodes, as ``same_label_paths``."""
+    equal, pending, step = a == b, a != b, 0
+    while True:
+        if steps is None:
+            if not pending:
+                return equal, False
+        elif step >= steps:
+            return equal, pending
+        pending = pending and node_label[a] == node_label[b]
+        a, b = int(node_parent[a]), int(node_parent[b])
+        met = pending and a == b
+        equal, pending = equal or met, pending and not met
+        step += 1
+
+
+def full_frame_reference(search, t: int, exact: bool) -> None:
+    """``search._full_frame(t, exact)`` for a search without scorers, on numpy, utterance by
+    utterance: the per-thread-block algorithm of ``ctc_frame.cu``."""
+    from gpudecode.search.ctc import _HASH_MULTIPLIER
+
+    options, layout = search.options, search.layout
+    num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+    log_probs = search.log_probs
+    vocab_size, blank = log_probs.shape[2], options.blank
+    steps = None if exact else options.history_compare_steps
+    threshold = options.score_threshold
+    skip = getattr(search, "skip", None)
+    k = len(search.node_frames)
+    search.node_frames.append(t)
+    base = 1 + k * num_lanes
+    old = {name: getattr(search, name).copy() for name in
+           ("blank_logp", "label_logp", "last", "length", "hash", "prev_hash", "node")}
+    node_parent, node_label = search.node_parent, search.node_label
+    new = {name: value.copy() for name, value in old.items()}
+    unresolved = False
+    for u in range(num_utts):
+        active = t < int(search.lengths[u])
+        keep = active and not (skip is not None and bool(skip[u, t]))
+        frame = log_probs[u, t]
+
+        def x(v: int) -> np.float32:
+            if keep:
+                return frame[v]
+            if v == blank:
+                return frame[blank] if active else np.float32(0)
+            return _NEG_INF
+
+        lanes = range(u * beam, (u + 1) * beam)
+        total = {i: _logaddexp(old["blank_logp"][i], old["label_logp"][i]) for i in lanes}
+        stay_blank = {i: np.float32(total[i] + x(blank)) for i in lanes}
+        stay_label = {i: (np.float32(old["label_logp"][i] + x(int(old["last"][i]))) if old["last"][i] >= 0
+                          else _NEG_INF) for i in lanes}
+
+        def emit(i: int, v: int) -> np.float32:
+            if v == blank:
+                return _NEG_INF
+            if old["last"][i] >= 0 and v == old["last"][i]:
+                return np.float32(old["blank_logp"][i] + x(v))
+            return np.float32(total[i] + x(v))
+
+        # recombination: lane j's prefix = lane i's prefix + j's last label
+        match, matched, merged, retime, killed = {}, {}, {}, {}, set()
+        for j in lanes:
+            match[j], matched[j] = u * beam, False
+            for i in lanes:
+                if not (old["hash"][i] == old["prev_hash"][j] and old["length"][i] + 1 == old["length"][j]
+                        and total[i] > _NEG_INF and total[j] > _NEG_INF):
+                    continue
+                equal, undecided = _paths_equal(int(old["node"][i]), int(node_parent[old["node"][j]]),
+                                                node_label, node_parent, steps)
+                unresolved |= undecided
+                if equal and not matched[j]:
+                    match[j], matched[j] = i, True
+            merged[j] = emit(match[j], max(int(old["last"][j]), 0))
+        for j in lanes:
+            retime[j] = matched[j] and merged[j] > _logaddexp(stay_blank[j], stay_label[j])
+            if matched[j]:
+                stay_label[j] = _logaddexp(stay_label[j], merged[j])
+                killed.add((match[j], max(int(old["last"][j]), 0)))
+
+        # candidates in lane-major, then label order; the stay candidate in the blank column
+        ranks = np.full(beam * vocab_size, _NEG_INF, dtype=np.float32)
+        for i in lanes:
+            for v in range(vocab_size):
+                if v == blank:
+                    value = _logaddexp(stay_blank[i], stay_label[i])
+                else:
+                    value = _NEG_INF if (i, v) in killed else emit(i, v)
+                ranks[(i - u * beam) * vocab_size + v] = value
+        if threshold is not None:
+            best = ranks.max()
+            ranks = np.where(ranks >= best - np.float32(threshold), ranks, _NEG_INF)
+        order = np.argsort(-(ranks + np.float32(0)), kind="stable")[:beam]
+
+        for b, column in zip(lanes, order.tolist()):
+            alive = ranks[column] > _NEG_INF
+            p = u * beam + column // vocab_size
+            label = column % vocab_size
+            stay = label == blank or not alive
+            retimed = stay and alive and retime[p]
+            parent_node = int(old["node"][p])
+            node_parent[base + b] = node_parent[parent_node] if retimed else parent_node
+            node_label[base + b] = old["last"][p] if retimed else label
+            new["blank_logp"][b] = stay_blank[p] if (stay and alive) else _NEG_INF
+            new["label_logp"][b] = (stay_label[p] if alive else _NEG_INF) if stay else emit(p, label)
+            new["node"][b] = parent_node if (stay and not retimed) else base + b
+            new["prev_hash"][b] = old["prev_hash"][p] if stay else old["hash"][p]
+            new["hash"][b] = old["hash"][p] if stay else (
+                (int(old["hash"][p]) * _HASH_MULTIPLIER + label + 1) % options.hash_modulus)
+            new["last"][b] = old["last"][p] if stay else label
+            new["length"][b] = old["length"][p] + (0 if stay else 1)
+    for name, value in new.items():
+        setattr(search, name, value)
+    search.unresolved = search.unresolved | np.bool_(unresolved)
+
+
+# -- the kernel ------------------------------------------------------------------------------------
+MAX_BEAM = 32  # CTC_MAX_BEAM of kernels/ctc_frame.cu
+_THREADS = 256  # CTC_THREADS
+_STATE = ("blank_logp", "label_logp", "last", "length", "hash", "prev_hash", "node")
+#: Switch for tests: False makes the CuPy search run its array version.
+enabled = True
+
+
+def use_kernel(search) -> bool:
+    """Whether ``search``'s full frames run as ``ctc_prefix_frame`` (CuPy, no scorers, beam <= 32)."""
+    return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
+
+
+def full_frame_kernel(search, t: int, exact: bool) -> None:
+    """``search._full_frame(t, exact)`` as one launch of ``ctc_prefix_frame`` (on the current
+    stream, no host synchronisation)."""
+    from gpudecode.kernels import load_module
+    from gpudecode.search.ctc import _HASH_MULTIPLIER
+
+    cupy = search.xp
+    options, layout = search.options, search.layout
+    if getattr(search, "_kernel_inputs", None) is None:
+        skip = getattr(search, "skip", None)
+        search._kernel_inputs = (
+            cupy.ascontiguousarray(search.log_probs, dtype=np.float32),
+            cupy.ascontiguousarray(search.lengths_dev, dtype=np.int64),
+            np.uint64(0) if skip is None else cupy.ascontiguousarray(skip).view(np.uint8),
+        )
+        search.unresolved = cupy.zeros((), dtype=bool)
+    log_probs, lengths, skip = search._kernel_inputs
+    num_utts, num_frames, vocab_size = log_probs.shape
+    k = len(search.node_frames)
+    search.node_frames.append(t)
+    base = 1 + k * layout.num_lanes
+    old = [getattr(search, name) for name in _STATE]
+    new = [cupy.empty_like(array) for array in old]
+    steps = -1 if exact or options.history_compare_steps is None else options.history_compare_steps
+    threshold = options.score_threshold
+    kernel = load_module("ctc_frame", (), log_probs.device.id).get_function("ctc_prefix_frame")
+    kernel((num_utts,), (_THREADS,), (
+        log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank), np.int32(t),
+        lengths, skip, np.int32(layout.beam_size), *old, *new,
+        search.node_parent, search.node_label, np.int64(base),
+        np.int32(steps), np.int32(threshold is not None), np.float32(threshold or 0),
+        np.int64(_HASH_MULTIPLIER), np.int64(options.hash_modulus), search.unresolved.view(np.uint8),
+    ))
+    for name, array in zip(_STATE, new):
+        setattr(search, name, array)

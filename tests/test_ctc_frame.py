@@ -57,15 +57,15 @@ def test_reference_frame_equals_the_array_frame(case, seed, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_kernel_frame_equals_the_cpu_search(case, monkeypatch):
-    """CuPy without scorers runs every full frame as one ctc_prefix_frame launch; the n-best
+    """CuPy without scorers runs the whole search as one ctc_prefix_frames launch; the n-best
     equal the numpy search's (and the CuPy array version's)."""
     import cupy
 
     from gpudecode.search import ctc_frame
 
     launches = []
-    original = ctc_frame.full_frame_kernel
-    monkeypatch.setattr(ctc_frame, "full_frame_kernel", lambda *a: launches.append(a[1]) or original(*a))
+    original = ctc_frame.search_kernel
+    monkeypatch.setattr(ctc_frame, "search_kernel", lambda *a: launches.append(a[1]) or original(*a))
     options = CtcPrefixOptions(**case)
     for seed in range(3):
         log_probs, lengths = _inputs(seed)

@@ -336,11 +336,14 @@ class _PrefixSearch:
             self.changed = xp.ones(num_lanes, dtype=bool)  # lanes whose scorer context is new
             self.rescore = bool(self.entries)  # host: some lane's context is new
 
-            for t, kind in enumerate(frame_kinds.tolist()):
-                if kind == 1:
-                    self._blank_frame(t)
-                elif kind == 2:
-                    self._full_frame(t, exact)
+            if ctc_frame.use_kernel(self):  # CuPy without scorers: all frames in one launch
+                ctc_frame.search_kernel(self, frame_kinds, exact)
+            else:
+                for t, kind in enumerate(frame_kinds.tolist()):
+                    if kind == 1:
+                        self._blank_frame(t)
+                    elif kind == 2:
+                        self._full_frame(t, exact)
             if options.sentence_end is not None and self.entries:
                 self._score_contexts(self.lengths_dev[self.lane_group])
                 end = xp.stack([c[:, options.sentence_end] for c in self.cache])  # [S, N]
@@ -388,8 +391,6 @@ class _PrefixSearch:
         self.label_logp = xp.full_like(self.label_logp, _NEG_INF)
 
     def _full_frame(self, t: int, exact: bool) -> None:
-        if ctc_frame.use_kernel(self):  # CuPy without scorers: the frame is one launch
-            return ctc_frame.full_frame_kernel(self, t, exact)
         xp, options = self.xp, self.options
         layout = self.layout
         num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes

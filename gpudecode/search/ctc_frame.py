@@ -1,11 +1,12 @@
-"""The CTC prefix beam search's full frame in one kernel launch (``kernels/ctc_frame.cu``).
+"""The CTC prefix beam search without label scorers in one kernel launch (``kernels/ctc_frame.cu``).
 
-:meth:`gpudecode.search.ctc._PrefixSearch._full_frame` runs a frame as ~80 array operations;
-without label scorers the whole frame — candidates, recombination with the collision check,
-score threshold, per-utterance top-k and the new lanes — is one thread block per utterance
-here. :func:`full_frame_reference` is the same algorithm written utterance by utterance and lane
-by lane in Python (what each thread block does), the oracle of the kernel's structure; the
-tests check it against the array version.
+:meth:`gpudecode.search.ctc._PrefixSearch._full_frame` runs a frame as ~80 array operations and
+the search launches them frame by frame. Without label scorers utterances never interact, so
+here one thread block per utterance loops over all frames — candidates, recombination with the
+collision check, score threshold, top-k and the new lanes — in one launch.
+:func:`full_frame_reference` is a full frame written utterance by utterance and lane by lane in
+Python (what each thread block does per frame), the oracle of the kernel's structure; the tests
+check it against the array version.
 """
 
 from __future__ import annotations
@@ -145,42 +146,36 @@ enabled = True
 
 
 def use_kernel(search) -> bool:
-    """Whether ``search``'s full frames run as ``ctc_prefix_frame`` (CuPy, no scorers, beam <= 32)."""
+    """Whether ``search`` runs as ``ctc_prefix_frames`` (CuPy, no scorers, beam <= 32)."""
     return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
 
 
-def full_frame_kernel(search, t: int, exact: bool) -> None:
-    """``search._full_frame(t, exact)`` as one launch of ``ctc_prefix_frame`` (on the current
-    stream, no host synchronisation)."""
+def search_kernel(search, frame_kinds: np.ndarray, exact: bool) -> None:
+    """Every frame of ``search`` (what its frame loop does) as one launch of ``ctc_prefix_frames``:
+    a thread block per utterance, on the current stream, no host synchronisation. The lane
+    state arrays are updated in place; ``frame_kinds`` is the host [T] int8 of ``_frame_kinds``."""
     from gpudecode.kernels import load_module
     from gpudecode.search.ctc import _HASH_MULTIPLIER
 
     cupy = search.xp
     options, layout = search.options, search.layout
-    if getattr(search, "_kernel_inputs", None) is None:
-        skip = getattr(search, "skip", None)
-        search._kernel_inputs = (
-            cupy.ascontiguousarray(search.log_probs, dtype=np.float32),
-            cupy.ascontiguousarray(search.lengths_dev, dtype=np.int64),
-            np.uint64(0) if skip is None else cupy.ascontiguousarray(skip).view(np.uint8),
-        )
-        search.unresolved = cupy.zeros((), dtype=bool)
-    log_probs, lengths, skip = search._kernel_inputs
+    log_probs = cupy.ascontiguousarray(search.log_probs, dtype=np.float32)
     num_utts, num_frames, vocab_size = log_probs.shape
-    k = len(search.node_frames)
-    search.node_frames.append(t)
-    base = 1 + k * layout.num_lanes
-    old = [getattr(search, name) for name in _STATE]
-    new = [cupy.empty_like(array) for array in old]
+    skip = getattr(search, "skip", None)
+    skip = np.uint64(0) if skip is None else cupy.ascontiguousarray(skip).view(np.uint8)
+    kinds = np.asarray(frame_kinds, dtype=np.int8)
+    search.node_frames = np.flatnonzero(kinds == 2).tolist()
+    state = [cupy.ascontiguousarray(getattr(search, name)) for name in _STATE]
+    search.unresolved = cupy.zeros((), dtype=bool)
     steps = -1 if exact or options.history_compare_steps is None else options.history_compare_steps
     threshold = options.score_threshold
-    kernel = load_module("ctc_frame", (), log_probs.device.id).get_function("ctc_prefix_frame")
+    kernel = load_module("ctc_frame", (), log_probs.device.id).get_function("ctc_prefix_frames")
     kernel((num_utts,), (_THREADS,), (
-        log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank), np.int32(t),
-        lengths, skip, np.int32(layout.beam_size), *old, *new,
-        search.node_parent, search.node_label, np.int64(base),
+        log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank),
+        cupy.asarray(kinds), cupy.ascontiguousarray(search.lengths_dev, dtype=np.int64), skip,
+        np.int32(layout.beam_size), *state, search.node_parent, search.node_label,
         np.int32(steps), np.int32(threshold is not None), np.float32(threshold or 0),
         np.int64(_HASH_MULTIPLIER), np.int64(options.hash_modulus), search.unresolved.view(np.uint8),
     ))
-    for name, array in zip(_STATE, new):
+    for name, array in zip(_STATE, state):
         setattr(search, name, array)

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 cupy.cuda.set_allocator(None)
 cupy.cuda.set_pinned_memory_allocator(None)
 
+from gpudecode.spec import StateVariable  # noqa: E402
 from gpudecode.states import StateManagerOptions, create_state_manager  # noqa: E402
 from tests.test_state_managers import Reference, Scenario, kv_variables, lstm_variables  # noqa: E402
 
@@ -57,6 +58,12 @@ def main() -> int:
             for full in (True, False):
                 run("transformer", variables, reference, steps=6, full_time_axis=full, max_history=limit,
                     always_include_first_token_state=first, slots_per_chunk=8, storage_dtype=storage)
+        # 16-byte spans: the fast paths (merge, split of one token, span-major split of a prefill)
+        aligned = [StateVariable(input_name=f"past_{n}", output_name=f"present_{n}", dtype=np.dtype(np.float32),
+                                 shape=(None, 2, None, 8), batch_axis=0, time_axis=2) for n in ("key", "value")]
+        for limit in (None, 2):
+            run("transformer", aligned, Reference(aligned, max_history=limit), steps=6, max_history=limit,
+                slots_per_chunk=8)
         for layered in (False, True):
             variables = lstm_variables(np.float32, layered)
             run("lstm", variables, Reference(variables, lstm=True), steps=6, slots_per_chunk=4)

@@ -52,9 +52,6 @@
 // cache hint.  Everything else (dtype conversions, narrower alignment, a token whose slab address is
 // not 16-byte aligned) takes the generic per-vector path (copy_raw / copy_convert / zero_raw, widest
 // aligned unit), in a second pass over the warp's range that runs only where such tokens exist.
-// A split with several new tokens per row (split_states_span_major) walks the batch span-major
-// instead: for each span the batch's tokens are one contiguous run of the tensor, so the reads
-// stream and the writes are span-sized pieces, as in merge.
 
 #define MAX_STATE_VARIABLES 128
 #define GEOMETRY_FIELDS 8
@@ -63,12 +60,6 @@
 #endif
 #ifndef MIN_BLOCKS_PER_SM
 #define MIN_BLOCKS_PER_SM 3      // __launch_bounds__ residency (<= 80 registers at 256 threads)
-#endif
-#ifndef SPAN_MAJOR_MIN_BLOCKS_PER_SM
-#define SPAN_MAJOR_MIN_BLOCKS_PER_SM 2  // split_states_span_major (<= 128 registers)
-#endif
-#ifndef SPLIT_SPAN_UNROLL
-#define SPLIT_SPAN_UNROLL 4      // split_span_major: vectors per lane loaded before the stores
 #endif
 #ifndef STATE_COPY_UNROLL
 #define STATE_COPY_UNROLL 4      // vectors per token loaded before the stores
@@ -516,65 +507,11 @@ __device__ __forceinline__ void zero_slow(const long long* geo, unsigned long lo
 #define KIND_FAST 1
 #define KIND_SLOW 2
 
-// Split of a batch whose rows have several new tokens, span-major: for each span q the batch's
-// tokens are read as one run of the tensor (consecutive times of a row are adjacent) and written as
-// V-vector pieces into their slots, so the reads stream instead of gathering 1 span per token.  Lane
-// j holds token j (slot address, 0 where the token is not on the fast path; tensor address of its
-// span (0, 0)); vector f of a span's run belongs to token f / V, found by shuffle.
-__device__ __forceinline__ void split_span_major(const VarPlan& p, unsigned long long tensor, int n, int kind,
-                                                 unsigned long long token, long long index, int lane) {
-    constexpr int U = SPLIT_SPAN_UNROLL;
-    const Walk& w = p.w;
-    const int V = w.V;
-    const long long stride_m = (long long)w.carry_iv + V;
-    const long long stride_a = (long long)w.carry_m + (long long)w.mid * stride_m;
-    const unsigned long long tok = (lane < n && kind == KIND_FAST) ? token : 0ull;
-    const unsigned long long ten = tensor + (unsigned long long)(index * p.span_bytes);
-    const int total = n * V;
-    const int dj = 32 / V, r = 32 - dj * V;
-    const int num_spans = w.total / V;
-    long long span_off = 0;  // a * stride_a + m * stride_m, in vectors
-    int m = 0;
-#pragma unroll 1
-    for (int q = 0; q < num_spans; ++q) {
-        int j = lane / V, iv = lane - (lane / V) * V;
-#pragma unroll 1
-        for (int f0 = 0; f0 < total; f0 += 32 * U) {
-            uint4 in[U];
-            unsigned long long dst[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int source = min(j, 31);
-                const unsigned long long tok_j = __shfl_sync(0xffffffffu, tok, source);
-                const unsigned long long ten_j = __shfl_sync(0xffffffffu, ten, source);
-                const bool copy = f0 + u * 32 + lane < total && tok_j != 0ull;
-                dst[u] = copy ? tok_j + (unsigned long long)(((long long)q * V + iv) * 16) : 0ull;
-                if (copy) in[u] = load_once(reinterpret_cast<const uint4*>(ten_j) + span_off + iv);
-                j += dj;
-                iv += r;
-                if (iv >= V) {
-                    iv -= V;
-                    ++j;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (dst[u] != 0ull) store_vec(reinterpret_cast<uint4*>(dst[u]), in[u]);
-        }
-        if (++m == w.mid) {
-            m = 0;
-            span_off += stride_a - (long long)(w.mid - 1) * stride_m;
-        } else {
-            span_off += stride_m;
-        }
-    }
-}
-
 // The warp's tokens of one batch: lane j resolved token j (kind, token address, tensor index).  Two
 // passes keep the generic path's registers out of the fast loop: SLOW = false copies the fast
 // tokens (and zero-fills those of fast variables) and returns whether any token was left for the
 // SLOW = true pass, which a warp runs over its range again only then (never for CuPy allocations).
-template <bool TO_TENSOR, bool SLOW, bool SPAN_MAJOR = false>
+template <bool TO_TENSOR, bool SLOW>
 __device__ __forceinline__ bool copy_batch(const VarPlan& p, const long long* geo, unsigned long long tensor,
                                            int n, int kind, unsigned long long token, long long index,
                                            int rows, int time, int lane) {
@@ -589,10 +526,6 @@ __device__ __forceinline__ bool copy_batch(const VarPlan& p, const long long* ge
         return false;
     }
     const bool left = __any_sync(0xffffffffu, lane < n && (kind == KIND_SLOW || (TO_TENSOR && kind == KIND_NONE && !p.fast)));
-    if (!TO_TENSOR && SPAN_MAJOR && p.fast) {
-        split_span_major(p, tensor, n, kind, token, index, lane);
-        return left;
-    }
     for (int j = 0; j < n;) {
         const int kind_j = __shfl_sync(0xffffffffu, kind, j);
         const unsigned long long token_j = __shfl_sync(0xffffffffu, token, j);
@@ -704,13 +637,11 @@ merge_states(const long long* __restrict__ geometry,
 }
 
 // ---- split ----------------------------------------------------------------------------------------
-// Two entry points of one body: split_states copies token by token (one new token per row, a
-// search step), split_states_span_major span by span (several new tokens per row, e.g. a prefill;
-// see split_span_major).  Separate kernels keep each path's registers to itself.
-template <bool SPAN_MAJOR>
-__device__ __forceinline__ void split_body(const long long* __restrict__ geometry,
+// grid: 1-D, sized to the resident blocks of the device; block: 32 * WARPS_PER_BLOCK threads.
+extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS_PER_SM)
+split_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
-             int capacity, const StatePointers& sources,
+             int capacity, StatePointers sources,
              int num_rows, int src_time, int num_new, int* __restrict__ new_slots,
              const int* __restrict__ free_stack, int* __restrict__ counters, unsigned char* __restrict__ allocated,
              int num_variables) {
@@ -761,8 +692,7 @@ __device__ __forceinline__ void split_body(const long long* __restrict__ geometr
                     kind = (p.fast && (token & 15ull) == 0) ? KIND_FAST : KIND_SLOW;
                 }
             }
-            left |= copy_batch<false, decltype(tag)::slow, SPAN_MAJOR>(p, geo, tensor, n, kind, token, index, num_rows,
-                                                                      src_time, lane);
+            left |= copy_batch<false, decltype(tag)::slow>(p, geo, tensor, n, kind, token, index, num_rows, src_time, lane);
             s += n;
         }
         return left;
@@ -783,17 +713,3 @@ __device__ __forceinline__ void split_body(const long long* __restrict__ geometr
         counters[3] = 0;
     }
 }
-
-#define SPLIT_ENTRY(NAME, SPAN_MAJOR, MIN_BLOCKS)                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS)                        \
-    NAME(const long long* __restrict__ geometry, const unsigned long long* __restrict__ slab_table,       \
-         int chunk_stride, int slots_per_chunk, int capacity, StatePointers sources, int num_rows,         \
-         int src_time, int num_new, int* __restrict__ new_slots, const int* __restrict__ free_stack,      \
-         int* __restrict__ counters, unsigned char* __restrict__ allocated, int num_variables) {          \
-        split_body<SPAN_MAJOR>(geometry, slab_table, chunk_stride, slots_per_chunk, capacity, sources,    \
-                               num_rows, src_time, num_new, new_slots, free_stack, counters, allocated,    \
-                               num_variables);                                                            \
-    }
-// grid: 1-D, sized to the resident blocks of the device; block: 32 * WARPS_PER_BLOCK threads.
-SPLIT_ENTRY(split_states, false, MIN_BLOCKS_PER_SM)
-SPLIT_ENTRY(split_states_span_major, true, SPAN_MAJOR_MIN_BLOCKS_PER_SM)

@@ -127,9 +127,9 @@ def test_cuda_pool_invariants_and_growth():
     ((None, 1, None, 160), 2, 0),     # 40 vectors per span: more than a warp
 ], ids=["v2", "v16", "v12-flat", "v1-layered", "v40"])
 def test_split_of_several_new_tokens_equals_numpy(shape, time_axis, batch_axis):
-    """split_states_span_major (rows with several new tokens) with 16-byte spans, the fast path,
-    on a fragmented pool: the stored states merge back to what the numpy manager stores, for token
-    runs shorter than, equal to and longer than a warp's batch of 32."""
+    """A split of several new tokens per row with 16-byte spans (the kernel's fast path) on a
+    fragmented pool: the stored states merge back to what the numpy manager stores, for token runs
+    shorter than, equal to and longer than a warp's batch of 32 (batches cross rows)."""
     import cupy
 
     variables = [StateVariable(input_name=f"past_{n}", output_name=f"present_{n}", dtype=np.dtype(np.float32),

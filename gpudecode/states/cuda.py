@@ -113,12 +113,10 @@ class CudaStateCopy:
         self._pointers = np.zeros(1, dtype=_POINTERS)
         self._merge = _kernel("merge_states", device_id)
         self._split = _kernel("split_states", device_id)
-        self._split_span_major = _kernel("split_states_span_major", device_id)  # several new tokens per row
         # one resident wave: each warp takes an equal contiguous share of the (variable, token) copies
         self._full_grid = {
             "merge": _num_sms(device_id) * _resident_blocks(self._merge, device_id),
             "split": _num_sms(device_id) * _resident_blocks(self._split, device_id),
-            "split_span_major": _num_sms(device_id) * _resident_blocks(self._split_span_major, device_id),
         }
         self.num_launches = 0  # kernel launches issued (for tests and benchmarks)
 
@@ -169,11 +167,9 @@ class CudaStateCopy:
         if num_rows * num_new == 0:
             return
         free_stack, counters, allocated = (pool.free_stack, pool.counters, pool.allocated) if allocate else (np.uint64(0),) * 3
-        kind = "split" if num_new == 1 else "split_span_major"
-        kernel = self._split if num_new == 1 else self._split_span_major
         with on_shared_stream(self.device_id):
-            kernel(
-                self._grid(kind, num_rows * num_new), (THREADS_PER_BLOCK,),
+            self._split(
+                self._grid("split", num_rows * num_new), (THREADS_PER_BLOCK,),
                 (
                     self.geometry, pool.slab_table, np.int32(pool.chunk_stride), np.int32(pool.slots_per_chunk),
                     np.int32(pool.capacity), self._pointer_struct(sources),

@@ -20,7 +20,8 @@
 //   unresolved  [1] uint8: set to 1 when a hash-equal pair stays undecided after compare_steps
 //
 // Per block: one thread per lane for the state and the recombination (a serial walk of the
-// emission tree per hash-equal pair); every thread scans a strided share of the beam * V
+// emission tree per hash-equal pair); the frame's log-prob row is staged in dynamic shared memory
+// (row_in_shared, when V floats fit); every thread scans a strided share of the beam * V
 // candidates keeping its best `beam` (key, column) pairs, packed into uint64 as in top_k.cu so that
 // equal keys keep the lower column; `beam` rounds of a block maximum pick the winners in order.
 
@@ -85,7 +86,8 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
                   long long* __restrict__ length, long long* __restrict__ hash, long long* __restrict__ prev_hash,
                   long long* __restrict__ node, long long* __restrict__ node_parent,
                   long long* __restrict__ node_label, int compare_steps, int has_threshold, float threshold,
-                  long long hash_multiplier, long long hash_modulus, unsigned char* __restrict__ unresolved) {
+                  long long hash_multiplier, long long hash_modulus, unsigned char* __restrict__ unresolved,
+                  int row_in_shared) {
     __shared__ Lanes cur, next;
     __shared__ float s_total[CTC_MAX_BEAM], s_stay_blank[CTC_MAX_BEAM], s_stay_label[CTC_MAX_BEAM];
     __shared__ int s_kill_lane[CTC_MAX_BEAM], s_kill_label[CTC_MAX_BEAM];
@@ -93,6 +95,7 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
     __shared__ unsigned long long s_warp_best[CTC_THREADS / 32];
     __shared__ float s_warp_max[CTC_THREADS / 32];
     __shared__ unsigned int s_chosen[CTC_MAX_BEAM];
+    extern __shared__ float s_row[];  // the frame's log-probs [V] when row_in_shared
 
     const int u = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -131,6 +134,11 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
         }
         const long long base = 1 + full_index * num_lanes;
         ++full_index;
+        if (row_in_shared) {  // one coalesced load of the row; every candidate reads it
+            for (int v = threadIdx.x; v < vocab_size; v += CTC_THREADS) s_row[v] = frame.row[v];
+            frame.row = s_row;
+            __syncthreads();
+        }
 
         // the stay (same prefix) scores
         if (i_own < beam) {
@@ -184,9 +192,7 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
         }
         __syncthreads();
 
-        const int num_candidates = beam * vocab_size;
-        auto candidate = [&](int c) -> float {
-            const int i = c / vocab_size, v = c - i * vocab_size;
+        auto candidate = [&](int i, int v) -> float {  // column c = i * V + v
             if (v == blank) return log_add_exp(s_stay_blank[i], s_stay_label[i]);
             for (int j = 0; j < beam; ++j)
                 if (s_kill_lane[j] == i && s_kill_label[j] == v) return neg_inf();
@@ -196,7 +202,8 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
         float floor_key = neg_inf();
         if (has_threshold) {  // the utterance's best candidate, minus the threshold
             float best = neg_inf();
-            for (int c = threadIdx.x; c < num_candidates; c += CTC_THREADS) best = fmaxf(best, candidate(c));
+            for (int i = 0; i < beam; ++i)
+                for (int v = threadIdx.x; v < vocab_size; v += CTC_THREADS) best = fmaxf(best, candidate(i, v));
             best = warp_max_f(best);
             if (lane == 0) s_warp_max[warp] = best;
             __syncthreads();
@@ -207,17 +214,19 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
         // top `beam` candidates of this thread's share, then `beam` rounds of the block maximum
         unsigned long long kept[CTC_MAX_BEAM];
         for (int r = 0; r < beam; ++r) kept[r] = 0ull;
-        for (int c = threadIdx.x; c < num_candidates; c += CTC_THREADS) {
-            float value = candidate(c);
-            if (has_threshold && !(value >= floor_key)) value = neg_inf();
-            const unsigned long long key = pack_key(value, (unsigned int)c);
-            if (key <= kept[beam - 1]) continue;
-            int r = beam - 1;
-            while (r > 0 && kept[r - 1] < key) {
-                kept[r] = kept[r - 1];
-                --r;
+        for (int i = 0; i < beam; ++i) {
+            for (int v = threadIdx.x; v < vocab_size; v += CTC_THREADS) {
+                float value = candidate(i, v);
+                if (has_threshold && !(value >= floor_key)) value = neg_inf();
+                const unsigned long long key = pack_key(value, (unsigned int)(i * vocab_size + v));
+                if (key <= kept[beam - 1]) continue;
+                int r = beam - 1;
+                while (r > 0 && kept[r - 1] < key) {
+                    kept[r] = kept[r - 1];
+                    --r;
+                }
+                kept[r] = key;
             }
-            kept[r] = key;
         }
         int head = 0;
         for (int round = 0; round < beam; ++round) {
@@ -235,11 +244,11 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
         if (i_own < beam) {
             const int b = i_own;
             const int c = (int)s_chosen[b];
-            float value = candidate(c);
-            if (has_threshold && !(value >= floor_key)) value = neg_inf();
-            const bool alive = value > neg_inf();
             const int p = c / vocab_size;
             const int label = c - p * vocab_size;
+            float value = candidate(p, label);
+            if (has_threshold && !(value >= floor_key)) value = neg_inf();
+            const bool alive = value > neg_inf();
             const bool stay = label == blank || !alive;
             const bool retimed = stay && alive && s_retime[p];
             const long long out = base + first + b;

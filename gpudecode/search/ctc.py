@@ -256,22 +256,28 @@ def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node
         traced_labels.append(node_label[current])
         traced_frames.append(node_frame[current])
         current = node_parent[current]
-    empty = np.zeros((0, num_lanes), np.int64)
-    traced_labels = np.stack(traced_labels[::-1]) if traced_labels else empty
-    traced_frames = np.stack(traced_frames[::-1]) if traced_frames else empty
+    depth = len(traced_labels)
+    # per lane [depth] rows, oldest first; shorter sequences have -1 at the front
+    labels_by_lane = (np.stack(traced_labels[::-1], axis=1) if depth else np.zeros((num_lanes, 0), np.int64))
+    frames_by_lane = (np.stack(traced_frames[::-1], axis=1) if depth else np.zeros((num_lanes, 0), np.int64))
+    starts = (labels_by_lane < 0).sum(axis=1).tolist()
+    labels_by_lane, frames_by_lane = labels_by_lane.tolist(), frames_by_lane.tolist()
+    ranks_list = ranks.tolist()
+    own_lists = {name: values.tolist() for name, values in own_scores.items()}
+    lm_lists = [(e.name, lm_scores[s].tolist()) for s, e in enumerate(entries)]
 
     results = []
     for u in range(num_utts):
         nbest = []
         for lane in (u * beam + order[u]).tolist():
-            if not np.isfinite(ranks[lane]) or len(nbest) == num_best:
+            if not math.isfinite(ranks_list[lane]) or len(nbest) == num_best:
                 break
-            kept = traced_labels[:, lane] >= 0  # shorter sequences have -1 at the front
-            labels = traced_labels[kept, lane].tolist()
-            scores = {name: float(values[lane]) for name, values in own_scores.items()}
-            scores.update({e.name: float(lm_scores[s, lane]) for s, e in enumerate(entries)})
-            nbest.append(Hypothesis(labels=labels, score=float(ranks[lane]), scores=scores,
-                                    length=len(labels), frames=traced_frames[kept, lane].tolist()))
+            start = starts[lane]
+            labels = labels_by_lane[lane][start:]
+            scores = {name: values[lane] for name, values in own_lists.items()}
+            scores.update({name: values[lane] for name, values in lm_lists})
+            nbest.append(Hypothesis(labels=labels, score=ranks_list[lane], scores=scores,
+                                    length=len(labels), frames=frames_by_lane[lane][start:]))
         results.append(nbest)
     return results
 

@@ -140,6 +140,9 @@ def full_frame_reference(search, t: int, exact: bool) -> None:
 # -- the kernel ------------------------------------------------------------------------------------
 MAX_BEAM = 32  # CTC_MAX_BEAM of kernels/ctc_frame.cu
 _THREADS = 256  # CTC_THREADS
+#: The frame's log-prob row goes to dynamic shared memory up to this size (the default 48 KiB
+#: limit less the kernel's static shared memory); larger vocabularies read it from global memory.
+_MAX_ROW_BYTES = 40 * 1024
 _STATE = ("blank_logp", "label_logp", "last", "length", "hash", "prev_hash", "node")
 #: Switch for tests: False makes the CuPy search run its array version.
 enabled = True
@@ -170,12 +173,14 @@ def search_kernel(search, frame_kinds: np.ndarray, exact: bool) -> None:
     steps = -1 if exact or options.history_compare_steps is None else options.history_compare_steps
     threshold = options.score_threshold
     kernel = load_module("ctc_frame", (), log_probs.device.id).get_function("ctc_prefix_frames")
+    row_in_shared = vocab_size * 4 <= _MAX_ROW_BYTES
     kernel((num_utts,), (_THREADS,), (
         log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank),
         cupy.asarray(kinds), cupy.ascontiguousarray(search.lengths_dev, dtype=np.int64), skip,
         np.int32(layout.beam_size), *state, search.node_parent, search.node_label,
         np.int32(steps), np.int32(threshold is not None), np.float32(threshold or 0),
         np.int64(_HASH_MULTIPLIER), np.int64(options.hash_modulus), search.unresolved.view(np.uint8),
-    ))
+        np.int32(row_in_shared),
+    ), shared_mem=vocab_size * 4 if row_in_shared else 0)
     for name, array in zip(_STATE, state):
         setattr(search, name, array)

@@ -78,8 +78,9 @@ struct Frame {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(CTC_THREADS)
-ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab_size, int blank,
+// KEPT (8, 16 or 32, >= beam): the per-thread candidate list, held in registers (unrolled).
+template <int KEPT>
+__device__ __forceinline__ void prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab_size, int blank,
                   const signed char* __restrict__ frame_kinds, const long long* __restrict__ lengths,
                   const unsigned char* __restrict__ skip, int beam,
                   float* __restrict__ blank_logp, float* __restrict__ label_logp, long long* __restrict__ last,
@@ -212,30 +213,37 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
         }
 
         // top `beam` candidates of this thread's share, then `beam` rounds of the block maximum
-        unsigned long long kept[CTC_MAX_BEAM];
-        for (int r = 0; r < beam; ++r) kept[r] = 0ull;
+        unsigned long long kept[KEPT];  // best first
+#pragma unroll
+        for (int r = 0; r < KEPT; ++r) kept[r] = 0ull;
         for (int i = 0; i < beam; ++i) {
             for (int v = threadIdx.x; v < vocab_size; v += CTC_THREADS) {
                 float value = candidate(i, v);
                 if (has_threshold && !(value >= floor_key)) value = neg_inf();
                 const unsigned long long key = pack_key(value, (unsigned int)(i * vocab_size + v));
-                if (key <= kept[beam - 1]) continue;
-                int r = beam - 1;
-                while (r > 0 && kept[r - 1] < key) {
-                    kept[r] = kept[r - 1];
-                    --r;
+                if (key <= kept[KEPT - 1]) continue;
+                kept[KEPT - 1] = key;
+#pragma unroll
+                for (int r = KEPT - 1; r > 0; --r) {
+                    if (kept[r] > kept[r - 1]) {
+                        const unsigned long long swap = kept[r];
+                        kept[r] = kept[r - 1];
+                        kept[r - 1] = swap;
+                    }
                 }
-                kept[r] = key;
             }
         }
-        int head = 0;
         for (int round = 0; round < beam; ++round) {
-            const unsigned long long mine = head < beam ? kept[head] : 0ull;
+            const unsigned long long mine = kept[0];
             const unsigned long long in_warp = warp_max_u64(mine);
             if (lane == 0) s_warp_best[warp] = in_warp;
             __syncthreads();
             const unsigned long long winner = warp_max_u64(lane < CTC_THREADS / 32 ? s_warp_best[lane] : 0ull);
-            if (mine == winner && mine != 0ull) ++head;
+            if (mine == winner && mine != 0ull) {  // taken: the next of this thread's list moves up
+#pragma unroll
+                for (int r = 0; r < KEPT - 1; ++r) kept[r] = kept[r + 1];
+                kept[KEPT - 1] = 0ull;
+            }
             if (threadIdx.x == 0) s_chosen[round] = ~(unsigned int)(winner & 0xffffffffull);
             __syncthreads();
         }
@@ -285,3 +293,22 @@ ctc_prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab
         node[first + i_own] = cur.node[i_own];
     }
 }
+
+#define CTC_ENTRY(KEPT)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(CTC_THREADS) ctc_prefix_frames_##KEPT(                   \
+        const float* __restrict__ log_probs, int num_frames, int vocab_size, int blank,                   \
+        const signed char* __restrict__ frame_kinds, const long long* __restrict__ lengths,               \
+        const unsigned char* __restrict__ skip, int beam, float* __restrict__ blank_logp,                 \
+        float* __restrict__ label_logp, long long* __restrict__ last, long long* __restrict__ length,     \
+        long long* __restrict__ hash, long long* __restrict__ prev_hash, long long* __restrict__ node,    \
+        long long* __restrict__ node_parent, long long* __restrict__ node_label, int compare_steps,       \
+        int has_threshold, float threshold, long long hash_multiplier, long long hash_modulus,            \
+        unsigned char* __restrict__ unresolved, int row_in_shared) {                                      \
+        prefix_frames<KEPT>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
+                            blank_logp, label_logp, last, length, hash, prev_hash, node, node_parent,     \
+                            node_label, compare_steps, has_threshold, threshold, hash_multiplier,         \
+                            hash_modulus, unresolved, row_in_shared);                                     \
+    }
+CTC_ENTRY(8)
+CTC_ENTRY(16)
+CTC_ENTRY(32)

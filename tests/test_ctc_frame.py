@@ -58,7 +58,7 @@ def test_reference_frame_equals_the_array_frame(case, seed, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_kernel_frame_equals_the_cpu_search(case, monkeypatch):
-    """CuPy without scorers runs the whole search as one ctc_prefix_frames launch; the n-best
+    """CuPy without scorers runs the whole search as one ctc_prefix_frames_<K> launch; the n-best
     equal the numpy search's (and the CuPy array version's)."""
     import cupy
 
@@ -82,15 +82,17 @@ def test_kernel_frame_equals_the_cpu_search(case, monkeypatch):
 
 @pytest.mark.gpu
 def test_kernel_frame_on_larger_inputs_equals_the_array_version():
-    """64 utterances x 200 frames, vocabulary 1,000, beams 8 and 32 (the kernel's limit), with
-    and without a threshold: the same n-best as the CuPy array version."""
+    """64 utterances x 200 frames, vocabulary 1,000, beams 8, 12 and 32 (the kernel's limit; the
+    8-, 16- and 32-entry kernels), with and without a threshold: the same n-best as the CuPy
+    array version."""
     import cupy
 
     from gpudecode.search import ctc_frame
 
     log_probs = random_log_probs(cupy, 64, 200, 1000, seed=3)
     lengths = np.random.default_rng(0).integers(1, 201, 64)
-    for options in (CtcPrefixOptions(beam_size=8), CtcPrefixOptions(beam_size=32, score_threshold=8.0)):
+    for options in (CtcPrefixOptions(beam_size=8), CtcPrefixOptions(beam_size=12),
+                    CtcPrefixOptions(beam_size=32, score_threshold=8.0)):
         got = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
         ctc_frame.enabled = False
         try:

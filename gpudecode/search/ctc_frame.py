@@ -149,12 +149,12 @@ enabled = True
 
 
 def use_kernel(search) -> bool:
-    """Whether ``search`` runs as ``ctc_prefix_frames`` (CuPy, no scorers, beam <= 32)."""
+    """Whether ``search`` runs as ``ctc_prefix_frames_<K>`` (CuPy, no scorers, beam <= 32)."""
     return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
 
 
 def search_kernel(search, frame_kinds: np.ndarray, exact: bool) -> None:
-    """Every frame of ``search`` (what its frame loop does) as one launch of ``ctc_prefix_frames``:
+    """Every frame of ``search`` (what its frame loop does) as one launch of ``ctc_prefix_frames_<K>``:
     a thread block per utterance, on the current stream, no host synchronisation. The lane
     state arrays are updated in place; ``frame_kinds`` is the host [T] int8 of ``_frame_kinds``."""
     from gpudecode.kernels import load_module
@@ -172,7 +172,8 @@ def search_kernel(search, frame_kinds: np.ndarray, exact: bool) -> None:
     search.unresolved = cupy.zeros((), dtype=bool)
     steps = -1 if exact or options.history_compare_steps is None else options.history_compare_steps
     threshold = options.score_threshold
-    kernel = load_module("ctc_frame", (), log_probs.device.id).get_function("ctc_prefix_frames")
+    kept = next(k for k in (8, 16, 32) if k >= layout.beam_size)  # the kernel's per-thread list
+    kernel = load_module("ctc_frame", (), log_probs.device.id).get_function(f"ctc_prefix_frames_{kept}")
     row_in_shared = vocab_size * 4 <= _MAX_ROW_BYTES
     kernel((num_utts,), (_THREADS,), (
         log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank),

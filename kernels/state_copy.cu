@@ -52,8 +52,6 @@
 // cache hint.  Everything else (dtype conversions, narrower alignment, a token whose slab address is
 // not 16-byte aligned) takes the generic per-vector path (copy_raw / copy_convert / zero_raw, widest
 // aligned unit), in a second pass over the warp's range that runs only where such tokens exist.
-// A split with several new tokens per row (split_states_staged) reads the batch's spans as runs of
-// the tensor into a shared-memory stage per warp and writes whole token states from there.
 
 #define MAX_STATE_VARIABLES 128
 #define GEOMETRY_FIELDS 8
@@ -74,12 +72,6 @@
 #endif
 #ifndef STATE_COPY_STORE_CS
 #define STATE_COPY_STORE_CS 0    // st.global.cs for the data written
-#endif
-#ifndef SPLIT_STAGE_BYTES
-#define SPLIT_STAGE_BYTES 8192   // split_states_staged: shared memory per warp (gpudecode/states/cuda.py)
-#endif
-#ifndef SPLIT_STAGED_MIN_BLOCKS_PER_SM
-#define SPLIT_STAGED_MIN_BLOCKS_PER_SM 2  // <= 128 registers
 #endif
 #define TOKENS_PER_BATCH 32
 
@@ -515,105 +507,14 @@ __device__ __forceinline__ void zero_slow(const long long* geo, unsigned long lo
 #define KIND_FAST 1
 #define KIND_SLOW 2
 
-// Split of a batch whose rows have several new tokens, staged through shared memory: the warp
-// reads the spans of `per_stage` consecutive tokens as runs of the tensor (consecutive times of a
-// row are adjacent: span q of tokens j..j+m-1 is one run of m * V vectors), transposes them in its
-// stage ([token][span][vector], the tokens' contiguous form) and writes each token's state as one
-// contiguous piece.  Lane j holds token j (slot address, 0 where the token is not on the fast
-// path; tensor address of its span (0, 0)); the token of a vector is found by shuffle.
-__device__ __forceinline__ void split_staged(const VarPlan& p, unsigned long long tensor, int n, int kind,
-                                             unsigned long long token, long long index, int lane,
-                                             uint4* __restrict__ stage) {
-    constexpr int U = STATE_COPY_UNROLL;
-    constexpr int STAGE_VECS = SPLIT_STAGE_BYTES / 16;
-    const Walk& w = p.w;
-    const int V = w.V;
-    const int token_vecs = w.total;
-    const int num_spans = token_vecs / V;
-    const long long stride_m = (long long)w.carry_iv + V;
-    const long long stride_a = (long long)w.carry_m + (long long)w.mid * stride_m;
-    const unsigned long long tok = (lane < n && kind == KIND_FAST) ? token : 0ull;
-    const unsigned long long ten = tensor + (unsigned long long)(index * p.span_bytes);
-    const int per_stage = max(1, min(n, STAGE_VECS / token_vecs));
-#pragma unroll 1
-    for (int j0 = 0; j0 < n; j0 += per_stage) {
-        const int m_tokens = min(per_stage, n - j0);
-        // read: span by span, the stage's tokens as one run
-        const int run = m_tokens * V;
-        const int dj = 32 / V, r = 32 - dj * V;
-        long long span_off = 0;  // a * stride_a + m * stride_m, in vectors
-        int m = 0;
-#pragma unroll 1
-        for (int q = 0; q < num_spans; ++q) {
-            int j = lane / V, iv = lane - (lane / V) * V;
-#pragma unroll 1
-            for (int f0 = 0; f0 < run; f0 += 32 * U) {
-                uint4 in[U];
-                int at[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int source = min(j0 + j, 31);
-                    const unsigned long long tok_j = __shfl_sync(0xffffffffu, tok, source);
-                    const unsigned long long ten_j = __shfl_sync(0xffffffffu, ten, source);
-                    const bool copy = f0 + u * 32 + lane < run && tok_j != 0ull;
-                    at[u] = copy ? j * token_vecs + q * V + iv : -1;
-                    if (copy) in[u] = load_once(reinterpret_cast<const uint4*>(ten_j) + span_off + iv);
-                    j += dj;
-                    iv += r;
-                    if (iv >= V) {
-                        iv -= V;
-                        ++j;
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (at[u] >= 0) stage[at[u]] = in[u];
-            }
-            if (++m == w.mid) {
-                m = 0;
-                span_off += stride_a - (long long)(w.mid - 1) * stride_m;
-            } else {
-                span_off += stride_m;
-            }
-        }
-        __syncwarp();
-        // write: each token's contiguous state from the stage
-        const int total = m_tokens * token_vecs;
-        const int dk = 32 / token_vecs, rk = 32 - dk * token_vecs;
-        int k = lane / token_vecs, g = lane - (lane / token_vecs) * token_vecs;
-#pragma unroll 1
-        for (int f0 = 0; f0 < total; f0 += 32 * U) {
-            uint4 out[U];
-            unsigned long long dst[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int f = f0 + u * 32 + lane;
-                const unsigned long long tok_k = __shfl_sync(0xffffffffu, tok, min(j0 + k, 31));
-                dst[u] = (f < total && tok_k != 0ull) ? tok_k + (unsigned long long)g * 16 : 0ull;
-                if (dst[u] != 0ull) out[u] = stage[f];
-                k += dk;
-                g += rk;
-                if (g >= token_vecs) {
-                    g -= token_vecs;
-                    ++k;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (dst[u] != 0ull) store_vec(reinterpret_cast<uint4*>(dst[u]), out[u]);
-        }
-        __syncwarp();
-    }
-}
-
 // The warp's tokens of one batch: lane j resolved token j (kind, token address, tensor index).  Two
 // passes keep the generic path's registers out of the fast loop: SLOW = false copies the fast
 // tokens (and zero-fills those of fast variables) and returns whether any token was left for the
 // SLOW = true pass, which a warp runs over its range again only then (never for CuPy allocations).
-template <bool TO_TENSOR, bool SLOW, bool STAGED = false>
+template <bool TO_TENSOR, bool SLOW>
 __device__ __forceinline__ bool copy_batch(const VarPlan& p, const long long* geo, unsigned long long tensor,
                                            int n, int kind, unsigned long long token, long long index,
-                                           int rows, int time, int lane, uint4* stage = nullptr) {
+                                           int rows, int time, int lane) {
     if (SLOW) {
         for (int j = 0; j < n; ++j) {
             const int kind_j = __shfl_sync(0xffffffffu, kind, j);
@@ -625,10 +526,6 @@ __device__ __forceinline__ bool copy_batch(const VarPlan& p, const long long* ge
         return false;
     }
     const bool left = __any_sync(0xffffffffu, lane < n && (kind == KIND_SLOW || (TO_TENSOR && kind == KIND_NONE && !p.fast)));
-    if (!TO_TENSOR && STAGED && p.fast && p.w.total <= SPLIT_STAGE_BYTES / 16) {
-        split_staged(p, tensor, n, kind, token, index, lane, stage);
-        return left;
-    }
     for (int j = 0; j < n;) {
         const int kind_j = __shfl_sync(0xffffffffu, kind, j);
         const unsigned long long token_j = __shfl_sync(0xffffffffu, token, j);
@@ -740,19 +637,14 @@ merge_states(const long long* __restrict__ geometry,
 }
 
 // ---- split ----------------------------------------------------------------------------------------
-// Two entry points of one body: split_states copies token by token (one new token per row: a
-// search step); split_states_staged (several new tokens per row, e.g. a prefill) goes through a
-// shared-memory stage per warp (split_staged; dynamic shared memory WARPS_PER_BLOCK *
-// SPLIT_STAGE_BYTES).  Separate kernels keep each path's registers to itself.
-template <bool STAGED>
-__device__ __forceinline__ void split_body(const long long* __restrict__ geometry,
+// grid: 1-D, sized to the resident blocks of the device; block: 32 * WARPS_PER_BLOCK threads.
+extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS_PER_SM)
+split_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
-             int capacity, const StatePointers& sources,
+             int capacity, StatePointers sources,
              int num_rows, int src_time, int num_new, int* __restrict__ new_slots,
              const int* __restrict__ free_stack, int* __restrict__ counters, unsigned char* __restrict__ allocated,
              int num_variables) {
-    extern __shared__ uint4 split_stage[];
-    uint4* stage = STAGED ? split_stage + (threadIdx.x >> 5) * (SPLIT_STAGE_BYTES / 16) : nullptr;
     const int lane = threadIdx.x & 31;
     const long long per_var = (long long)num_rows * num_new;
     // read by every thread before any block can reach the counter update below
@@ -800,8 +692,7 @@ __device__ __forceinline__ void split_body(const long long* __restrict__ geometr
                     kind = (p.fast && (token & 15ull) == 0) ? KIND_FAST : KIND_SLOW;
                 }
             }
-            left |= copy_batch<false, decltype(tag)::slow, STAGED>(p, geo, tensor, n, kind, token, index, num_rows,
-                                                                  src_time, lane, stage);
+            left |= copy_batch<false, decltype(tag)::slow>(p, geo, tensor, n, kind, token, index, num_rows, src_time, lane);
             s += n;
         }
         return left;
@@ -822,17 +713,3 @@ __device__ __forceinline__ void split_body(const long long* __restrict__ geometr
         counters[3] = 0;
     }
 }
-
-#define SPLIT_ENTRY(NAME, STAGED, MIN_BLOCKS)                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS)                        \
-    NAME(const long long* __restrict__ geometry, const unsigned long long* __restrict__ slab_table,       \
-         int chunk_stride, int slots_per_chunk, int capacity, StatePointers sources, int num_rows,         \
-         int src_time, int num_new, int* __restrict__ new_slots, const int* __restrict__ free_stack,      \
-         int* __restrict__ counters, unsigned char* __restrict__ allocated, int num_variables) {          \
-        split_body<STAGED>(geometry, slab_table, chunk_stride, slots_per_chunk, capacity, sources,        \
-                           num_rows, src_time, num_new, new_slots, free_stack, counters, allocated,        \
-                           num_variables);                                                                \
-    }
-// grid: 1-D, sized to the resident blocks of the device; block: 32 * WARPS_PER_BLOCK threads.
-SPLIT_ENTRY(split_states, false, MIN_BLOCKS_PER_SM)
-SPLIT_ENTRY(split_states_staged, true, SPLIT_STAGED_MIN_BLOCKS_PER_SM)

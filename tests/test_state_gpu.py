@@ -125,11 +125,11 @@ def test_cuda_pool_invariants_and_growth():
     ((None, None, 48), 1, 0),         # [N, T, 48]: 12 vectors, the lane walk carries
     ((2, None, 3, None, 4), 3, 1),    # layered, 1 vector per span
     ((None, 1, None, 160), 2, 0),     # 40 vectors per span: more than a warp
-    ((None, 4, None, 640), 2, 0),     # 10 KiB token states: larger than a warp's split stage
+    ((None, 4, None, 640), 2, 0),     # 10 KiB token states
 ], ids=["v2", "v16", "v12-flat", "v1-layered", "v40", "v160-large"])
 def test_split_of_several_new_tokens_equals_numpy(shape, time_axis, batch_axis):
-    """A split of several new tokens per row with 16-byte spans (split_states_staged's fast path)
-    on a fragmented pool: the stored states merge back to what the numpy manager stores, for token runs
+    """A split of several new tokens per row with 16-byte spans (the kernel's fast path) on a
+    fragmented pool: the stored states merge back to what the numpy manager stores, for token runs
     shorter than, equal to and longer than a warp's batch of 32 (batches cross rows)."""
     import cupy
 

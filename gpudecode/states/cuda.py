@@ -22,7 +22,6 @@ MAX_STATE_VARIABLES = 128  # kernels/state_copy.cu
 WARPS_PER_BLOCK = 8
 THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
 RESIDENT_BLOCKS_PER_SM = 3  # __launch_bounds__(256, MIN_BLOCKS_PER_SM): the guaranteed residency
-SPLIT_STAGE_BYTES = 8192  # SPLIT_STAGE_BYTES of kernels/state_copy.cu: split_states_staged's stage per warp
 
 DTYPE_OTHER, DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16 = 0, 1, 2, 3
 _CONVERSIONS = {
@@ -72,14 +71,13 @@ def _kernel(name: str, device_id: int):
     return load_module("state_copy", (), device_id).get_function(name)
 
 
-def _resident_blocks(kernel, device_id: int, shared_bytes: int = 0) -> int:
+def _resident_blocks(kernel, device_id: int) -> int:
     """Blocks of ``kernel`` resident per SM (the occupancy API; the launch bounds' minimum if absent)."""
     try:
         from cupy.cuda import driver
 
         with require_cupy().cuda.Device(device_id):
-            blocks = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, THREADS_PER_BLOCK,
-                                                                         shared_bytes))
+            blocks = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, THREADS_PER_BLOCK, 0))
         if blocks > 0:
             return blocks
     except Exception:  # noqa: BLE001 - an older CuPy without the occupancy call
@@ -115,15 +113,10 @@ class CudaStateCopy:
         self._pointers = np.zeros(1, dtype=_POINTERS)
         self._merge = _kernel("merge_states", device_id)
         self._split = _kernel("split_states", device_id)
-        self._split_staged = _kernel("split_states_staged", device_id)  # several new tokens per row
-        self._stage_bytes = WARPS_PER_BLOCK * SPLIT_STAGE_BYTES
-        with self.cupy.cuda.Device(device_id):
-            self._split_staged.max_dynamic_shared_size_bytes = self._stage_bytes
         # one resident wave: each warp takes an equal contiguous share of the (variable, token) copies
         self._full_grid = {
             "merge": _num_sms(device_id) * _resident_blocks(self._merge, device_id),
             "split": _num_sms(device_id) * _resident_blocks(self._split, device_id),
-            "split_staged": _num_sms(device_id) * _resident_blocks(self._split_staged, device_id, self._stage_bytes),
         }
         self.num_launches = 0  # kernel launches issued (for tests and benchmarks)
 
@@ -174,18 +167,15 @@ class CudaStateCopy:
         if num_rows * num_new == 0:
             return
         free_stack, counters, allocated = (pool.free_stack, pool.counters, pool.allocated) if allocate else (np.uint64(0),) * 3
-        staged = num_new > 1
-        kind, kernel = ("split_staged", self._split_staged) if staged else ("split", self._split)
         with on_shared_stream(self.device_id):
-            kernel(
-                self._grid(kind, num_rows * num_new), (THREADS_PER_BLOCK,),
+            self._split(
+                self._grid("split", num_rows * num_new), (THREADS_PER_BLOCK,),
                 (
                     self.geometry, pool.slab_table, np.int32(pool.chunk_stride), np.int32(pool.slots_per_chunk),
                     np.int32(pool.capacity), self._pointer_struct(sources),
                     np.int32(num_rows), np.int32(source_time), np.int32(num_new), new_slots,
                     free_stack, counters, allocated, np.int32(len(self.layouts)),
                 ),
-                shared_mem=self._stage_bytes if staged else 0,
             )
         self.num_launches += 1
 

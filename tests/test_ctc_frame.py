@@ -102,3 +102,20 @@ def test_kernel_frame_on_larger_inputs_equals_the_array_version():
         assert [[h.labels for h in n] for n in got] == [[h.labels for h in n] for n in expected]
         worst = max(abs(a.score - b.score) for n, m in zip(got, expected) for a, b in zip(n, m))
         assert worst < 1e-3, worst
+
+
+@pytest.mark.gpu
+def test_kernel_with_a_vocabulary_too_large_for_the_shared_row():
+    """V = 12,000 (the row does not fit the kernel's shared-memory stage): the kernel reads the
+    frame's log-probs from global memory and still gives the CPU's n-best."""
+    import cupy
+
+    from gpudecode.search import ctc_frame
+
+    assert 12_000 * 4 > ctc_frame._MAX_ROW_BYTES
+    log_probs = random_log_probs(np, 3, 20, 12_000, seed=4, sharpness=2.0, blank_bias=1.5)
+    lengths = np.array([20, 13, 7])
+    options = CtcPrefixOptions(beam_size=6, score_threshold=6.0)
+    expected = ctc_prefix_search(log_probs, lengths, options)
+    got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
+    assert_same_nbest(expected, got)

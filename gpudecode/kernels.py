@@ -7,6 +7,7 @@ they are package data at ``gpudecode/kernels/``.
 from __future__ import annotations
 
 import functools
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -24,12 +25,16 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"CUDA kernel sources not found in {packaged} or {checkout}")
 
 
+_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.MULTILINE)
+
+
 def kernel_source(family: str) -> str:
-    """The source text of ``kernels/<family>.cu``."""
+    """The source text of ``kernels/<family>.cu``, its ``#include "x.cuh"`` lines replaced by
+    those headers (so CuPy's compile cache, keyed on the source text, sees header changes)."""
     path = kernel_dir() / f"{family}.cu"
     if not path.is_file():
         raise FileNotFoundError(f"no kernel family {family!r}: {path} does not exist")
-    return path.read_text()
+    return _INCLUDE.sub(lambda m: (kernel_dir() / m.group(1)).read_text(), path.read_text())
 
 
 @functools.cache

@@ -25,6 +25,8 @@
 // candidates keeping its best `beam` (key, column) pairs, packed into uint64 as in top_k.cu so that
 // equal keys keep the lower column; `beam` rounds of a block maximum pick the winners in order.
 
+#include "packed_key.cuh"
+
 #define CTC_THREADS 256
 #define CTC_MAX_BEAM 32
 
@@ -37,22 +39,6 @@ __device__ __forceinline__ float log_add_exp(float x, float y) {
     if (d > 0) return x + log1pf(expf(-d));
     if (d <= 0) return y + log1pf(expf(d));
     return d;  // NaN
-}
-
-__device__ __forceinline__ unsigned long long pack_key(float key, unsigned int column) {
-    key += 0.0f;  // -0.0 -> +0.0
-    const unsigned int bits = __float_as_uint(key);
-    const unsigned int ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return ((unsigned long long)ordered << 32) | (unsigned long long)(~column);
-}
-
-__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long value) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, value, offset);
-        value = other > value ? other : value;
-    }
-    return value;
 }
 
 __device__ __forceinline__ float warp_max_f(float value) {

@@ -13,25 +13,10 @@
 // local memory; most candidates fail the comparison with the list's last entry), then k rounds of
 // a block-wide maximum over the threads' list heads emit the result in order.
 
+#include "packed_key.cuh"
+
 #define TOP_K_THREADS 256
 #define TOP_K_MAX_K 32
-
-__device__ __forceinline__ unsigned long long pack_candidate(float key, unsigned int column) {
-    if (isnan(key)) key = __int_as_float(0xff800000);  // -inf (NVRTC has no INFINITY)
-    key += 0.0f;  // -0.0 -> +0.0
-    const unsigned int bits = __float_as_uint(key);
-    const unsigned int ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return ((unsigned long long)ordered << 32) | (unsigned long long)(~column);
-}
-
-__device__ __forceinline__ unsigned long long warp_max(unsigned long long value) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, value, offset);
-        value = other > value ? other : value;
-    }
-    return value;
-}
 
 extern "C" __global__ void __launch_bounds__(TOP_K_THREADS)
 row_top_k(const float* __restrict__ keys, long long row_stride, int num_cols, int k, long long* __restrict__ out) {
@@ -43,7 +28,7 @@ row_top_k(const float* __restrict__ keys, long long row_stride, int num_cols, in
     unsigned long long best[TOP_K_MAX_K];
     for (int i = 0; i < k; ++i) best[i] = 0ull;
     for (int c = threadIdx.x; c < num_cols; c += TOP_K_THREADS) {
-        const unsigned long long candidate = pack_candidate(row[c], (unsigned int)c);
+        const unsigned long long candidate = pack_key(row[c], (unsigned int)c);
         if (candidate <= best[k - 1]) continue;
         int j = k - 1;
         while (j > 0 && best[j - 1] < candidate) {
@@ -55,10 +40,10 @@ row_top_k(const float* __restrict__ keys, long long row_stride, int num_cols, in
     int head = 0;
     for (int round = 0; round < k; ++round) {
         const unsigned long long mine = head < k ? best[head] : 0ull;
-        const unsigned long long in_warp = warp_max(mine);
+        const unsigned long long in_warp = warp_max_u64(mine);
         if (lane == 0) warp_best[warp] = in_warp;
         __syncthreads();
-        const unsigned long long winner = warp_max(lane < TOP_K_THREADS / 32 ? warp_best[lane] : 0ull);
+        const unsigned long long winner = warp_max_u64(lane < TOP_K_THREADS / 32 ? warp_best[lane] : 0ull);
         if (mine == winner && mine != 0ull) ++head;  // candidates are unique: one thread advances
         if (threadIdx.x == 0) out[(long long)blockIdx.x * k + round] = (long long)(~(unsigned int)(winner & 0xffffffffull));
         __syncthreads();  // warp_best is rewritten in the next round

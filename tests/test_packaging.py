@@ -22,6 +22,18 @@ def test_kernels_found_in_checkout():
         kernel_source("nope")
 
 
+def test_kernel_source_inlines_the_shared_headers():
+    """``#include "x.cuh"`` lines are replaced by the header (CuPy compiles the text alone)."""
+    headers = sorted(p.name for p in kernel_dir().glob("*.cuh"))
+    assert headers
+    for family in sorted(p.stem for p in kernel_dir().glob("*.cu")):
+        raw, source = (kernel_dir() / f"{family}.cu").read_text(), kernel_source(family)
+        assert '#include "' not in source, family
+        for header in headers:
+            if f'#include "{header}"' in raw:
+                assert (kernel_dir() / header).read_text() in source
+
+
 def test_import_does_not_import_cupy():
     code = "import sys, gpudecode, gpudecode.session, gpudecode.cli; print('cupy' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -40,6 +52,8 @@ def test_wheel_ships_kernels_as_package_data(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     kernels = [n for n in names if n.startswith("gpudecode/kernels/") and n.endswith(".cu")]
     assert len(kernels) == len(list((ROOT / "kernels").glob("*.cu")))
+    headers = [n for n in names if n.startswith("gpudecode/kernels/") and n.endswith(".cuh")]
+    assert len(headers) == len(list((ROOT / "kernels").glob("*.cuh")))
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = "from gpudecode.kernels import kernel_dir; print(kernel_dir())"

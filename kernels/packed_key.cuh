@@ -1,0 +1,23 @@
+// Packed (key, column) pairs for top-k selection, shared by top_k.cu and ctc_frame.cu (inlined
+// into a family's source by gpudecode/kernels.py::kernel_source).
+//
+// Layout: uint64 = ordered float32 key bits << 32 | ~column. Unsigned order of the packed value is
+// descending key, then ascending column (the stable sort's tie-break); NaN packs as -inf and -0.0
+// as +0.0. 0 is below every packed value, so it marks "no candidate".
+
+__device__ __forceinline__ unsigned long long pack_key(float key, unsigned int column) {
+    if (isnan(key)) key = __int_as_float(0xff800000);  // -inf (NVRTC has no INFINITY)
+    key += 0.0f;  // -0.0 -> +0.0
+    const unsigned int bits = __float_as_uint(key);
+    const unsigned int ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return ((unsigned long long)ordered << 32) | (unsigned long long)(~column);
+}
+
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long value) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, value, offset);
+        value = other > value ? other : value;
+    }
+    return value;
+}

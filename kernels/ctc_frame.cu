@@ -22,8 +22,9 @@
 // Per block: one thread per lane for the state and the recombination (a serial walk of the
 // emission tree per hash-equal pair); the frame's log-prob row is staged in dynamic shared memory
 // (row_in_shared, when V floats fit); every thread scans a strided share of the beam * V
-// candidates keeping its best `beam` (key, column) pairs, packed into uint64 as in top_k.cu so that
-// equal keys keep the lower column; `beam` rounds of a block maximum pick the winners in order.
+// candidates keeping its best KEPT >= beam (key, column) pairs in registers, packed into uint64
+// (packed_key.cuh) so that equal keys keep the lower column; `beam` rounds of a block maximum over
+// the threads' list heads pick the winners in order.
 
 #include "packed_key.cuh"
 

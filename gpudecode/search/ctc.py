@@ -249,17 +249,15 @@ def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node
     num_utts, beam = order.shape
     num_lanes = num_utts * beam
     node_frame = np.concatenate([[-1], np.repeat(np.asarray(node_frames, np.int64), num_lanes)])
-    # trace every lane's labels back at once, newest first
-    traced_labels, traced_frames = [], []
-    current = node.copy()
+    # every lane's emission nodes, newest first (node 0, the empty sequence, once a path has ended)
+    traced = []
+    current = node
     while (current != 0).any():
-        traced_labels.append(node_label[current])
-        traced_frames.append(node_frame[current])
+        traced.append(current)
         current = node_parent[current]
-    depth = len(traced_labels)
-    # per lane [depth] rows, oldest first; shorter sequences have -1 at the front
-    labels_by_lane = (np.stack(traced_labels[::-1], axis=1) if depth else np.zeros((num_lanes, 0), np.int64))
-    frames_by_lane = (np.stack(traced_frames[::-1], axis=1) if depth else np.zeros((num_lanes, 0), np.int64))
+    # per lane, oldest first; shorter sequences have -1 at the front (node 0's label and frame)
+    nodes_by_lane = np.stack(traced[::-1], axis=1) if traced else np.zeros((num_lanes, 0), np.int64)
+    labels_by_lane, frames_by_lane = node_label[nodes_by_lane], node_frame[nodes_by_lane]
     starts = (labels_by_lane < 0).sum(axis=1).tolist()
     labels_by_lane, frames_by_lane = labels_by_lane.tolist(), frames_by_lane.tolist()
     ranks_list = ranks.tolist()

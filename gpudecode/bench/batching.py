@@ -12,7 +12,10 @@ length-sorted (longest-first) order and keep at most K utterances in flight:
   lanes refilled at once.
 
 Reported: utterances/s of both and their ratio (continuous ÷ static), search steps, lane
-occupancy, state-pool capacity and peak live token states, CuPy pool bytes. JSON + PNG.
+occupancy, state-pool capacity and peak live token states, CuPy pool bytes, and the decoder-state
+tokens merged per run against those the histories hold (``history_padding``: how much of the
+model's self-attention input is left padding; a lane refilled mid-search sits beside long
+histories). JSON + PNG.
 
 Run: ``python -m gpudecode.bench.batching [--quick] [--output out/bench]`` (GPU), or
 ``--device cpu --quick`` for a smoke test.
@@ -124,6 +127,19 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         return original_score(ctx)
 
     decoder.score = counting_score
+    # decoder-state tokens per step: merged (T of the batched inputs x rows, padding included)
+    # and kept (the histories' own lengths; summed on the device, no synchronisation)
+    history = {"merged": 0, "kept": None}
+    original_merge = decoder.states.merge
+
+    def counting_merge(histories, **kwargs):
+        merged = original_merge(histories, **kwargs)
+        history["merged"] += int(merged.time_size) * histories.num_rows
+        kept = merged.prefix_lengths[:histories.num_rows].sum(dtype=np.int64)
+        history["kept"] = kept if history["kept"] is None else history["kept"] + kept
+        return merged
+
+    decoder.states.merge = counting_merge
     scorers = [("decoder", decoder, 1.0), ("length", TargetLengthScorer(vocab_size=reference.vocab_size), 1.0)]
     order = admission_order(inputs, "longest-first")
 
@@ -151,6 +167,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         if device == "cuda":
             xp.get_default_memory_pool().free_all_blocks()
         steps["count"] = 0
+        history.update(merged=0, kept=None)
         sync()
         wall = time.perf_counter()
         results = run()
@@ -165,6 +182,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
             "pool_capacity_slots": stats.capacity_slots, "pool_peak_live_slots": stats.peak_live_slots,
             "pool_bytes": stats.bytes,
             "cupy_pool_bytes": int(xp.get_default_memory_pool().total_bytes()) if device == "cuda" else None,
+            "history_tokens_merged": history["merged"], "history_tokens_kept": int(history["kept"]),
+            "history_padding": history["merged"] / max(int(history["kept"]), 1),
         }
     decoder.close()
     results = {
@@ -200,11 +219,13 @@ def plot_batching(results: dict, path) -> str | None:
 
 
 def format_table(results: dict) -> str:
-    lines = ["| mode | utterances/s | seconds | steps | lane occupancy | pool capacity / peak live slots |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| mode | utterances/s | seconds | steps | lane occupancy | pool capacity / peak live slots "
+             "| merged ÷ kept history tokens |",
+             "|---|---|---|---|---|---|---|"]
     for name, c in results["cells"].items():
         lines.append(f"| {name} | {c['utterances_per_s']:.1f} | {c['seconds']:.2f} | {c['steps']} | "
-                     f"{100 * c['lane_occupancy']:.0f}% | {c['pool_capacity_slots']} / {c['pool_peak_live_slots']} |")
+                     f"{100 * c['lane_occupancy']:.0f}% | {c['pool_capacity_slots']} / {c['pool_peak_live_slots']} | "
+                     f"{c['history_padding']:.2f} |")
     lines.append("")
     lines.append(f"continuous ÷ static throughput: {results['ratios']['continuous_over_static_throughput']:.3f}")
     return "\n".join(lines)

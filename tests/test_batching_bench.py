@@ -1,0 +1,23 @@
+"""The batching benchmark's bookkeeping on the CPU (a tiny decoder): both modes keep the target
+lengths, and the history-token counts agree with what the searches do."""
+
+import numpy as np
+
+from gpudecode.bench.batching import format_table, make_lengths, run_batching_bench
+
+
+def test_batching_bench_counts_steps_and_history_tokens():
+    results = run_batching_bench(num_utts=12, max_active=4, beam=2, min_labels=2, max_labels=12, device="cpu",
+                                 quick=True)
+    static, continuous = results["cells"]["static"], results["cells"]["continuous"]
+    assert continuous["steps"] < static["steps"]  # refilled lanes: fewer steps for the same labels
+    _, targets = make_lengths(12, 2, 12)
+    for cell in (static, continuous):
+        # every step merges at least the histories' own tokens, padding on top
+        assert cell["history_tokens_merged"] >= cell["history_tokens_kept"] > 0
+        assert cell["history_padding"] == cell["history_tokens_merged"] / cell["history_tokens_kept"]
+        # kept tokens: each step's histories hold one token per label emitted so far by every lane
+        assert cell["history_tokens_kept"] >= int(targets.sum())
+    assert "merged ÷ kept history tokens" in format_table(results)
+    assert np.isclose(results["ratios"]["continuous_over_static_throughput"],
+                      continuous["utterances_per_s"] / static["utterances_per_s"])

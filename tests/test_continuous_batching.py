@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpudecode.backend import to_host
 from gpudecode.scorers import UtteranceBatch
 from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer, RecurrentLmScorer
 from gpudecode.scorers.prefix_lm import PrefixLmScorer
@@ -285,3 +286,27 @@ def test_cuda_prefix_lm_two_thousand_utterances_pool_stays_bounded():
     sample = [0, 1, 777, 1999]
     expected = alone(lambda: [("lm", prefix_lm(pair), 1.0)], cpu_batch.select(sample), options)
     assert_same(expected, [got[u] for u in sample])
+
+
+def test_each_chunk_pads_only_to_its_own_longest_history():
+    """With max_batch_size chunks, a model call's history axis is its rows' longest history, not
+    the whole batch's (refilled lanes sit beside long histories); results stay the same."""
+    pair = build_prefix_lm(3)
+    batch = prefix_batch(0, [5, 2, 7, 4, 3, 6])
+    options = LabelSyncOptions(beam_size=3, sentence_end=EOS, max_labels_per_input=1.5)
+    expected = alone(lambda: [("lm", prefix_lm(pair), 1.0)], batch, options)
+    scorer = prefix_lm(pair, max_batch_size=3)
+    calls = []
+    original = scorer.states.merge
+
+    def recording_merge(histories, **kwargs):
+        merged = original(histories, **kwargs)
+        calls.append((int(merged.time_size), int(np.asarray(to_host(histories.lengths)).max(initial=0)),
+                      histories.width))
+        return merged
+
+    scorer.states.merge = recording_merge
+    got = label_sync_search([("lm", scorer, 1.0)], batch, options, max_active_utterances=2)
+    assert_same(expected, got)
+    assert calls and all(time_size == longest for time_size, longest, _ in calls)
+    assert any(time_size < width for time_size, _, width in calls), "no chunk was shorter than the table"

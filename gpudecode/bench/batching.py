@@ -82,9 +82,11 @@ def make_lengths(num_utts: int, min_labels: int, max_labels: int, seed: int = 0)
 
 def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
                        max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
-                       quick: bool = False, output_dir=None, cuda_graphs: bool = False) -> dict:
+                       quick: bool = False, output_dir=None, cuda_graphs: bool = False,
+                       max_batch_size: int | None = None) -> dict:
     """Runs both modes in one process (after a warm-up); returns (and writes) the results.
-    ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes."""
+    ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
+    ``max_batch_size``: lanes per decoder call (the scorer's chunks; default all lanes)."""
     from gpudecode.backend import array_module, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
@@ -116,7 +118,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     manager = "transformer-cuda" if device == "cuda" else "transformer-cpu"
     decoder = OnnxDecoderScorer(model=session, vocab_size=reference.vocab_size, start_labels=[BOS],
                                 state_manager=StateManagerOptions(type=manager, slots_per_chunk=16384),
-                                graphs=GraphOptions(enabled=cuda_graphs))
+                                graphs=GraphOptions(enabled=cuda_graphs), max_batch_size=max_batch_size)
     options = LabelSyncOptions(beam_size=beam, sentence_end=EOS, max_labels_per_input=8.0,
                                max_labels=max_labels + 1)
     steps = {"count": 0}
@@ -188,7 +190,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     decoder.close()
     results = {
         "benchmark": "batching",
-        "config": {**dims, "device": device, "cuda_graphs": cuda_graphs, "utterances": num_utts, "max_active_utterances": max_active,
+        "config": {**dims, "device": device, "cuda_graphs": cuda_graphs, "max_batch_size": max_batch_size,
+                   "utterances": num_utts, "max_active_utterances": max_active,
                    "beam": beam, "output_labels": [min_labels, max_labels], "encoder_length": encoder_length,
                    "order": "longest-first by input length (both runs)",
                    "input_output_length_correlation": float(np.corrcoef(inputs, targets)[0, 1])},

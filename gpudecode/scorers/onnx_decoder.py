@@ -299,11 +299,26 @@ class OnnxDecoderScorer(LabelScorer):
         chunk = self.max_batch_size or num_lanes
         return [(start, slice(start, min(start + chunk, num_lanes))) for start in range(0, num_lanes, chunk)]
 
+    def _chunk_time_sizes(self, ctx: DecoderContext, chunks) -> list[int | None]:
+        """Per chunk, the longest history its rows keep, so that each model call pads only to
+        its own rows (one small transfer for all chunks); None (the table width) for one chunk."""
+        if len(chunks) == 1 or self.states.family != "transformer":
+            return [None] * len(chunks)
+        xp, lengths = self.states.xp, ctx.histories.lengths
+        size = chunks[0][1].stop - chunks[0][1].start
+        padded = xp.zeros(len(chunks) * size, dtype=lengths.dtype)
+        padded[:lengths.shape[0]] = lengths
+        maxima = to_host(padded.reshape(len(chunks), size).max(axis=1))
+        limit = min(ctx.histories.width, self.states._max_history)
+        return [min(int(m), limit) for m in maxima]
+
     def score(self, ctx: DecoderContext):
         """[N, V] float32 log-probabilities of the next label for every lane."""
         scores, slots = [], []
-        for _, rows in self._chunks():
-            s, n = self._run(ctx, rows) if self._graphs is None else self._run_bucketed(ctx, rows)
+        chunks = self._chunks()
+        for (_, rows), time_size in zip(chunks, self._chunk_time_sizes(ctx, chunks)):
+            s, n = (self._run(ctx, rows, time_size) if self._graphs is None
+                    else self._run_bucketed(ctx, rows, time_size))
             scores.append(s)
             slots.append(n)
         xp = self.states.xp
@@ -312,12 +327,12 @@ class OnnxDecoderScorer(LabelScorer):
         result = scores[0] if len(scores) == 1 else out_xp.concatenate(scores)
         return result
 
-    def _run(self, ctx: DecoderContext, rows: slice):
+    def _run(self, ctx: DecoderContext, rows: slice, time_size: int | None = None):
         xp, spec = self.states.xp, self.spec
         histories = ctx.histories
         if rows != slice(0, self.layout.num_lanes):
             histories = StateHistory(table=histories.table[rows], lengths=histories.lengths[rows])
-        merged = self.states.merge(histories)
+        merged = self.states.merge(histories, time_size=time_size)
         labels = ctx.next_labels[rows].astype(self._label_dtype)[:, None]
         feeds = dict(merged.inputs)
         names = spec.hypothesis_inputs

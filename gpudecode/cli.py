@@ -200,7 +200,8 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
 @click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
 @click.option("--cuda-graphs", is_flag=True, help="Decoder step as CUDA graphs in both modes (batching-graphs.json).")
 @click.option("--max-batch-size", type=int, default=None,
-              help="Lanes per decoder call (each call pads to its own longest history); default: all lanes.")
+              help="Lanes per decoder call (each call pads to its own longest history; "
+                   "batching-calls<N>.json); default: all lanes.")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,
                    max_batch_size: int | None) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""

@@ -199,7 +199,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         "ratios": {"continuous_over_static_throughput":
                    cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
     }
-    return write_results(results, output_dir, "batching-graphs" if cuda_graphs else "batching", plot_batching)
+    name = "batching" + ("-graphs" if cuda_graphs else "") + (f"-calls{max_batch_size}" if max_batch_size else "")
+    return write_results(results, output_dir, name, plot_batching)
 
 
 def plot_batching(results: dict, path) -> str | None:

@@ -18,6 +18,7 @@
 //   node_parent, node_label [1 + full frames * N] int64: the emission tree; the k-th full frame's
 //               nodes are 1 + k * N + lane, written for every lane
 //   unresolved  [1] uint8: set to 1 when a hash-equal pair stays undecided after compare_steps
+//   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
 //
 // Per block: one thread per lane for the state and the recombination (a serial walk of the
 // emission tree per hash-equal pair); the frame's log-prob row is staged in dynamic shared memory

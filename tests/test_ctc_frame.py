@@ -1,7 +1,6 @@
 """The fused CTC frame step: the per-utterance reference (the kernel's algorithm) against the
 array version of the prefix beam search, and the CUDA kernel against both (GPU)."""
 
-
 import numpy as np
 import pytest
 

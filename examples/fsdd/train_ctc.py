@@ -146,60 +146,74 @@ def main(argv=None) -> None:
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
     schedule = noam_schedule(optimiser, args.warmup_steps)
     ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
+
+    def batch_loss(ids):
+        x, x_len, y, y_len = collate(train_feats, train_labels, ids, args.device)
+        log_probs, out_len = model(x, x_len)
+        loss = ctc(log_probs.transpose(0, 1), y, out_len, y_len)
+        return loss, loss
+
+    train_epochs(args, list(model.parameters()), optimiser, schedule, [f.shape[0] for f in train_feats], batch_loss,
+                 lambda: evaluate(model, dev_feats, dev_labels, args.batch_frames, args.device, blank),
+                 lambda: {"model": "ctc", "options": opts.to_dict(), "state_dict": model.state_dict()})
+
+
+def train_epochs(args, params, optimiser, schedule, train_lengths, batch_loss, evaluate_dev, checkpoint, *,
+                 evaluate_first: bool = False) -> None:
+    """The epoch loop of the FSDD trainers: batches of ``--batch-frames`` frames, one optimiser
+    step each (``batch_loss(ids)`` -> (loss to minimise, loss to log), both summed over the
+    batch; gradients of ``params`` clipped to ``--grad-clip``), a train-loss record every
+    ``--log-every`` steps, a dev record (``evaluate_dev()``) per epoch (and before the first
+    with ``evaluate_first``), ``--exp``/checkpoint.pt (``checkpoint()`` + vocabulary, front end,
+    epoch, step and the dev figures) at each new best dev loss, and ``--max-minutes``. Records go
+    to stdout and ``--exp``/log.jsonl."""
     args.exp.mkdir(parents=True, exist_ok=True)
-    with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:
-        train(args, model, optimiser, schedule, ctc, blank, log,
-              (train_feats, train_labels), (dev_feats, dev_labels), opts)
-
-
-def train(args, model, optimiser, schedule, ctc, blank, log, train_data, dev_data, opts) -> None:
-    train_feats, train_labels = train_data
-    dev_feats, dev_labels = dev_data
     rng = random.Random(args.seed)
     started = time.perf_counter()
     best_dev_loss, step, out_of_time = float("inf"), 0, False
-    train_lengths = [f.shape[0] for f in train_feats]
-    for epoch in range(1, args.epochs + 1):
-        window_loss, window_utts = 0.0, 0
-        for ids in batches(train_lengths, args.batch_frames, rng):
-            x, x_len, y, y_len = collate(train_feats, train_labels, ids, args.device)
-            log_probs, out_len = model(x, x_len)
-            loss = ctc(log_probs.transpose(0, 1), y, out_len, y_len)
-            optimiser.zero_grad()
-            (loss / len(ids)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimiser.step()
-            schedule.step()
-            step += 1
-            window_loss, window_utts = window_loss + loss.item(), window_utts + len(ids)
-            minutes = (time.perf_counter() - started) / 60
-            if step % args.log_every == 0:
-                record = {"step": step, "epoch": epoch, "minutes": round(minutes, 2),
-                          "train_loss": round(window_loss / window_utts, 3),
-                          "lr": schedule.get_last_lr()[0]}
-                print(json.dumps(record), flush=True)
-                log.write(json.dumps(record) + "\n")
-                window_loss, window_utts = 0.0, 0
-            if args.max_minutes is not None and minutes >= args.max_minutes:
-                out_of_time = True
+    with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:
+
+        def write(record):
+            print(json.dumps(record), flush=True)
+            log.write(json.dumps(record) + "\n")
+
+        def dev_record(epoch):
+            result = evaluate_dev()
+            write({"epoch": epoch, "step": step, "minutes": round((time.perf_counter() - started) / 60, 2),
+                   **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}})
+            return result
+
+        if evaluate_first:
+            dev_record(0)
+        for epoch in range(1, args.epochs + 1):
+            window_loss, window_utts = 0.0, 0
+            for ids in batches(train_lengths, args.batch_frames, rng):
+                loss, logged = batch_loss(ids)
+                optimiser.zero_grad()
+                (loss / len(ids)).backward()
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+                optimiser.step()
+                schedule.step()
+                step += 1
+                window_loss, window_utts = window_loss + logged.item(), window_utts + len(ids)
+                minutes = (time.perf_counter() - started) / 60
+                if step % args.log_every == 0:
+                    write({"step": step, "epoch": epoch, "minutes": round(minutes, 2),
+                           "train_loss": round(window_loss / window_utts, 3), "lr": schedule.get_last_lr()[0]})
+                    window_loss, window_utts = 0.0, 0
+                if args.max_minutes is not None and minutes >= args.max_minutes:
+                    out_of_time = True
+                    break
+            result = dev_record(epoch)
+            log.flush()
+            if result["dev_loss"] < best_dev_loss:
+                best_dev_loss = result["dev_loss"]
+                torch.save({**checkpoint(), "vocabulary": list(VOCABULARY),
+                            "front_end": json.loads((args.data / "front_end.json").read_text()),
+                            "epoch": epoch, "step": step, **result}, args.exp / "checkpoint.pt")
+            if out_of_time:
+                print(f"stopped after {args.max_minutes} minutes", flush=True)
                 break
-        result = evaluate(model, dev_feats, dev_labels, args.batch_frames, args.device, blank)
-        record = {"epoch": epoch, "step": step,
-                  "minutes": round((time.perf_counter() - started) / 60, 2),
-                  **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}}
-        print(json.dumps(record), flush=True)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        if result["dev_loss"] < best_dev_loss:
-            best_dev_loss = result["dev_loss"]
-            torch.save({"model": "ctc", "options": opts.to_dict(), "state_dict": model.state_dict(),
-                        "vocabulary": list(VOCABULARY),
-                        "front_end": json.loads((args.data / "front_end.json").read_text()),
-                        "epoch": epoch, "step": step, **result},
-                       args.exp / "checkpoint.pt")
-        if out_of_time:
-            print(f"stopped after {args.max_minutes} minutes", flush=True)
-            break
 
 
 if __name__ == "__main__":

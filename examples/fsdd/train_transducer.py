@@ -17,10 +17,7 @@ exported. Writes ``--exp``/checkpoint.pt (the best dev transducer loss) and ``--
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -43,7 +40,7 @@ from fsdd_models import (
     prefixed_state,
     rnnt_loss,
 )
-from train_ctc import batches, collate, edit_distance
+from train_ctc import batches, collate, edit_distance, train_epochs
 
 #: loss and greedy decoding's labels per frame of each topology
 TOPOLOGIES = {"one-symbol": (one_symbol_rnnt_loss, 1), "standard": (rnnt_loss, 3)}
@@ -162,64 +159,25 @@ def main(argv=None) -> None:
     optimiser = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.98))
     schedule = noam_schedule(optimiser, args.warmup_steps)
     ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
-    args.exp.mkdir(parents=True, exist_ok=True)
     loss_fn = TOPOLOGIES[args.topology][0]
-    rng = random.Random(args.seed)
-    started = time.perf_counter()
-    best_dev_loss, step, out_of_time = float("inf"), 0, False
-    train_lengths = [f.shape[0] for f in train_feats]
-    with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:
-        result = evaluate(model, dev_feats, dev_labels, args.batch_frames, blank, args.topology)
-        record = {"epoch": 0, "step": 0, "minutes": round((time.perf_counter() - started) / 60, 2),
-                  **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}}
-        print(json.dumps(record), flush=True)
-        log.write(json.dumps(record) + "\n")
-        for epoch in range(1, args.epochs + 1):
-            window_loss, window_utts = 0.0, 0
-            for ids in batches(train_lengths, args.batch_frames, rng):
-                x, x_len, y_flat, y_len = collate(train_feats, train_labels, ids, "cpu")
-                y = padded_labels(train_labels, ids)
-                states, out_len = model.encoder(x, x_len)
-                log_probs = model.joint.grid(states, model.prediction(y))
-                loss = loss_fn(log_probs, y, out_len, y_len, blank).sum()
-                total = loss
-                if args.ctc_weight > 0:
-                    ctc_lp = ctc_head(states).log_softmax(-1)
-                    total = (1 - args.ctc_weight) * loss + args.ctc_weight * ctc(ctc_lp.transpose(0, 1), y_flat,
-                                                                                  out_len, y_len)
-                optimiser.zero_grad()
-                (total / len(ids)).backward()
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-                optimiser.step()
-                schedule.step()
-                step += 1
-                window_loss, window_utts = window_loss + loss.item(), window_utts + len(ids)
-                minutes = (time.perf_counter() - started) / 60
-                if step % args.log_every == 0:
-                    record = {"step": step, "epoch": epoch, "minutes": round(minutes, 2),
-                              "train_loss": round(window_loss / window_utts, 3), "lr": schedule.get_last_lr()[0]}
-                    print(json.dumps(record), flush=True)
-                    log.write(json.dumps(record) + "\n")
-                    window_loss, window_utts = 0.0, 0
-                if args.max_minutes is not None and minutes >= args.max_minutes:
-                    out_of_time = True
-                    break
-            result = evaluate(model, dev_feats, dev_labels, args.batch_frames, blank, args.topology)
-            record = {"epoch": epoch, "step": step, "minutes": round((time.perf_counter() - started) / 60, 2),
-                      **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}}
-            print(json.dumps(record), flush=True)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            if result["dev_loss"] < best_dev_loss:
-                best_dev_loss = result["dev_loss"]
-                torch.save({"model": "transducer", "options": opts.to_dict(), "state_dict": model.state_dict(),
-                            "vocabulary": list(VOCABULARY),
-                            "topology": args.topology,
-                            "front_end": json.loads((args.data / "front_end.json").read_text()),
-                            "epoch": epoch, "step": step, **result}, args.exp / "checkpoint.pt")
-            if out_of_time:
-                print(f"stopped after {args.max_minutes} minutes", flush=True)
-                break
+
+    def batch_loss(ids):
+        x, x_len, y_flat, y_len = collate(train_feats, train_labels, ids, "cpu")
+        y = padded_labels(train_labels, ids)
+        states, out_len = model.encoder(x, x_len)
+        log_probs = model.joint.grid(states, model.prediction(y))
+        loss = loss_fn(log_probs, y, out_len, y_len, blank).sum()
+        total = loss
+        if args.ctc_weight > 0:
+            ctc_lp = ctc_head(states).log_softmax(-1)
+            total = (1 - args.ctc_weight) * loss + args.ctc_weight * ctc(ctc_lp.transpose(0, 1), y_flat, out_len, y_len)
+        return total, loss
+
+    train_epochs(args, params, optimiser, schedule, [f.shape[0] for f in train_feats], batch_loss,
+                 lambda: evaluate(model, dev_feats, dev_labels, args.batch_frames, blank, args.topology),
+                 lambda: {"model": "transducer", "options": opts.to_dict(), "state_dict": model.state_dict(),
+                          "topology": args.topology},
+                 evaluate_first=True)
 
 
 if __name__ == "__main__":

@@ -23,22 +23,14 @@ inspect`` reads both models.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from export_ctc import padded_batch
-from export_transducer import export
-from fsdd_common import (
-    DEFAULT_DATA_DIR,
-    LICENSE_NOTE,
-    RECIPE_DIR,
-    load_hdf5_split,
-    resolve,
-)
+from fsdd_export import export, padded_batch, parse_export_args
+from fsdd_common import LICENSE_NOTE, load_hdf5_split
 from fsdd_models import AedModel, AedOptions
 from train_aed import decoder_io
 
@@ -74,22 +66,8 @@ class OnnxDecoderStep(torch.nn.Module):
         return tuple(out)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=RECIPE_DIR / "exp" / "aed" / "checkpoint.pt")
-    p.add_argument("--output-dir", type=Path, default=None, help="default: the checkpoint's folder")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="dev features for the checks")
-    p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--num-check-utterances", type=int, default=8)
-    args = p.parse_args(argv)
-    args.checkpoint, args.data = resolve(args.checkpoint), resolve(args.data)
-    args.output_dir = resolve(args.output_dir) if args.output_dir else args.checkpoint.parent
-    return args
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_export_args(argv, __doc__, "aed", output=None, data_help="dev features for the checks")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # gpudecode from this checkout
     import onnxruntime as ort
 

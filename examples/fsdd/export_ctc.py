@@ -13,20 +13,14 @@ reads the model. The vocabulary is written beside the model (``--output`` with `
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from fsdd_common import (
-    DEFAULT_DATA_DIR,
-    LICENSE_NOTE,
-    RECIPE_DIR,
-    load_hdf5_split,
-    resolve,
-)
+from fsdd_common import LICENSE_NOTE, load_hdf5_split
+from fsdd_export import export, padded_batch, parse_export_args
 from fsdd_models import CtcModel, EncoderOptions
 
 INPUT_NAMES = ["features", "features-size"]
@@ -46,34 +40,10 @@ class OnnxCtc(torch.nn.Module):
         return log_probs, sizes.int()
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=RECIPE_DIR / "exp" / "ctc" / "checkpoint.pt")
-    p.add_argument("--output", type=Path, default=None,
-                   help="ONNX file (default: ctc-encoder.onnx beside the checkpoint)")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR,
-                   help="make_data.py's --out (dev features for the checks)")
-    p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--num-check-utterances", type=int, default=8)
-    args = p.parse_args(argv)
-    args.checkpoint, args.data = resolve(args.checkpoint), resolve(args.data)
-    args.output = resolve(args.output) if args.output else args.checkpoint.parent / "ctc-encoder.onnx"
-    return args
-
-
-def padded_batch(feats: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.array([f.shape[0] for f in feats], dtype=np.int32)
-    x = np.zeros((len(feats), lengths.max(), feats[0].shape[1]), dtype=np.float32)
-    for i, f in enumerate(feats):
-        x[i, : f.shape[0]] = f
-    return x, lengths
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_export_args(argv, __doc__, "ctc", output="ctc-encoder.onnx",
+                             data_help="make_data.py's --out (dev features for the checks)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # gpudecode from this checkout
-    import onnx
     import onnxruntime as ort
 
     from gpudecode.inspect import describe_model
@@ -88,24 +58,14 @@ def main(argv=None) -> None:
     feats = dev_feats[: args.num_check_utterances]
     x, lengths = padded_batch(feats)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        torch.onnx.export(
-            wrapper, (torch.from_numpy(x), torch.from_numpy(lengths)), str(args.output),
-            input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, opset_version=args.opset,
-            dynamic_axes={"features": {0: "batch", 1: "time"}, "features-size": {0: "batch"},
-                          "log-probs": {0: "batch", 1: "encoder-time"},
-                          "log-probs-size": {0: "batch"}},
-            dynamo=False)
-    proto = onnx.load(str(args.output))
     metadata = {"license": LICENSE_NOTE, "vocabulary": json.dumps(ckpt["vocabulary"]),
                 "front_end": json.dumps(ckpt["front_end"]), "model": "fsdd ctc encoder",
                 "options": json.dumps(ckpt["options"]),
-                "trained": json.dumps({k: ckpt.get(k) for k in ("epoch", "step", "dev_loss",
-                                                                "dev_wer")})}
-    for key, value in metadata.items():
-        proto.metadata_props.add(key=key, value=value)
-    onnx.checker.check_model(proto)
-    onnx.save(proto, str(args.output))
+                "trained": json.dumps({k: ckpt.get(k) for k in ("epoch", "step", "dev_loss", "dev_wer")})}
+    export(wrapper, (torch.from_numpy(x), torch.from_numpy(lengths)), args.output, INPUT_NAMES, OUTPUT_NAMES,
+           {"features": {0: "batch", 1: "time"}, "features-size": {0: "batch"},
+            "log-probs": {0: "batch", 1: "encoder-time"}, "log-probs-size": {0: "batch"}},
+           metadata, args.opset)
     vocab_path = args.output.with_name(args.output.stem + "-vocab.txt")
     vocab_path.write_text("\n".join(ckpt["vocabulary"]) + "\n", encoding="utf-8")
 

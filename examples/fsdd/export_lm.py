@@ -14,14 +14,14 @@ Checks: onnxruntime, run step by step, matches PyTorch's sequence log-probs on d
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from fsdd_common import DEFAULT_DATA_DIR, RECIPE_DIR, read_text, resolve
+from fsdd_common import read_text
+from fsdd_export import export, parse_export_args
 from fsdd_models import LstmLm, LstmLmOptions
 from train_lm import batch_tensors, sentences_of
 
@@ -49,25 +49,10 @@ def state_names(num_layers: int) -> list[str]:
     return [f"lstm-{k}-{i}" for i in range(num_layers) for k in "hc"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=RECIPE_DIR / "exp" / "lm" / "checkpoint.pt")
-    p.add_argument("--output", type=Path, default=None,
-                   help="ONNX file (default: lstm-lm.onnx beside the checkpoint)")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="dev sentences for the checks")
-    p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--num-check-sentences", type=int, default=32)
-    args = p.parse_args(argv)
-    args.checkpoint, args.data = resolve(args.checkpoint), resolve(args.data)
-    args.output = resolve(args.output) if args.output else args.checkpoint.parent / "lstm-lm.onnx"
-    return args
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_export_args(argv, __doc__, "lm", output="lstm-lm.onnx", data_help="dev sentences for the checks",
+                             checked="sentences", num_checked=32)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # gpudecode from this checkout
-    import onnx
     import onnxruntime as ort
 
     from gpudecode.inspect import describe_model
@@ -82,24 +67,14 @@ def main(argv=None) -> None:
     n, hid = 3, opts.hidden_dim
     example = (torch.zeros(n, 1, dtype=torch.int32), *(torch.zeros(n, hid) for _ in names))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        torch.onnx.export(
-            step, example, str(args.output), input_names=["token", *names],
-            output_names=["scores", *(f"new-{s}" for s in names)], opset_version=args.opset,
-            dynamic_axes={name: {0: "batch"} for name in ["token", *names, "scores", *(f"new-{s}" for s in names)]},
-            dynamo=False)
-    proto = onnx.load(str(args.output))
-    for output in proto.graph.output[1:]:  # state outputs: [batch, H] (the exporter names dim 1 oddly)
-        output.type.tensor_type.shape.dim[1].Clear()
-        output.type.tensor_type.shape.dim[1].dim_value = hid
+    outputs = ["scores", *(f"new-{s}" for s in names)]
     metadata = {f"STATE_{s}": f"new-{s}" for s in names}
     metadata.update({"license": LM_LICENSE_NOTE, "vocabulary": json.dumps(ckpt["vocabulary"]),
                      "model": "fsdd lstm lm", "options": json.dumps(ckpt["options"]),
                      "trained": json.dumps({k: ckpt.get(k) for k in ("epoch", "dev_ppl")})})
-    for key, value in metadata.items():
-        proto.metadata_props.add(key=key, value=value)
-    onnx.checker.check_model(proto)
-    onnx.save(proto, str(args.output))
+    export(step, example, args.output, ["token", *names], outputs,
+           {name: {0: "batch"} for name in ["token", *names, *outputs]}, metadata, args.opset,
+           fixed_dims={name: [None, hid] for name in outputs[1:]})  # state outputs: [batch, H]
 
     # onnxruntime step by step (a batch of sentences, padded) vs PyTorch's sequence model
     sentences = sentences_of(list(read_text(args.data / "dev" / "text").values())[: args.num_check_sentences])

@@ -22,7 +22,6 @@ model as a RASR step model with four KV state variables on time axis 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from export_lm import LM_LICENSE_NOTE
-from export_transducer import export
-from fsdd_common import DEFAULT_DATA_DIR, RECIPE_DIR, read_text, resolve
+from fsdd_common import read_text
+from fsdd_export import export, parse_export_args
 from train_lm import batch_tensors, sentences_of
 from train_tlm import TransformerLm, TransformerLmOptions
 
@@ -53,21 +52,6 @@ class OnnxTlmStep(torch.nn.Module):
         return tuple(out)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=RECIPE_DIR / "exp" / "tlm" / "checkpoint.pt")
-    p.add_argument("--output", type=Path, default=None,
-                   help="ONNX file (default: transformer-lm.onnx beside the checkpoint)")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="dev sentences for the checks")
-    p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--num-check-sentences", type=int, default=32)
-    args = p.parse_args(argv)
-    args.checkpoint, args.data = resolve(args.checkpoint), resolve(args.data)
-    args.output = resolve(args.output) if args.output else args.checkpoint.parent / "transformer-lm.onnx"
-    return args
-
-
 def step_by_step(session, x: np.ndarray, past_names: list[str], state_shape: tuple[int, int], pad: int,
                  rng: np.random.Generator) -> np.ndarray:
     """onnxruntime log-probs (B, L, V): tokens ``x`` (B, L) fed one per step, the history
@@ -84,7 +68,8 @@ def step_by_step(session, x: np.ndarray, past_names: list[str], state_shape: tup
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_export_args(argv, __doc__, "tlm", output="transformer-lm.onnx",
+                             data_help="dev sentences for the checks", checked="sentences", num_checked=32)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # gpudecode from this checkout
     import onnx
     import onnxruntime as ort

@@ -22,21 +22,14 @@ prediction network step by step, joint network), and ``gpudecode inspect`` reads
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from export_ctc import padded_batch
-from fsdd_common import (
-    DEFAULT_DATA_DIR,
-    LICENSE_NOTE,
-    RECIPE_DIR,
-    load_hdf5_split,
-    resolve,
-)
+from fsdd_export import export, padded_batch, parse_export_args
+from fsdd_common import LICENSE_NOTE, load_hdf5_split
 from fsdd_models import TransducerModel, TransducerOptions
 
 
@@ -72,41 +65,8 @@ class OnnxJoint(torch.nn.Module):
         return self.joint(encoder_frame, prediction)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=RECIPE_DIR / "exp" / "transducer" / "checkpoint.pt")
-    p.add_argument("--output-dir", type=Path, default=None, help="default: the checkpoint's folder")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="dev features for the checks")
-    p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--num-check-utterances", type=int, default=8)
-    args = p.parse_args(argv)
-    args.checkpoint, args.data = resolve(args.checkpoint), resolve(args.data)
-    args.output_dir = resolve(args.output_dir) if args.output_dir else args.checkpoint.parent
-    return args
-
-
-def export(module, example, path: Path, inputs: list[str], outputs: list[str], dynamic: dict, metadata: dict,
-           opset: int, fixed_dims: dict[str, list[int]] | None = None) -> None:
-    import onnx
-
-    with torch.no_grad():
-        torch.onnx.export(module, example, str(path), input_names=inputs, output_names=outputs,
-                          opset_version=opset, dynamic_axes=dynamic, dynamo=False)
-    proto = onnx.load(str(path))
-    for output in proto.graph.output:  # the exporter gives some static dims odd symbolic names
-        for axis, value in enumerate((fixed_dims or {}).get(output.name, [])):
-            if value is not None:
-                output.type.tensor_type.shape.dim[axis].Clear()
-                output.type.tensor_type.shape.dim[axis].dim_value = value
-    for key, value in metadata.items():
-        proto.metadata_props.add(key=key, value=value)
-    onnx.checker.check_model(proto)
-    onnx.save(proto, str(path))
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_export_args(argv, __doc__, "transducer", output=None, data_help="dev features for the checks")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # gpudecode from this checkout
     import onnxruntime as ort
 

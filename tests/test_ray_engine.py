@@ -179,7 +179,11 @@ def stop_after(count: int):
 
 def test_two_ray_workers_give_the_single_process_output(cluster, data, tmp_path):
     folder, configs = data
-    result = decode(configs[3], "--engine", "ray", "--workers", "2", "--output", tmp_path / "ray")
+    # shards slow enough (~1 s each) that the later of the two actors to start still gets some:
+    # with 10 ms steps the first one ready could take all four before the other had loaded
+    slow = len(yaml.safe_load(configs[3].read_text())["scorers"]) - 1
+    result = decode(configs[3], "--engine", "ray", "--workers", "2", "--output", tmp_path / "ray",
+                    "-o", f"scorers[{slow}].options.seconds=0.05")
     assert result.exit_code == 0, result.output
     assert_identical(tmp_path / "ray", folder / "local3")
     got, _ = records(tmp_path / "ray")

@@ -77,3 +77,30 @@ def test_kernel_selection_equals_the_cpu_search(case, monkeypatch):
                                    models.joint("cuda"), options, xp=cupy)
         monkeypatch.setattr(transducer_step, "enabled", True)
         assert_same_nbest(expected, arrays)
+
+
+@pytest.mark.gpu
+def test_kernel_selection_on_larger_inputs_equals_the_array_version():
+    """8 utterances x 30 frames, vocabulary 300, beams 8, 12 and 32 (the 8-, 16- and 32-entry
+    kernels), two symbols per frame, with and without a threshold: the same n-best as the CuPy
+    array version."""
+    import cupy
+
+    from gpudecode.search import transducer_step
+
+    models = make_models(7, 300, sharpness=2.0)
+    states = cupy.asarray(random_encoder_states(7, 8, 30))
+    lengths = np.random.default_rng(0).integers(1, 31, 8)
+    for options in (TransducerOptions(beam_size=8, max_symbols_per_frame=2),
+                    TransducerOptions(beam_size=12, max_symbols_per_frame=2),
+                    TransducerOptions(beam_size=32, max_symbols_per_frame=2, score_threshold=6.0)):
+        got = transducer_search(states, lengths, models.prediction("cuda"), models.joint("cuda"), options, xp=cupy)
+        transducer_step.enabled = False
+        try:
+            expected = transducer_search(states, lengths, models.prediction("cuda"), models.joint("cuda"), options,
+                                         xp=cupy)
+        finally:
+            transducer_step.enabled = True
+        assert [[h.labels for h in n] for n in got] == [[h.labels for h in n] for n in expected]
+        worst = max(abs(a.score - b.score) for n, m in zip(got, expected) for a, b in zip(n, m))
+        assert worst < 1e-3, worst

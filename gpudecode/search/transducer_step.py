@@ -144,3 +144,41 @@ enabled = True
 def use_kernel(search) -> bool:
     """Whether ``search``'s selection runs as ``transducer_select_<K>`` (CuPy, no scorers, beam <= 32)."""
     return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
+
+
+def select_kernel(search, t: int, s: int, forced: bool, logp, exact: bool):
+    """``search._select(...)`` as one launch of ``transducer_select_<K>``: a thread block per
+    utterance, on the current stream, no host synchronisation. The lane state arrays are updated
+    in place; returns (parents, labels, alive, emitted) [N] on the device."""
+    from gpudecode.kernels import load_module
+    from gpudecode.search.ctc import _HASH_MULTIPLIER
+
+    cupy = search.xp
+    options, layout = search.options, search.layout
+    num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+    logp = cupy.ascontiguousarray(logp, dtype=np.float32)
+    vocab_size = int(logp.shape[1])
+    base = search._new_nodes(t)
+    state = [cupy.ascontiguousarray(getattr(search, name)) for name in _STATE]
+    state[1] = state[1].astype(bool, copy=False)
+    parents = cupy.empty(num_lanes, dtype=np.int64)
+    labels = cupy.empty(num_lanes, dtype=np.int64)
+    alive = cupy.empty(num_lanes, dtype=bool)
+    emitted = cupy.empty(num_lanes, dtype=bool)
+    if search.unresolved.ndim != 0 or search.unresolved.dtype != bool:
+        search.unresolved = cupy.asarray(search.unresolved, dtype=bool).reshape(())
+    steps = -1 if exact or options.history_compare_steps is None else options.history_compare_steps
+    threshold = options.score_threshold
+    kept = next(k for k in (8, 16, 32) if k >= beam)  # the kernel's per-thread list
+    kernel = load_module("transducer_step", (), logp.device.id).get_function(f"transducer_select_{kept}")
+    kernel((num_utts,), (_THREADS,), (
+        logp, np.int32(vocab_size), np.int32(options.blank), np.int32(beam),
+        state[0], state[1].view(np.uint8), *state[2:], search.node_parent, search.node_label, np.int64(base),
+        np.int32(s > 0), np.int32(bool(forced)), np.int32(steps), np.int32(threshold is not None),
+        np.float32(threshold or 0), np.int32(options.recombination == "max"), np.int64(_HASH_MULTIPLIER),
+        np.int64(options.hash_modulus), parents, labels, alive.view(np.uint8), emitted.view(np.uint8),
+        search.unresolved.view(np.uint8),
+    ))
+    for name, array in zip(_STATE, state):
+        setattr(search, name, array)
+    return parents, labels, alive, emitted

@@ -28,26 +28,10 @@
 // the threads' list heads pick the winners in order.
 
 #include "packed_key.cuh"
+#include "search_math.cuh"
 
 #define CTC_THREADS 256
 #define CTC_MAX_BEAM 32
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// numpy's npy_logaddexpf
-__device__ __forceinline__ float log_add_exp(float x, float y) {
-    if (x == y) return x + 0.693147180559945309417f;
-    const float d = x - y;
-    if (d > 0) return x + log1pf(expf(-d));
-    if (d <= 0) return y + log1pf(expf(d));
-    return d;  // NaN
-}
-
-__device__ __forceinline__ float warp_max_f(float value) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-    return value;
-}
 
 struct Lanes {  // one utterance's lanes
     float blank[CTC_MAX_BEAM], label[CTC_MAX_BEAM];
@@ -154,18 +138,10 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             for (int i = 0; i < beam; ++i) {
                 if (!(cur.hash[i] == cur.prev_hash[j] && cur.length[i] + 1 == cur.length[j]
                       && s_total[i] > neg_inf() && s_total[j] > neg_inf())) continue;
-                long long a = cur.node[i], b = node_j;
-                bool equal = a == b, pending = a != b;
-                for (int step = 0; pending && (compare_steps < 0 || step < compare_steps); ++step) {
-                    pending = node_label[a] == node_label[b];
-                    a = node_parent[a];
-                    b = node_parent[b];
-                    if (pending && a == b) {
-                        equal = true;
-                        pending = false;
-                    }
-                }
-                undecided_any |= pending;
+                bool undecided;
+                const bool equal = paths_equal(cur.node[i], node_j, node_label, node_parent, compare_steps,
+                                               &undecided);
+                undecided_any |= undecided;
                 if (equal && !matched) {
                     match = i;
                     matched = true;

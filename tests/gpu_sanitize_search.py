@@ -1,4 +1,4 @@
-"""Exercises the search kernels (kernels/top_k.cu, kernels/ctc_frame.cu) for compute-sanitizer,
+"""Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu) for compute-sanitizer,
 with CuPy's memory pool disabled. Run on the GPU machine::
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
@@ -21,7 +21,7 @@ cupy.cuda.set_allocator(None)
 cupy.cuda.set_pinned_memory_allocator(None)
 
 from gpudecode.bench.ctc import random_log_probs  # noqa: E402
-from gpudecode.search import CtcPrefixOptions, ctc_prefix_search  # noqa: E402
+from gpudecode.search import CtcPrefixOptions, TransducerOptions, ctc_prefix_search, transducer_search  # noqa: E402
 from gpudecode.search.topk import top_k_indices  # noqa: E402
 
 
@@ -41,6 +41,19 @@ def main() -> int:
         got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
         if [[h.labels for h in n] for n in got] != [[h.labels for h in n] for n in expected]:
             print(f"MISMATCH: CTC prefix search {options}", file=sys.stderr)
+            return 2
+    from tests.test_transducer_search import make_models, random_encoder_states
+
+    models = make_models(3, 5, sharpness=2.0)
+    states = random_encoder_states(3, 3, 7)
+    lengths = np.array([7, 4, 0])
+    for options in (TransducerOptions(beam_size=4, max_symbols_per_frame=2),
+                    TransducerOptions(beam_size=12, hash_modulus=3, score_threshold=3.0)):
+        expected = transducer_search(states, lengths, models.prediction(), models.joint(), options)
+        got = transducer_search(cupy.asarray(states), lengths, models.prediction("cuda"), models.joint("cuda"),
+                                options, xp=cupy)
+        if [[h.labels for h in n] for n in got] != [[h.labels for h in n] for n in expected]:
+            print(f"MISMATCH: transducer search {options}", file=sys.stderr)
             return 2
     cupy.cuda.runtime.deviceSynchronize()
     print("gpu_sanitize_search: all results matched")

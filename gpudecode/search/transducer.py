@@ -53,6 +53,7 @@ from gpudecode import defaults
 from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
+from gpudecode.search import transducer_step
 from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, emission_tree_nbest, same_label_paths
 from gpudecode.search.options import check_frames, check_time_sync_options, coerce_ints, option_error
 from gpudecode.scorers.transducer import PredictionNetwork
@@ -330,6 +331,49 @@ class _TransducerSearch:
         if self.rescore:
             self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
 
+        if transducer_step.use_kernel(self):  # CuPy without scorers: the selection in one launch
+            parents, labels, alive_new, emitted = transducer_step.select_kernel(self, t, s, forced, logp, exact)
+        else:
+            parents, labels, alive_new, emitted = self._select(t, s, forced, logp, exact)
+        is_stay = ~emitted
+        any_emitted, any_active = (bool(v) for v in _to_host(emitted.any(), (alive_new & ~self.done).any()))
+        step_labels = xp.where(emitted, labels, -1)
+
+        # the prediction network: new vectors for the lanes that emitted
+        if any_emitted:
+            self.pred_ctx = self.prediction.extend(self.pred_ctx, self.pred_lane[parents], step_labels)
+            self.pred_lane = lanes.copy()
+            new_out = _on_xp(xp, self.prediction.output(self.pred_ctx)).astype(np.float32, copy=False)
+            self.pred_out = xp.where(emitted[:, None], new_out, self.pred_out[parents])
+        else:
+            self.pred_lane = self.pred_lane[parents]
+            self.pred_out = self.pred_out[parents]
+
+        if self.entries:
+            safe_labels = xp.where(is_stay, 0, labels)
+            self.cache = [c[parents] for c in self.cache]
+            gained = xp.stack([xp.where(is_stay, np.float32(0), c[lanes, safe_labels]) for c in self.cache])
+            self.lm_scores = self.lm_scores[:, parents] + gained
+            scorer_parents = self.scorer_lane[parents]
+            if self.cache_enabled and not any_emitted:
+                self.scorer_lane = scorer_parents
+            else:
+                if self.cache_enabled:
+                    self.changed = self.changed[parents] | emitted
+                transitions = xp.where(emitted, int(Transition.LABEL), int(Transition.BLANK))
+                self.contexts = [e.scorer.extend_transitions(c, scorer_parents, step_labels, transitions)
+                                 for e, c in zip(self.entries, self.contexts)]
+                self.scorer_lane = lanes.copy()
+                self.rescore = True
+        return any_active
+
+    def _select(self, t: int, s: int, forced: bool, logp, exact: bool):
+        """The candidates of one symbol step (stays, emissions, recombination), the best ``beam``
+        per utterance and the new lane state; returns (parents, labels, alive, emitted) [N]."""
+        xp, options, layout = self.xp, self.options, self.layout
+        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
+        blank, lanes = options.blank, self.lanes
+        vocab_size = logp.shape[1]
         alive = self.score > _NEG_INF
         active = alive & ~self.done
         # stay candidates (one per lane, done afterwards): blank of active lanes, done lanes as they are
@@ -407,36 +451,7 @@ class _TransducerSearch:
                              (self.hash[parents] * _HASH_MULTIPLIER + labels + 1) % options.hash_modulus)
         self.last = xp.where(is_stay, self.last[parents], labels)
         self.length = self.length[parents] + emitted
-        any_emitted, any_active = (bool(v) for v in _to_host(emitted.any(), (alive_new & ~self.done).any()))
-        step_labels = xp.where(emitted, labels, -1)
-
-        # the prediction network: new vectors for the lanes that emitted
-        if any_emitted:
-            self.pred_ctx = self.prediction.extend(self.pred_ctx, self.pred_lane[parents], step_labels)
-            self.pred_lane = lanes.copy()
-            new_out = _on_xp(xp, self.prediction.output(self.pred_ctx)).astype(np.float32, copy=False)
-            self.pred_out = xp.where(emitted[:, None], new_out, self.pred_out[parents])
-        else:
-            self.pred_lane = self.pred_lane[parents]
-            self.pred_out = self.pred_out[parents]
-
-        if self.entries:
-            safe_labels = xp.where(is_stay, 0, labels)
-            self.cache = [c[parents] for c in self.cache]
-            gained = xp.stack([xp.where(is_stay, np.float32(0), c[lanes, safe_labels]) for c in self.cache])
-            self.lm_scores = self.lm_scores[:, parents] + gained
-            scorer_parents = self.scorer_lane[parents]
-            if self.cache_enabled and not any_emitted:
-                self.scorer_lane = scorer_parents
-            else:
-                if self.cache_enabled:
-                    self.changed = self.changed[parents] | emitted
-                transitions = xp.where(emitted, int(Transition.LABEL), int(Transition.BLANK))
-                self.contexts = [e.scorer.extend_transitions(c, scorer_parents, step_labels, transitions)
-                                 for e, c in zip(self.entries, self.contexts)]
-                self.scorer_lane = lanes.copy()
-                self.rescore = True
-        return any_active
+        return parents, labels, alive_new, emitted
 
     def _check_vocabulary(self, vocab_size: int) -> None:
         options = self.options

@@ -1,0 +1,106 @@
+"""The fused transducer selection: the per-utterance reference (the kernel's algorithm) against
+the array version of the search's selection, and the CUDA kernel against both (GPU)."""
+
+import numpy as np
+import pytest
+
+from gpudecode.search import TransducerOptions, transducer_search
+from gpudecode.search import transducer as transducer_module
+from gpudecode.search.transducer_step import select_reference
+from tests.test_ctc_search import assert_same_nbest
+from tests.test_transducer_search import make_models, random_encoder_states
+
+CASES = [
+    dict(beam_size=1),
+    dict(beam_size=4),
+    dict(beam_size=4, max_symbols_per_frame=2),
+    dict(beam_size=5, max_symbols_per_frame=3, recombination="max"),
+    dict(beam_size=6, max_symbols_per_frame=2, score_threshold=2.0),
+    dict(beam_size=6, max_symbols_per_frame=2, hash_modulus=3),                                # collisions
+    dict(beam_size=6, max_symbols_per_frame=2, hash_modulus=1, history_compare_steps=0),       # exact rerun
+    dict(beam_size=4, max_symbols_per_frame=2, blank=2),
+]
+
+
+def _case_id(case):
+    return ",".join(f"{k}={v}" for k, v in case.items())
+
+
+def _inputs(seed: int, vocab_size: int = 5):
+    models = make_models(seed, vocab_size, sharpness=2.0)
+    encoder_states = random_encoder_states(seed, 4, 9)
+    lengths = np.array([9, 5, 1, 0])
+    return models, encoder_states, lengths
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_selection_equals_the_array_selection(case, seed, monkeypatch):
+    options = TransducerOptions(**case)
+    models, encoder_states, lengths = _inputs(seed)
+    expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+    calls = []
+
+    def reference(search, t, s, forced, logp, exact):
+        calls.append((t, s))
+        return select_reference(search, t, s, forced, logp, exact)
+
+    monkeypatch.setattr(transducer_module._TransducerSearch, "_select", reference)
+    got = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+    assert calls, "the reference selection never ran"
+    assert any(s > 0 for _, s in calls) == (options.max_symbols_per_frame > 1)
+    assert_same_nbest(expected, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kernel_selection_equals_the_cpu_search(case, monkeypatch):
+    """CuPy without scorers selects each symbol step in one transducer_select_<K> launch; the
+    n-best equal the numpy search's (and the CuPy array version's)."""
+    import cupy
+
+    from gpudecode.search import transducer_step
+
+    launches = []
+    original = transducer_step.select_kernel
+    monkeypatch.setattr(transducer_step, "select_kernel", lambda *a: launches.append(a[2]) or original(*a))
+    options = TransducerOptions(**case)
+    for seed in range(2):
+        models, encoder_states, lengths = _inputs(seed)
+        expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+        got = transducer_search(cupy.asarray(encoder_states), lengths, models.prediction("cuda"),
+                                models.joint("cuda"), options, xp=cupy)
+        assert launches, "the kernel did not run"
+        assert_same_nbest(expected, got)
+        monkeypatch.setattr(transducer_step, "enabled", False)
+        arrays = transducer_search(cupy.asarray(encoder_states), lengths, models.prediction("cuda"),
+                                   models.joint("cuda"), options, xp=cupy)
+        monkeypatch.setattr(transducer_step, "enabled", True)
+        assert_same_nbest(expected, arrays)
+
+
+@pytest.mark.gpu
+def test_kernel_selection_on_larger_inputs_equals_the_array_version():
+    """8 utterances x 30 frames, vocabulary 300, beams 8, 12 and 32 (the 8-, 16- and 32-entry
+    kernels), two symbols per frame, with and without a threshold: the same n-best as the CuPy
+    array version."""
+    import cupy
+
+    from gpudecode.search import transducer_step
+
+    models = make_models(7, 300, sharpness=2.0)
+    states = cupy.asarray(random_encoder_states(7, 8, 30))
+    lengths = np.random.default_rng(0).integers(1, 31, 8)
+    for options in (TransducerOptions(beam_size=8, max_symbols_per_frame=2),
+                    TransducerOptions(beam_size=12, max_symbols_per_frame=2),
+                    TransducerOptions(beam_size=32, max_symbols_per_frame=2, score_threshold=6.0)):
+        got = transducer_search(states, lengths, models.prediction("cuda"), models.joint("cuda"), options, xp=cupy)
+        transducer_step.enabled = False
+        try:
+            expected = transducer_search(states, lengths, models.prediction("cuda"), models.joint("cuda"), options,
+                                         xp=cupy)
+        finally:
+            transducer_step.enabled = True
+        assert [[h.labels for h in n] for n in got] == [[h.labels for h in n] for n in expected]
+        worst = max(abs(a.score - b.score) for n, m in zip(got, expected) for a, b in zip(n, m))
+        assert worst < 1e-3, worst

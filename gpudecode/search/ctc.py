@@ -86,7 +86,7 @@ class CtcPrefixOptions:
     - ``history_compare_steps``: label-history comparisons per frame for pairs whose hashes
       match but whose emission nodes differ; pairs still undecided after that many steps make
       the search run again with the comparison taken to the end (with host synchronisation).
-      None: always to the end.
+      None: always to the end. The fused CuPy kernel (no scorers) always compares to the end.
     """
 
     beam_size: int
@@ -341,7 +341,7 @@ class _PrefixSearch:
             self.rescore = bool(self.entries)  # host: some lane's context is new
 
             if ctc_frame.use_kernel(self):  # CuPy without scorers: all frames in one launch
-                ctc_frame.search_kernel(self, frame_kinds, exact)
+                ctc_frame.search_kernel(self, frame_kinds)
             else:
                 for t, kind in enumerate(frame_kinds.tolist()):
                     if kind == 1:

@@ -153,10 +153,12 @@ def use_kernel(search) -> bool:
     return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
 
 
-def search_kernel(search, frame_kinds: np.ndarray, exact: bool) -> None:
+def search_kernel(search, frame_kinds: np.ndarray) -> None:
     """Every frame of ``search`` (what its frame loop does) as one launch of ``ctc_prefix_frames_<K>``:
     a thread block per utterance, on the current stream, no host synchronisation. The lane
-    state arrays are updated in place; ``frame_kinds`` is the host [T] int8 of ``_frame_kinds``."""
+    state arrays are updated in place; ``frame_kinds`` is the host [T] int8 of ``_frame_kinds``.
+    Hash-equal pairs are compared to the end in the kernel (``history_compare_steps`` is for the
+    array version), so the kernel never makes the search run again."""
     from gpudecode.kernels import load_module
     from gpudecode.search.ctc import _HASH_MULTIPLIER
 
@@ -170,7 +172,7 @@ def search_kernel(search, frame_kinds: np.ndarray, exact: bool) -> None:
     search.node_frames = np.flatnonzero(kinds == 2).tolist()
     state = [cupy.ascontiguousarray(getattr(search, name)) for name in _STATE]
     search.unresolved = cupy.zeros((), dtype=bool)
-    steps = -1 if exact or options.history_compare_steps is None else options.history_compare_steps
+    steps = -1  # the kernel walks hash-equal pairs to the end: it never leaves one undecided
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= layout.beam_size)  # the kernel's per-thread list
     kernel = load_module("ctc_frame", (), log_probs.device.id).get_function(f"ctc_prefix_frames_{kept}")

@@ -332,7 +332,7 @@ class _TransducerSearch:
             self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
 
         if transducer_step.use_kernel(self):  # CuPy without scorers: the selection in one launch
-            parents, labels, alive_new, emitted = transducer_step.select_kernel(self, t, s, forced, logp, exact)
+            parents, labels, alive_new, emitted = transducer_step.select_kernel(self, t, s, forced, logp)
         else:
             parents, labels, alive_new, emitted = self._select(t, s, forced, logp, exact)
         is_stay = ~emitted

@@ -146,10 +146,11 @@ def use_kernel(search) -> bool:
     return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
 
 
-def select_kernel(search, t: int, s: int, forced: bool, logp, exact: bool):
+def select_kernel(search, t: int, s: int, forced: bool, logp):
     """``search._select(...)`` as one launch of ``transducer_select_<K>``: a thread block per
     utterance, on the current stream, no host synchronisation. The lane state arrays are updated
-    in place; returns (parents, labels, alive, emitted) [N] on the device."""
+    in place; returns (parents, labels, alive, emitted) [N] on the device. Hash-equal pairs are
+    compared to the end in the kernel, so it never makes the search run again."""
     from gpudecode.kernels import load_module
     from gpudecode.search.ctc import _HASH_MULTIPLIER
 
@@ -167,7 +168,7 @@ def select_kernel(search, t: int, s: int, forced: bool, logp, exact: bool):
     emitted = cupy.empty(num_lanes, dtype=bool)
     if search.unresolved.ndim != 0 or search.unresolved.dtype != bool:
         search.unresolved = cupy.asarray(search.unresolved, dtype=bool).reshape(())
-    steps = -1 if exact or options.history_compare_steps is None else options.history_compare_steps
+    steps = -1  # the kernel walks hash-equal pairs to the end: it never leaves one undecided
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= beam)  # the kernel's per-thread list
     kernel = load_module("transducer_step", (), logp.device.id).get_function(f"transducer_select_{kept}")

@@ -232,8 +232,10 @@ def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams
 @click.option("--encoder-frames", type=int, default=1000, show_default=True, help="Input frames per utterance.")
 @click.option("--beams", default="1,4,8", show_default=True, help="Comma-separated.")
 @click.option("--max-symbols-per-frame", type=int, default=1, show_default=True)
-def bench_transducer(output: str, utterances: int, encoder_frames: int, beams: str, max_symbols_per_frame: int) -> None:
+@click.option("--repeats", type=int, default=1, show_default=True, help="Timed runs per cell; the fastest counts.")
+def bench_transducer(output: str, utterances: int, encoder_frames: int, beams: str, max_symbols_per_frame: int,
+                     repeats: int) -> None:
     """Transducer search frames/s at several beams and end-to-end beam 8 ÷ greedy (pinned encoder)."""
     _run_bench("transducer", "run_transducer_bench", num_utts=utterances,
                encoder_frames=encoder_frames, beams=_int_list(beams),
-               max_symbols_per_frame=max_symbols_per_frame, output_dir=output)
+               max_symbols_per_frame=max_symbols_per_frame, repeats=repeats, output_dir=output)

@@ -3,13 +3,18 @@ the same bytes, measured in the same run, on a fragmented pool; and the CUDA sta
 per search step against the CPU manager's (host merge + upload, download + host split).
 
 GB/s count bytes read + bytes written. Times are CUDA-event times (medians over ``repeats``) for
-the kernels, wall times for whole steps. Results: a dict, written as JSON (+ a PNG plot).
+the kernels, wall times for whole steps. The GB/s figures time the GPU alone: each timed call is
+queued behind a 2 ms GPU delay (``kernels/bench_delay.cu``, nvbench's blocking kernel), so the
+host's launch preparation (argument checks, slot booking, pointer tables) overlaps the delay
+instead of leaving the GPU idle between the events; ``*_launch_s`` are the same calls timed
+without it. Results: a dict, written as JSON (+ a PNG plot).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +38,26 @@ def _variables(layers: int, heads: int, head_dim: int, dtype) -> list[StateVaria
     ]
 
 
-def _event_times(cupy, stream, fn, repeats: int, warmup: int, before=None) -> float:
-    """Median seconds of ``fn`` between two CUDA events on ``stream`` (``before`` runs untimed)."""
+GPU_DELAY_NS = 2_000_000  # longer than any timed call's host preparation
+
+
+def _gpu_delay(cupy, stream, nanoseconds: int) -> None:
+    from gpudecode.kernels import load_module
+
+    kernel = load_module("bench_delay", (), cupy.cuda.Device().id).get_function("gpu_delay")
+    kernel((1,), (1,), (np.uint64(nanoseconds),), stream=stream)
+
+
+def _event_times(cupy, stream, fn, repeats: int, warmup: int, before=None, hide_launch: bool = True) -> float:
+    """Median seconds of ``fn`` between two CUDA events on ``stream`` (``before`` runs untimed);
+    with ``hide_launch`` the events and ``fn``'s work are queued behind a GPU delay."""
     times = []
     for i in range(warmup + repeats):
         if before is not None:
             before()
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        if hide_launch:
+            _gpu_delay(cupy, stream, GPU_DELAY_NS)
         start.record(stream)
         fn()
         end.record(stream)
@@ -87,14 +105,16 @@ def _gpu_cell(cupy, stream, variables, num_rows, history, *, storage_dtype, repe
     out = {layout.name: cupy.empty(layout.tensor_shape(num_rows, history), dtype=layout.model_dtype)
            for layout in manager.layouts}
     prefix = cupy.empty(num_rows, dtype=np.int32)
-    merge_s = _event_times(cupy, stream, lambda: manager.merge(histories, out=out, prefix_lengths_out=prefix),
-                           repeats, warmup)
+    merge = lambda: manager.merge(histories, out=out, prefix_lengths_out=prefix)  # noqa: E731
+    merge_s = _event_times(cupy, stream, merge, repeats, warmup)
+    merge_launch_s = _event_times(cupy, stream, merge, repeats, warmup, hide_launch=False)
     # baseline: one device-to-device copy of the same number of bytes, in the same run
     src = cupy.empty(payload, dtype=np.uint8)
     dst = cupy.empty(payload, dtype=np.uint8)
-    copy_s = _event_times(cupy, stream, lambda: dst.data.copy_from_device_async(src.data, payload, stream), repeats,
-                          warmup)
-    del src, dst  # free the baseline's buffers before the split's slots are allocated
+    copy = partial(dst.data.copy_from_device_async, src.data, payload, stream)
+    copy_s = _event_times(cupy, stream, copy, repeats, warmup)
+    copy_launch_s = _event_times(cupy, stream, copy, repeats, warmup, hide_launch=False)
+    del copy, src, dst  # free the baseline's buffers before the split's slots are allocated
     # split: the merged tensors back into N x T new (scattered) slots
     sources = {layout.variable.output_name: out[layout.name] for layout in manager.layouts}
 
@@ -102,8 +122,9 @@ def _gpu_cell(cupy, stream, variables, num_rows, history, *, storage_dtype, repe
         manager.retain(histories)
         pool.shuffle_free_slots(seed + 1)
 
-    split_s = _event_times(cupy, stream, lambda: manager.split(sources, num_new_tokens=history), repeats, warmup,
-                           before=fresh_pool)
+    split = lambda: manager.split(sources, num_new_tokens=history)  # noqa: E731
+    split_s = _event_times(cupy, stream, split, repeats, warmup, before=fresh_pool)
+    split_launch_s = _event_times(cupy, stream, split, repeats, warmup, before=fresh_pool, hide_launch=False)
     manager.retain(histories)
     # one search step: merge + split of one new token + extend + retain
     step_outputs = {
@@ -126,6 +147,11 @@ def _gpu_cell(cupy, stream, variables, num_rows, history, *, storage_dtype, repe
         "merge_s": merge_s,
         "split_s": split_s,
         "copy_s": copy_s,
+        "merge_launch_s": merge_launch_s,
+        "split_launch_s": split_launch_s,
+        "copy_launch_s": copy_launch_s,
+        "merge_over_copy_launch": copy_launch_s / merge_launch_s,
+        "split_over_copy_launch": copy_launch_s / split_launch_s,
         "merge_gbps": (stored + payload) / merge_s / 1e9,
         "split_gbps": (stored + payload) / split_s / 1e9,
         "copy_gbps": 2 * payload / copy_s / 1e9,
@@ -205,7 +231,8 @@ def run_state_copy_bench(
         "config": {
             "layers": layers, "heads": heads, "head_dim": head_dim, "state_variables": len(variables),
             "dtype": dtype, "storage_dtype": storage_dtype or dtype, "bytes_per_token_state": token_bytes,
-            "pool": "fragmented (shuffled free list)", "repeats": repeats, "timing": "CUDA events, median",
+            "pool": "fragmented (shuffled free list)", "repeats": repeats, "timing": "CUDA events, median; GB/s behind a 2 ms GPU delay (launch preparation hidden), "
+                      "*_launch_s without it",
             "gbps": "(bytes read + bytes written) / time",
         },
         "cells": [],
@@ -263,13 +290,15 @@ def plot_state_copy(results: dict, path: str | Path) -> str | None:
 def format_table(results: dict) -> str:
     """A Markdown table of the cells (for the README)."""
     lines = [
-        "| hypotheses | history | states GB | merge GB/s | split GB/s | copy GB/s | merge÷copy | split÷copy | CPU÷CUDA step |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| hypotheses | history | states GB | merge GB/s | split GB/s | copy GB/s | merge÷copy | split÷copy "
+        "| with launch: merge÷copy | split÷copy | CPU÷CUDA step |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in results["cells"]:
         cpu = f"{c['cpu_over_cuda_step']:.1f}" if "cpu_over_cuda_step" in c else "–"
         lines.append(
             f"| {c['hypotheses']} | {c['history']} | {c['state_bytes'] / 1e9:.2f} | {c['merge_gbps']:.0f} | "
-            f"{c['split_gbps']:.0f} | {c['copy_gbps']:.0f} | {c['merge_over_copy']:.2f} | {c['split_over_copy']:.2f} | {cpu} |"
+            f"{c['split_gbps']:.0f} | {c['copy_gbps']:.0f} | {c['merge_over_copy']:.2f} | {c['split_over_copy']:.2f} | "
+            f"{c['merge_over_copy_launch']:.2f} | {c['split_over_copy_launch']:.2f} | {cpu} |"
         )
     return "\n".join(lines)

@@ -169,11 +169,14 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @click.option("--labels", "num_labels", type=int, default=50, show_default=True, help="Output labels per utterance.")
 @click.option("--quick", is_flag=True, help="A small decoder (for a smoke test), not the reference sizes.")
 @click.option("--cuda-graphs", is_flag=True, help="Run the CUDA-manager cells with CUDA graphs (decode-graphs.json).")
+@click.option("--utterance-rows", type=click.Choice(["utterance", "lane"]), default="utterance", show_default=True,
+              help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
-                 cuda_graphs: bool) -> None:
+                 cuda_graphs: bool, utterance_rows: str) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
-               num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs)
+               num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
+               utterance_rows=utterance_rows)
 
 
 @bench.command("graphs")
@@ -202,11 +205,14 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
 @click.option("--max-batch-size", type=int, default=None,
               help="Lanes per decoder call (each call pads to its own longest history; "
                    "batching-calls<N>.json); default: all lanes.")
+@click.option("--utterance-rows", type=click.Choice(["utterance", "lane"]), default="utterance", show_default=True,
+              help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,
-                   max_batch_size: int | None) -> None:
+                   max_batch_size: int | None, utterance_rows: str) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""
     _run_bench("batching", "run_batching_bench", num_utts=utterances, max_active=max_active,
-               beam=beam, quick=quick, output_dir=output, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size)
+               beam=beam, quick=quick, output_dir=output, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,
+               utterance_rows=utterance_rows)
 
 
 @bench.command("ctc")

@@ -166,8 +166,12 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
-                     cuda_graphs: bool = False) -> dict:
+                     cuda_graphs: bool = False, utterance_rows: str = "utterance") -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
+
+    ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
+    (each beam attends to its utterance's row) or, with "lane", one row per hypothesis (results
+    as ``decode[-graphs]-lane.json``).
 
     ``cuda_graphs``: the CUDA-manager cells run the decoder step as CUDA graphs (results as
     ``decode-graphs.json``); the CPU-manager baseline cannot be captured and runs plain.
@@ -182,7 +186,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
     if quick:
         dims = dict(vocab_size=1000, model_dim=128, num_layers=2, num_heads=4, ffn_dim=256)
-    reference = build_transformer_decoder(0, max_positions=num_labels + 8, **dims)
+    reference = build_transformer_decoder(0, max_positions=num_labels + 8, utterance_rows=utterance_rows, **dims)
     session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=False))
     cuda_session, graphs = session, None
     if cuda_graphs:
@@ -194,6 +198,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     fixed = dict(encoder_length=encoder_length, num_labels=num_labels)
     results = {"benchmark": "decode", "config": {**dims, "encoder_length": encoder_length, "num_labels": num_labels,
                                                  "utterances": num_utts, "cross_attention": "precomputed",
+                                                 "utterance_rows": utterance_rows,
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
                                                  "timing": "fastest of 3 searches (CPU manager: 1)"},
@@ -215,7 +220,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         "host_cpu_per_extra_step_4096_over_64": (large["host_cpu_ms_per_extra_step"]
                                                  / beam1["host_cpu_ms_per_extra_step"]),
     }
-    return write_results(results, output_dir, "decode-graphs" if cuda_graphs else "decode", plot_decode)
+    name = ("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
+    return write_results(results, output_dir, name, plot_decode)
 
 
 def plot_decode(results: dict, path) -> str | None:

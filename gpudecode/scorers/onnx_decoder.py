@@ -1,8 +1,9 @@
 """``onnx-decoder`` and ``recurrent-lm``: a stateful ONNX step model behind a state manager.
 
 One scorer runs an attention decoder (per-utterance inputs such as precomputed cross-attention
-keys/values, written once per lane at admission), a decoder-only transformer LM or an LSTM LM, in
-the RASR or the Hugging Face convention. Per step: merge the lanes' histories into the model's
+keys/values, written once at admission: per lane, or once per utterance when the model declares
+``PER_UTTERANCE_ROWS=utterance``), a decoder-only transformer LM or an LSTM LM, in the RASR or the
+Hugging Face convention. Per step: merge the lanes' histories into the model's
 state inputs, run the model once (or once per ``max_batch_size`` chunk), split the new token states
 into the pool; ``extend`` chains them onto the surviving lanes and frees everything else.
 """
@@ -125,7 +126,9 @@ class OnnxDecoderScorer(LabelScorer):
         )
         self._label_dtype = self.session.tensors.input(self.spec.hypothesis_inputs[
             "token" if self.spec.convention == "rasr" else "input_ids"]).dtype
-        self._lane_inputs: dict[str, Any] = {}  # per-utterance inputs laid out per lane
+        self._lane_inputs: dict[str, Any] = {}  # per-utterance inputs, a row per lane (or utterance)
+        # one row per utterance: the model attends each group of beam rows to its utterance's row
+        self._grouped = self.spec.utterance_rows == "utterance" and bool(self.spec.utterance_inputs)
         self._xp = array_module(self.session.provider)  # where the model's inputs live
         self.graph_options = graphs
         self._graphs = None
@@ -156,8 +159,9 @@ class OnnxDecoderScorer(LabelScorer):
         # lane inputs hold rows for the largest padded chunk (CUDA graphs bind whole buckets)
         lane_rows = layout.num_lanes
         if self._graphs is not None:
-            lane_rows = max(start + bucket_rows(rows.stop - rows.start, self.graph_options.min_rows)
-                            for start, rows in self._chunks())
+            lane_rows = max(start + self._padded_rows(rows.stop - rows.start) for start, rows in self._chunks())
+        if self._grouped:
+            lane_rows //= layout.beam_size
         if lane_rows != getattr(self, "_lane_rows", None):
             self._lane_inputs = {}
             self._static = {}  # its views would keep the old lane buffers alive
@@ -182,7 +186,7 @@ class OnnxDecoderScorer(LabelScorer):
         from the sizes when nobody brings it; ``encoder-states-size`` always is.
         """
         produced = produced or {}
-        lanes = self._xp.asarray(self.layout.lanes_of(groups))
+        lanes = self._xp.asarray(np.asarray(groups, dtype=np.int64) if self._grouped else self.layout.lanes_of(groups))
         size_name = self.io_map.get("encoder-states-size", "encoder-states-size")
         sizes_source, mask_input, time_size = None, None, None
         for u in self.spec.utterance_inputs:
@@ -224,9 +228,10 @@ class OnnxDecoderScorer(LabelScorer):
         return u.source or u.name
 
     def _write_lanes(self, name: str, data, lanes, time_axis: int | None) -> None:
-        """buffer[lanes] = each utterance's data repeated beam times; buffers grow by rounding up."""
+        """buffer[lanes] = each utterance's data repeated beam times (once per utterance row when
+        grouped: ``lanes`` are then the groups); buffers grow by rounding up."""
         xp, beam = self._xp, self.layout.beam_size
-        rows = xp.repeat(data, beam, axis=0)
+        rows = data if self._grouped else xp.repeat(data, beam, axis=0)
         buffer = self._lane_inputs.get(name)
         shape = list(rows.shape)
         shape[0] = self._lane_rows
@@ -294,10 +299,28 @@ class OnnxDecoderScorer(LabelScorer):
         return context
 
     def _chunks(self):
-        """(start, rows) of the model calls of one step: a few, never one per hypothesis."""
-        num_lanes = self.layout.num_lanes
+        """(start, rows) of the model calls of one step: a few, never one per hypothesis. With one
+        input row per utterance a chunk holds whole utterances (``max_batch_size`` rounded down
+        to a multiple of the beam, at least one utterance)."""
+        num_lanes, beam = self.layout.num_lanes, self.layout.beam_size
         chunk = self.max_batch_size or num_lanes
+        if self._grouped:
+            chunk = max(beam, chunk // beam * beam)
         return [(start, slice(start, min(start + chunk, num_lanes))) for start in range(0, num_lanes, chunk)]
+
+    def _padded_rows(self, num_rows: int) -> int:
+        """The row bucket of a call of ``num_rows`` rows (whole utterances when grouped)."""
+        if not self._grouped:
+            return bucket_rows(num_rows, self.graph_options.min_rows)
+        beam = self.layout.beam_size
+        return beam * bucket_rows(-(-num_rows // beam), -(-self.graph_options.min_rows // beam))
+
+    def _input_rows(self, rows: slice) -> slice:
+        """The per-utterance input rows of hypothesis ``rows``."""
+        if not self._grouped:
+            return rows
+        beam = self.layout.beam_size
+        return slice(rows.start // beam, -(-rows.stop // beam))
 
     def _chunk_time_sizes(self, ctx: DecoderContext, chunks) -> list[int | None]:
         """Per chunk, the longest history its rows keep, so that each model call pads only to
@@ -350,7 +373,7 @@ class OnnxDecoderScorer(LabelScorer):
             if "position_ids" in names:
                 feeds[names["position_ids"]] = positions
         for name, buffer in self._lane_inputs.items():
-            feeds[name] = buffer[rows]
+            feeds[name] = buffer[self._input_rows(rows)]
         state_outputs = [v.output_name for v in spec.state_variables]
         outputs = self.session.run(feeds, [spec.scores_output, *state_outputs])
         new_slots = self.states.split({k: outputs[k] for k in state_outputs})
@@ -370,7 +393,7 @@ class OnnxDecoderScorer(LabelScorer):
         num_rows = rows.stop - rows.start
         if rows != slice(0, self.layout.num_lanes):
             histories = StateHistory(table=histories.table[rows], lengths=histories.lengths[rows])
-        padded_rows = bucket_rows(num_rows, self.graph_options.min_rows)
+        padded_rows = self._padded_rows(num_rows)
         if self.states.family != "transformer":
             padded_time = 1
         else:
@@ -439,7 +462,7 @@ class OnnxDecoderScorer(LabelScorer):
                     feeds[names[logical]] = view(names[logical], self._input_dtype(logical), shape)
         lane_key = []
         for name, buffer in self._lane_inputs.items():
-            feeds[name] = buffer[bucket[0]:bucket[0] + padded_rows]
+            feeds[name] = buffer[self._input_rows(slice(bucket[0], bucket[0] + padded_rows))]
             lane_key.append((name, buffer.shape))
         if self.session.provider == "cuda":
             lane_key += [buffer.data.ptr for buffer in self._lane_inputs.values()]

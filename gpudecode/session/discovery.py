@@ -17,6 +17,9 @@ from gpudecode.spec import StateVariable
 
 STATE_PREFIX = "STATE_"
 UTTERANCE_PREFIX = "UTTERANCE_"
+#: Metadata key: the per-utterance inputs have one row per ``lane`` (default) or per ``utterance``.
+UTTERANCE_ROWS_KEY = "PER_UTTERANCE_ROWS"
+UTTERANCE_ROWS = ("lane", "utterance")
 
 # (input regex, output template): the Hugging Face / Optimum decoder-with-past names.
 DEFAULT_STATE_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -67,6 +70,10 @@ class ModelSpec:
     state_variables: tuple[StateVariable, ...]
     utterance_inputs: tuple[UtteranceInput, ...]
     scores_output: str
+    #: "lane": per-utterance inputs have a row per hypothesis row (repeated over the beam);
+    #: "utterance": one row per utterance, and the N hypothesis rows are that many equal groups
+    #: of consecutive rows (the model attends each group to its utterance's row).
+    utterance_rows: str = "lane"
 
     @property
     def vocab_size(self) -> int | None:
@@ -275,8 +282,15 @@ def discover_step_model(
             "(or 'encoder_attention_mask'), so padded encoder frames could not be masked",
         )
 
+    utterance_rows = tensors.metadata.get(UTTERANCE_ROWS_KEY, "lane")
+    if utterance_rows not in UTTERANCE_ROWS:
+        raise _fail(
+            tensors,
+            f"metadata {UTTERANCE_ROWS_KEY}={utterance_rows!r}: expected one of {', '.join(UTTERANCE_ROWS)}",
+        )
     spec = ModelSpec(
         source=tensors.source,
+        utterance_rows=utterance_rows,
         convention=convention,
         tensors=tensors,
         hypothesis_inputs=hypothesis_inputs,

@@ -178,11 +178,13 @@ def _sequence_oracle(w, cfg: _Config, mode):
 
 
 def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode,
-                  out: str | None = None) -> str:
+                  out: str | None = None, grouped: bool = False) -> str:
     """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
     ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
-    present-key, present-value) names.
+    present-key, present-value) names. ``grouped``: the per-utterance inputs have G rows and the
+    N rows are G groups of N / G consecutive rows (cross-attention as one batched product per
+    utterance).
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     masked = g.const(cfg.masked_logit, dtype)
@@ -195,6 +197,15 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         logits = g.op("Where", valid, g.op("MatMul", g.op("Mul", q, scale), keys_t), masked)
         att = g.op("MatMul", g.op("Softmax", logits, axis=-1), values)
         return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+
+    def attend_grouped(q: str, keys_t: str, values: str, valid: str) -> str:
+        """q [N, H, 1, Dh] as [G, H, N/G, Dh] against one utterance's keys [G, H, Dh, S]."""
+        groups = g.op("Shape", "encoder-states-size")  # [G]
+        shape = g.op("Concat", groups, g.const([-1, heads, head_dim], np.int64), axis=0)
+        q = g.op("Transpose", g.op("Reshape", q, shape), perm=[0, 2, 1, 3])
+        logits = g.op("Where", valid, g.op("MatMul", g.op("Mul", q, scale), keys_t), masked)
+        att = g.op("MatMul", g.op("Softmax", logits, axis=-1), values)  # [G, H, N/G, Dh]
+        return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [-1, 1, heads * head_dim])
 
     if mode is not None:
         if mode == "precomputed":
@@ -228,7 +239,8 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             else:
                 keys_t = split(g.linear("encoder-states", w, f"cross_key_{i}"), [0, 2, 3, 1])
                 values = split(g.linear("encoder-states", w, f"cross_value_{i}"), [0, 2, 1, 3])
-            x = g.op("Add", x, g.linear(attend(q, keys_t, values, cross_valid), w, f"cross_out_{i}"))
+            cross = attend_grouped if grouped else attend
+            x = g.op("Add", x, g.linear(cross(q, keys_t, values, cross_valid), w, f"cross_out_{i}"))
         h = g.op("Relu", g.linear(g.layer_norm(x, w, f"ffn_ln_{i}"), w, f"ffn1_{i}"))
         x = g.op("Add", x, g.linear(h, w, f"ffn2_{i}"))
     return g.linear(g.layer_norm(x, w, "final_ln"), w, "out", out=out)
@@ -247,6 +259,7 @@ def build_transformer_decoder(
     kv_layout: str = "bhtd",
     max_positions: int = 256,
     dtype=np.float32,
+    utterance_rows: str = "lane",
 ) -> ReferenceModel:
     """Transformer decoder step model, RASR convention (pre-LayerNorm, learned positions).
 
@@ -255,7 +268,9 @@ def build_transformer_decoder(
     [N,T,H*Dh] ("btd"), right-aligned: only the last prefix-length[n] of the T positions are
     valid. Per utterance: "precomputed" -> ``cross-key-{i}``, ``cross-value-{i}`` [N,H,S,Dh];
     "encoder-states" -> ``encoder-states`` [N,S,E]; both with ``encoder-states-size`` [N] int32
-    (keys s < size are valid); None -> a decoder-only LM.
+    (keys s < size are valid); None -> a decoder-only LM. ``utterance_rows="utterance"``: the
+    per-utterance inputs have G rows, one per utterance, for N = G × beam hypothesis rows, utterance
+    g's beam in rows g·beam … (g+1)·beam − 1 (metadata ``PER_UTTERANCE_ROWS``); "lane": N rows.
     Outputs: ``scores`` [N,1,V] log-softmax; ``present-key-{i}``, ``present-value-{i}`` = past
     with the new token appended on the time axis (T+1 positions).
     The new token sits at position prefix-length[n].
@@ -266,6 +281,9 @@ def build_transformer_decoder(
         )
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if utterance_rows not in ("lane", "utterance"):
+        raise ValueError(f"utterance_rows: expected 'lane' or 'utterance', got {utterance_rows!r}")
+    grouped = utterance_rows == "utterance" and cross_attention is not None
     if model_dim % num_heads:
         raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")
     cfg = _Config(
@@ -297,7 +315,7 @@ def build_transformer_decoder(
         (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")
         for i in range(num_layers)
     ]
-    logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode)
+    logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
 
     inputs = [
@@ -322,6 +340,10 @@ def build_transformer_decoder(
         inputs.append(("encoder-states", dtype, ["batch", "encoder-time", encoder_dim]))
     if mode is not None:
         inputs.append(("encoder-states-size", np.int32, ["batch"]))
+    if grouped:  # per-utterance inputs: a batch of their own
+        inputs = [(n, t, ["utterances", *shape[1:]]) if n.startswith(("cross-", "encoder-")) else (n, t, shape)
+                  for n, t, shape in inputs]
+        metadata["PER_UTTERANCE_ROWS"] = "utterance"
     model = g.build(inputs, outputs, name="reference-transformer-decoder", metadata=metadata)
 
     w32 = cast_all(w, np.float32)
@@ -339,6 +361,10 @@ def build_transformer_decoder(
         past = [(to_bhtd(feeds[k]), to_bhtd(feeds[v])) for k, v, _, _ in names]
         num_t = past[0][0].shape[2]
         self_valid = (np.arange(num_t + 1)[None, :] >= (num_t - prefix)[:, None])[:, None]
+        if grouped:  # each utterance's row for each of its N / G hypothesis rows
+            beam = token.shape[0] // feeds["encoder-states-size"].shape[0]
+            feeds = {k: np.repeat(v, beam, axis=0) if k.startswith(("cross-", "encoder-")) else v
+                     for k, v in feeds.items()}
         cross, cross_valid = _cross_inputs(w32, cfg, mode, feeds)
         logits, new = _forward(w32, cfg, x, past, self_valid, cross, cross_valid)
         result = {"scores": log_softmax(logits).astype(dtype)}

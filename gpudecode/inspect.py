@@ -80,7 +80,9 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 axis = "none (one state per hypothesis)" if v.time_axis is None else str(v.time_axis)
                 rows.append((f"{v.input_name} -> {v.output_name}", f"{info.describe()}  batch axis {v.batch_axis}  time axis {axis}"))
             lines += _table(rows)
-            lines.append(f"per-utterance inputs ({len(spec.utterance_inputs)}):")
+            rows_of = "one row per utterance" if spec.utterance_rows == "utterance" else "one row per hypothesis"
+            lines.append(f"per-utterance inputs ({len(spec.utterance_inputs)}"
+                         + (f", {rows_of}" if spec.utterance_inputs else "") + "):")
             lines += _table([
                 (u.name, f"{tensors.input(u.name).describe()}" + (f"  from '{u.source}'" if u.source else ""))
                 for u in spec.utterance_inputs

@@ -72,3 +72,11 @@ def test_inspect_recognises_transducer_prediction_and_joint_networks(tmp_path):
     joint = build_joint_network(seed=1).save(tmp_path / "joint.onnx")
     out = CliRunner().invoke(main, ["inspect", str(joint)]).output
     assert "convention: transducer joint network ('encoder-frame' + 'prediction' -> 'log-probs')" in out
+
+
+@pytest.mark.parametrize("utterance_rows, said", [("lane", "one row per hypothesis"),
+                                                  ("utterance", "one row per utterance")])
+def test_inspect_says_how_the_per_utterance_inputs_are_laid_out(tmp_path, utterance_rows, said):
+    path = build_transformer_decoder(seed=1, utterance_rows=utterance_rows).save(tmp_path / "decoder.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(path)]).output
+    assert f"per-utterance inputs (5, {said}):" in out, out

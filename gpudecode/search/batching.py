@@ -31,7 +31,7 @@ from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.search import label_sync
 from gpudecode.search.label_sync import _NEG_INF, LabelSyncOptions, _Beam, _expand
-from gpudecode.search.results import Hypothesis
+from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
 from gpudecode.search.topk import top_k_indices
 
 ADMISSION_ORDERS = defaults.ADMISSION_ORDERS
@@ -237,19 +237,11 @@ def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOpt
         return
     arrays = [a for p in pending for a in p[1:]]
     host = label_sync._to_host(*arrays)
-    for i, item in enumerate(pending):
-        utts = item[0]
-        order, ranks, scores, scorer_scores, lengths, tokens = host[6 * i: 6 * i + 6]
-        beam_size = order.shape[1]
-        for g, u in enumerate(utts.tolist()):
-            nbest = []
-            for lane in (g * beam_size + order[g]).tolist():
-                if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
-                    break
-                seq = tokens[lane]
-                seq = seq[(seq >= 0) & (seq != options.sentence_end)]
-                nbest.append(Hypothesis(
-                    labels=seq.tolist(), score=float(scores[lane]),
-                    scores={e.name: float(scorer_scores[s, lane]) for s, e in enumerate(entries)},
-                    length=int(lengths[lane])))
-            results[u] = nbest
+    with no_cyclic_gc():
+        for i, item in enumerate(pending):
+            utts = item[0].tolist()
+            order, ranks, scores, scorer_scores, lengths, tokens = host[6 * i: 6 * i + 6]
+            lists = label_sync._hypotheses(utts, order, ranks, scores, scorer_scores, lengths,
+                                           label_lists(tokens, options.sentence_end), entries, options.num_best)
+            for u, nbest in zip(utts, lists):
+                results[u] = nbest

@@ -51,7 +51,7 @@ from gpudecode.backend import on_shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import check_frames, check_time_sync_options, option_error
-from gpudecode.search.results import Hypothesis
+from gpudecode.search.results import Hypothesis, no_cyclic_gc
 from gpudecode.search import ctc_frame
 from gpudecode.search.topk import top_k_indices
 
@@ -246,6 +246,13 @@ def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node
     utterance best first, ``ranks`` [N], ``own_scores`` name -> [N] (the search's own score),
     ``lm_scores`` [S, N] of ``entries``, and the emission tree (``node`` [N]; node ``1 + k * N + lane``
     was made at frame ``node_frames[k]``, node 0 is the empty sequence). Lanes ranked -inf end a list."""
+    with no_cyclic_gc():
+        return _emission_tree_nbest(order, ranks, own_scores, lm_scores, entries, node, node_parent, node_label,
+                                    node_frames, num_best)
+
+
+def _emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node, node_parent, node_label,
+                         node_frames: Sequence[int], num_best: int) -> list[list[Hypothesis]]:
     num_utts, beam = order.shape
     num_lanes = num_utts * beam
     node_frame = np.concatenate([[-1], np.repeat(np.asarray(node_frames, np.int64), num_lanes)])

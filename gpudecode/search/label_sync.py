@@ -30,7 +30,7 @@ from gpudecode.backend import on_shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
-from gpudecode.search.results import Hypothesis
+from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
 from gpudecode.search.topk import top_k_indices
 
 _NEG_INF = np.float32(-np.inf)
@@ -325,17 +325,27 @@ def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,
         traced[t] = labels[t, lane]
         lane = parents[t, lane]
 
+    with no_cyclic_gc():
+        return _hypotheses(range(num_utts), order, ranks, scores, scorer_scores, lengths,
+                           label_lists(traced.T, options.sentence_end), entries, options.num_best)
+
+
+def _hypotheses(utterances, order, ranks, scores, scorer_scores, lengths, labels: list[list[int]], entries,
+                num_best: int) -> list[list[Hypothesis]]:
+    """Per utterance (row g of ``order`` [G, B], lanes g·B + order[g]) its n-best list from host
+    arrays over its lanes: ``ranks``, ``scores``, ``lengths`` [G·B], ``scorer_scores`` [S, G·B], and
+    each lane's ``labels``. Lanes ranked -inf end a list."""
+    beam_size = order.shape[1]
+    ranks, scores, lengths = ranks.tolist(), scores.tolist(), lengths.tolist()
+    named = [(e.name, scorer_scores[s].tolist()) for s, e in enumerate(entries)]
     results = []
-    for u in range(num_utts):
+    for g, _ in enumerate(utterances):
         nbest = []
-        for lane in (u * beam_size + order[u]).tolist():
-            if not np.isfinite(ranks[lane]) or len(nbest) == options.num_best:
+        for lane in (g * beam_size + order[g]).tolist():
+            if not math.isfinite(ranks[lane]) or len(nbest) == num_best:
                 break
-            seq = traced[:, lane]
-            seq = seq[(seq >= 0) & (seq != options.sentence_end)]
-            nbest.append(Hypothesis(
-                labels=seq.tolist(), score=float(scores[lane]),
-                scores={e.name: float(scorer_scores[s, lane]) for s, e in enumerate(entries)},
-                length=int(lengths[lane])))
+            nbest.append(Hypothesis(labels=labels[lane], score=scores[lane],
+                                    scores={name: values[lane] for name, values in named},
+                                    length=int(lengths[lane])))
         results.append(nbest)
     return results

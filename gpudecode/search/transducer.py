@@ -320,9 +320,7 @@ class _TransducerSearch:
 
     def _step(self, t: int, s: int, frames_t, exact: bool) -> bool:
         """One symbol step of frame ``t``; returns whether some lane is still active (host)."""
-        xp, options, layout = self.xp, self.options, self.layout
-        num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
-        blank, lanes = options.blank, self.lanes
+        xp, options, num_lanes, lanes = self.xp, self.options, self.layout.num_lanes, self.lanes
         forced = s == options.max_symbols_per_frame - 1  # labels leave the frame
         logp = _joint_log_probs(self.joint, frames_t, self.pred_out, xp, num_lanes)
         vocab_size = logp.shape[1]

@@ -186,7 +186,8 @@ class OnnxDecoderScorer(LabelScorer):
         from the sizes when nobody brings it; ``encoder-states-size`` always is.
         """
         produced = produced or {}
-        lanes = self._xp.asarray(np.asarray(groups, dtype=np.int64) if self._grouped else self.layout.lanes_of(groups))
+        # the buffer rows of the groups: one per utterance, or each of its lanes
+        rows = self._xp.asarray(np.asarray(groups, dtype=np.int64) if self._grouped else self.layout.lanes_of(groups))
         size_name = self.io_map.get("encoder-states-size", "encoder-states-size")
         sizes_source, mask_input, time_size = None, None, None
         for u in self.spec.utterance_inputs:
@@ -210,7 +211,7 @@ class OnnxDecoderScorer(LabelScorer):
             data = self._xp.asarray(data).astype(u.dtype, copy=False)
             if u.time_axis is not None:
                 time_size = data.shape[u.time_axis]
-            self._write_lanes(u.name, data, lanes, u.time_axis)
+            self._write_lanes(u.name, data, rows, u.time_axis)
         if sizes is None:
             sizes = utterances.size_of(sizes_source) if sizes_source else utterances.input_lengths
         if mask_input is not None:
@@ -218,18 +219,18 @@ class OnnxDecoderScorer(LabelScorer):
                 raise ValueError(f"{self.spec.source}: 'encoder_attention_mask' has no encoder input to "
                                  "take its length from")
             valid = self._xp.arange(time_size)[None, :] < self._xp.asarray(sizes).reshape(-1, 1)
-            self._write_lanes(mask_input.name, valid.astype(mask_input.dtype), lanes, mask_input.time_axis)
+            self._write_lanes(mask_input.name, valid.astype(mask_input.dtype), rows, mask_input.time_axis)
         size_input = next((u for u in self.spec.utterance_inputs if u.name == size_name), None)
         if size_input is not None:
-            self._write_lanes(size_name, self._xp.asarray(sizes).astype(size_input.dtype), lanes, None)
+            self._write_lanes(size_name, self._xp.asarray(sizes).astype(size_input.dtype), rows, None)
 
     def _source_of(self, u, produced) -> str:
         """The name of the encoder (or initializer) output that per-utterance input ``u`` takes."""
         return u.source or u.name
 
-    def _write_lanes(self, name: str, data, lanes, time_axis: int | None) -> None:
-        """buffer[lanes] = each utterance's data repeated beam times (once per utterance row when
-        grouped: ``lanes`` are then the groups); buffers grow by rounding up."""
+    def _write_lanes(self, name: str, data, targets, time_axis: int | None) -> None:
+        """buffer[targets] = each utterance's data, repeated beam times for per-lane buffers
+        (``targets``: the lanes, or the groups when grouped); buffers grow by rounding up."""
         xp, beam = self._xp, self.layout.beam_size
         rows = data if self._grouped else xp.repeat(data, beam, axis=0)
         buffer = self._lane_inputs.get(name)
@@ -247,12 +248,12 @@ class OnnxDecoderScorer(LabelScorer):
             buffer = grown
             self._lane_inputs[name] = buffer
         if time_axis is not None:
-            buffer[lanes] = 0  # old utterances' frames beyond the new ones' lengths
-            index = [lanes] + [slice(None)] * (rows.ndim - 1)
+            buffer[targets] = 0  # old utterances' frames beyond the new ones' lengths
+            index = [targets] + [slice(None)] * (rows.ndim - 1)
             index[time_axis] = slice(0, rows.shape[time_axis])
             buffer[tuple(index)] = rows
         else:
-            buffer[lanes] = rows
+            buffer[targets] = rows
 
     def release(self, groups) -> None:
         """Frees the state slots of the lanes of ``groups``."""

@@ -241,7 +241,7 @@ def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOpt
         for i, item in enumerate(pending):
             utts = item[0].tolist()
             order, ranks, scores, scorer_scores, lengths, tokens = host[6 * i: 6 * i + 6]
-            lists = label_sync._hypotheses(utts, order, ranks, scores, scorer_scores, lengths,
+            lists = label_sync._hypotheses(order, ranks, scores, scorer_scores, lengths,
                                            label_lists(tokens, options.sentence_end), entries, options.num_best)
             for u, nbest in zip(utts, lists):
                 results[u] = nbest

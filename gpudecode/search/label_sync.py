@@ -326,20 +326,20 @@ def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,
         lane = parents[t, lane]
 
     with no_cyclic_gc():
-        return _hypotheses(range(num_utts), order, ranks, scores, scorer_scores, lengths,
-                           label_lists(traced.T, options.sentence_end), entries, options.num_best)
+        return _hypotheses(order, ranks, scores, scorer_scores, lengths, label_lists(traced.T, options.sentence_end),
+                           entries, options.num_best)
 
 
-def _hypotheses(utterances, order, ranks, scores, scorer_scores, lengths, labels: list[list[int]], entries,
+def _hypotheses(order, ranks, scores, scorer_scores, lengths, labels: list[list[int]], entries,
                 num_best: int) -> list[list[Hypothesis]]:
-    """Per utterance (row g of ``order`` [G, B], lanes g·B + order[g]) its n-best list from host
+    """Per lane group (row g of ``order`` [G, B], lanes g·B + order[g]) its n-best list from host
     arrays over its lanes: ``ranks``, ``scores``, ``lengths`` [G·B], ``scorer_scores`` [S, G·B], and
     each lane's ``labels``. Lanes ranked -inf end a list."""
     beam_size = order.shape[1]
     ranks, scores, lengths = ranks.tolist(), scores.tolist(), lengths.tolist()
     named = [(e.name, scorer_scores[s].tolist()) for s, e in enumerate(entries)]
     results = []
-    for g, _ in enumerate(utterances):
+    for g in range(order.shape[0]):
         nbest = []
         for lane in (g * beam_size + order[g]).tolist():
             if not math.isfinite(ranks[lane]) or len(nbest) == num_best:

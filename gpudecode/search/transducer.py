@@ -334,7 +334,8 @@ class _TransducerSearch:
         else:
             parents, labels, alive_new, emitted = self._select(t, s, forced, logp, exact)
         is_stay = ~emitted
-        any_emitted, any_active = (bool(v) for v in _to_host(emitted.any(), (alive_new & ~self.done).any()))
+        (flags,) = _to_host(xp.stack([emitted.any(), (alive_new & ~self.done).any()]))  # one small transfer
+        any_emitted, any_active = bool(flags[0]), bool(flags[1])
         step_labels = xp.where(emitted, labels, -1)
 
         # the prediction network: new vectors for the lanes that emitted

@@ -25,10 +25,11 @@
 // (row_in_shared, when V floats fit); every thread scans a strided share of the beam * V
 // candidates keeping its best KEPT >= beam (key, column) pairs in registers, packed into uint64
 // (packed_key.cuh) so that equal keys keep the lower column; `beam` rounds of a block maximum over
-// the threads' list heads pick the winners in order.
+// the threads' list heads pick the winners in order (block_top_beam.cuh).
 
 #include "packed_key.cuh"
 #include "search_math.cuh"
+#include "block_top_beam.cuh"
 
 #define CTC_THREADS 256
 #define CTC_MAX_BEAM 32
@@ -71,7 +72,6 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     extern __shared__ float s_row[];  // the frame's log-probs [V] when row_in_shared
 
     const int u = blockIdx.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long first = (long long)u * beam;
     const long long num_lanes = (long long)gridDim.x * beam;
     const long long utterance_length = lengths[u];
@@ -164,53 +164,8 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             return emit(i, v);
         };
 
-        float floor_key = neg_inf();
-        if (has_threshold) {  // the utterance's best candidate, minus the threshold
-            float best = neg_inf();
-            for (int i = 0; i < beam; ++i)
-                for (int v = threadIdx.x; v < vocab_size; v += CTC_THREADS) best = fmaxf(best, candidate(i, v));
-            best = warp_max_f(best);
-            if (lane == 0) s_warp_max[warp] = best;
-            __syncthreads();
-            best = warp_max_f(lane < CTC_THREADS / 32 ? s_warp_max[lane] : neg_inf());
-            floor_key = best - threshold;
-        }
-
-        // top `beam` candidates of this thread's share, then `beam` rounds of the block maximum
-        unsigned long long kept[KEPT];  // best first
-#pragma unroll
-        for (int r = 0; r < KEPT; ++r) kept[r] = 0ull;
-        for (int i = 0; i < beam; ++i) {
-            for (int v = threadIdx.x; v < vocab_size; v += CTC_THREADS) {
-                float value = candidate(i, v);
-                if (has_threshold && !(value >= floor_key)) value = neg_inf();
-                const unsigned long long key = pack_key(value, (unsigned int)(i * vocab_size + v));
-                if (key <= kept[KEPT - 1]) continue;
-                kept[KEPT - 1] = key;
-#pragma unroll
-                for (int r = KEPT - 1; r > 0; --r) {
-                    if (kept[r] > kept[r - 1]) {
-                        const unsigned long long swap = kept[r];
-                        kept[r] = kept[r - 1];
-                        kept[r - 1] = swap;
-                    }
-                }
-            }
-        }
-        for (int round = 0; round < beam; ++round) {
-            const unsigned long long mine = kept[0];
-            const unsigned long long in_warp = warp_max_u64(mine);
-            if (lane == 0) s_warp_best[warp] = in_warp;
-            __syncthreads();
-            const unsigned long long winner = warp_max_u64(lane < CTC_THREADS / 32 ? s_warp_best[lane] : 0ull);
-            if (mine == winner && mine != 0ull) {  // taken: the next of this thread's list moves up
-#pragma unroll
-                for (int r = 0; r < KEPT - 1; ++r) kept[r] = kept[r + 1];
-                kept[KEPT - 1] = 0ull;
-            }
-            if (threadIdx.x == 0) s_chosen[round] = ~(unsigned int)(winner & 0xffffffffull);
-            __syncthreads();
-        }
+        const float floor_key = block_top_beam<KEPT, CTC_THREADS>(
+            candidate, beam, vocab_size, has_threshold, threshold, s_warp_best, s_warp_max, s_chosen);
 
         // the new lanes
         if (i_own < beam) {

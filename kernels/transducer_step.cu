@@ -17,11 +17,12 @@
 //
 // Per block: one thread per lane for the stays and both merges (a serial walk of the emission tree
 // per hash-equal pair); every thread scans a strided share of the beam * V candidates keeping its
-// best KEPT >= beam (key, column) pairs in registers (packed_key.cuh); `beam` rounds of a block
-// maximum over the threads' list heads pick the winners in order.
+// best KEPT >= beam (key, column) pairs in registers; `beam` rounds of a block maximum over the
+// threads' list heads pick the winners in order (block_top_beam.cuh).
 
 #include "packed_key.cuh"
 #include "search_math.cuh"
+#include "block_top_beam.cuh"
 
 #define TRANSDUCER_THREADS 256
 #define TRANSDUCER_MAX_BEAM 32
@@ -53,7 +54,6 @@ __device__ __forceinline__ void select_step(
     __shared__ float s_warp_max[TRANSDUCER_THREADS / 32];
     __shared__ unsigned int s_chosen[TRANSDUCER_MAX_BEAM];
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long first = (long long)blockIdx.x * beam;
     const int me = threadIdx.x;  // the lane this thread keeps, when < beam
     if (me < beam) {
@@ -161,52 +161,8 @@ __device__ __forceinline__ void select_step(
         return emit(i, v);
     };
 
-    float floor_key = neg_inf();
-    if (has_threshold) {  // the utterance's best candidate, minus the threshold
-        float best = neg_inf();
-        for (int i = 0; i < beam; ++i)
-            for (int v = threadIdx.x; v < vocab_size; v += TRANSDUCER_THREADS) best = fmaxf(best, candidate(i, v));
-        best = warp_max_f(best);
-        if (lane == 0) s_warp_max[warp] = best;
-        __syncthreads();
-        best = warp_max_f(lane < TRANSDUCER_THREADS / 32 ? s_warp_max[lane] : neg_inf());
-        floor_key = best - threshold;
-    }
-
-    unsigned long long kept[KEPT];  // best first
-#pragma unroll
-    for (int r = 0; r < KEPT; ++r) kept[r] = 0ull;
-    for (int i = 0; i < beam; ++i) {
-        for (int v = threadIdx.x; v < vocab_size; v += TRANSDUCER_THREADS) {
-            float value = candidate(i, v);
-            if (has_threshold && !(value >= floor_key)) value = neg_inf();
-            const unsigned long long key = pack_key(value, (unsigned int)(i * vocab_size + v));
-            if (key <= kept[KEPT - 1]) continue;
-            kept[KEPT - 1] = key;
-#pragma unroll
-            for (int r = KEPT - 1; r > 0; --r) {
-                if (kept[r] > kept[r - 1]) {
-                    const unsigned long long swap = kept[r];
-                    kept[r] = kept[r - 1];
-                    kept[r - 1] = swap;
-                }
-            }
-        }
-    }
-    for (int round = 0; round < beam; ++round) {
-        const unsigned long long mine = kept[0];
-        const unsigned long long in_warp = warp_max_u64(mine);
-        if (lane == 0) s_warp_best[warp] = in_warp;
-        __syncthreads();
-        const unsigned long long winner = warp_max_u64(lane < TRANSDUCER_THREADS / 32 ? s_warp_best[lane] : 0ull);
-        if (mine == winner && mine != 0ull) {  // taken: the next of this thread's list moves up
-#pragma unroll
-            for (int r = 0; r < KEPT - 1; ++r) kept[r] = kept[r + 1];
-            kept[KEPT - 1] = 0ull;
-        }
-        if (threadIdx.x == 0) s_chosen[round] = ~(unsigned int)(winner & 0xffffffffull);
-        __syncthreads();
-    }
+    const float floor_key = block_top_beam<KEPT, TRANSDUCER_THREADS>(
+        candidate, beam, vocab_size, has_threshold, threshold, s_warp_best, s_warp_max, s_chosen);
 
     // the new lanes (every read of the old state above came from shared memory)
     if (me < beam) {

@@ -533,3 +533,49 @@ def test_cupy_top_k_matches_numpy_on_ties():
     assert (cupy.asnumpy(top_k_indices(cupy.asarray(keys)[::3, 1::2], 5)) == top_k_indices(keys[::3, 1::2], 5)).all()
     assert cupy.asnumpy(top_k_indices(cupy.asarray(keys[:, :1]), 1)).tolist() == [[0]] * 64
     assert top_k_indices(cupy.zeros((0, 9), np.float32), 3).shape == (0, 3)
+
+
+# --- the stop test read one step late (the default on CuPy) -------------------------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [
+    dict(beam_size=3), dict(beam_size=4, length_norm_scale=0.8), dict(beam_size=5, nbest=2),
+    dict(beam_size=4, score_threshold=1.5),
+])
+def test_lagged_stop_test_gives_the_same_nbest_after_one_more_step(monkeypatch, device, options):
+    """Stopping one step after every lane has ended changes nothing: ended lanes carry themselves."""
+    xp = np
+    if device == "cuda":
+        import cupy as xp
+    vocab, eos = 6, 0
+    tables = random_tables(seed=7, num_utts=4, vocab_size=vocab, eos=eos, eos_bias=3.0)
+    opts = LabelSyncOptions(sentence_end=eos, max_labels_per_input=1.0, **options)
+    results, steps = {}, {}
+    for lagged in (False, True):
+        events: list = []
+        monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
+        utterances = batch({"table": xp.asarray(tables)}, [20, 20, 12, 20])
+        results[lagged] = run([("t", TrigramTableScorer(vocab, events=events), 1.0)], utterances, opts, xp=xp)
+        steps[lagged] = events.count("score")
+    assert 2 <= steps[False] < 20  # stopped by the stop test, before the length cap
+    assert steps[True] == steps[False] + 1
+    for got, expected in zip(results[True], results[False]):
+        assert [h.labels for h in got] == [h.labels for h in expected]
+        assert [h.score for h in got] == [h.score for h in expected]
+        assert [h.scores for h in got] == [h.scores for h in expected]
+        assert [h.length for h in got] == [h.length for h in expected]
+
+
+def test_lagged_stop_test_never_steps_past_the_length_cap(monkeypatch):
+    vocab, eos = 6, 0
+    tables = random_tables(seed=3, num_utts=2, vocab_size=vocab, eos=eos, eos_bias=-6.0)  # rarely ends
+    opts = LabelSyncOptions(beam_size=3, sentence_end=eos, max_labels_per_input=1.0)
+    counts = {}
+    for lagged in (False, True):
+        events: list = []
+        monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
+        run([("t", TrigramTableScorer(vocab, events=events), 1.0)], batch({"table": tables}, [5, 5]), opts)
+        counts[lagged] = events.count("score")
+    assert counts[True] == counts[False] == 5

@@ -108,6 +108,39 @@ def _all_ended(ended) -> bool:
     return bool(flag)
 
 
+#: Read the stop test one step late (None: on CuPy only). The host then queues step k + 1 before
+#: it waits for step k's flag, so the GPU never drains between steps; the price is one more step
+#: after the last lane ends, which changes nothing (ended lanes only carry themselves).
+LAGGED_STOP_TEST: bool | None = None
+
+
+class _PendingFlag:
+    """``ended.all()`` on its way to the host: on CuPy an asynchronous copy into pinned memory
+    behind the work queued so far, read by :meth:`value` (which waits for that copy only)."""
+
+    def __init__(self, ended) -> None:
+        flag = ended.all()
+        if isinstance(flag, (np.ndarray, np.bool_)):
+            self._value, self._event = bool(flag), None
+            return
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        self._pinned = cupy.cuda.alloc_pinned_memory(1)
+        self._host = np.frombuffer(self._pinned, np.bool_, 1)
+        flag = cupy.ascontiguousarray(flag.astype(np.bool_).reshape(1))
+        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, flag.data.ptr, 1,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._flag = flag  # alive until the copy has run
+        self._event = stream.record()
+
+    def value(self) -> bool:
+        if self._event is None:
+            return self._value
+        self._event.synchronize()
+        return bool(self._host[0])
+
+
 def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: LabelSyncOptions,
                       xp: ModuleType = np, *, max_active_utterances: int | None = None,
                       admission_order: str = "longest-first") -> list[list[Hypothesis]]:
@@ -206,12 +239,23 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
     steps: list[tuple[object, object]] = []  # (parents [N], labels [N]) per step
 
     max_steps = int(limits.max())
+    lagged = LAGGED_STOP_TEST if LAGGED_STOP_TEST is not None else xp is not np
+    pending = None  # lagged: the previous step's flag
     for step in range(1, max_steps + 1):
         beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options,
                                                   at_limit=lane_limit <= step)
         steps.append((parents, labels))
-        if step < max_steps and _all_ended(beam.ended):
+        if step == max_steps:
             break
+        if not lagged:
+            if _all_ended(beam.ended):
+                break
+            continue
+        if pending is not None and pending.value():
+            break  # every lane had ended before this step, which only carried them
+        pending = _PendingFlag(beam.ended)
+    if pending is not None:
+        pending.value()  # its pinned buffer is not freed while the copy may still run
     return beam, steps
 
 

@@ -114,31 +114,53 @@ def _all_ended(ended) -> bool:
 LAGGED_STOP_TEST: bool | None = None
 
 
-class _PendingFlag:
-    """``ended.all()`` on its way to the host: on CuPy an asynchronous copy into pinned memory
-    behind the work queued so far, read by :meth:`value` (which waits for that copy only)."""
+class _LaggedStopFlags:
+    """``ended.all()`` sent to the host one step behind the search.
 
-    def __init__(self, ended) -> None:
-        flag = ended.all()
-        if isinstance(flag, (np.ndarray, np.bool_)):
-            self._value, self._event = bool(flag), None
+    :meth:`post` queues the flag's copy (on CuPy an asynchronous copy into pinned memory behind
+    the work queued so far); :meth:`previous` waits for the flag posted before it. Two pinned
+    bytes alternate, and the host waits on blocking-sync events, so it sleeps instead of spinning
+    while the GPU works."""
+
+    def __init__(self, xp: ModuleType) -> None:
+        self._cupy = None if xp is np else xp
+        self._posted: list = []  # (event or None, slot or value)
+        if self._cupy is not None:
+            self._pinned = self._cupy.cuda.alloc_pinned_memory(2)
+            self._host = np.frombuffer(self._pinned, np.bool_, 2)
+            self._device = self._cupy.empty(2, dtype=np.bool_)
+            self._events = [self._cupy.cuda.Event(block=True, disable_timing=True) for _ in range(2)]
+        self._slot = 0
+
+    def post(self, ended) -> None:
+        if self._cupy is None:
+            self._posted.append((None, bool(ended.all())))
             return
-        import cupy
-
+        cupy, slot = self._cupy, self._slot
+        self._slot ^= 1
         stream = cupy.cuda.get_current_stream()
-        self._pinned = cupy.cuda.alloc_pinned_memory(1)
-        self._host = np.frombuffer(self._pinned, np.bool_, 1)
-        flag = cupy.ascontiguousarray(flag.astype(np.bool_).reshape(1))
-        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, flag.data.ptr, 1,
+        ended.all(out=self._device[slot])
+        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data + slot, self._device.data.ptr + slot, 1,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        self._flag = flag  # alive until the copy has run
-        self._event = stream.record()
+        self._events[slot].record(stream)
+        self._posted.append((self._events[slot], slot))
 
-    def value(self) -> bool:
-        if self._event is None:
-            return self._value
-        self._event.synchronize()
-        return bool(self._host[0])
+    def previous(self) -> bool | None:
+        """The flag posted before the latest one (None: none yet)."""
+        if len(self._posted) < 2:
+            return None
+        event, value = self._posted.pop(0)
+        if event is None:
+            return value
+        event.synchronize()
+        return bool(self._host[value])
+
+    def drain(self) -> None:
+        """Waits for every posted copy (the pinned bytes outlive no copy in flight)."""
+        for event, _ in self._posted:
+            if event is not None:
+                event.synchronize()
+        self._posted.clear()
 
 
 def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: LabelSyncOptions,
@@ -240,22 +262,22 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
 
     max_steps = int(limits.max())
     lagged = LAGGED_STOP_TEST if LAGGED_STOP_TEST is not None else xp is not np
-    pending = None  # lagged: the previous step's flag
+    flags = _LaggedStopFlags(xp) if lagged else None
     for step in range(1, max_steps + 1):
         beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options,
                                                   at_limit=lane_limit <= step)
         steps.append((parents, labels))
         if step == max_steps:
             break
-        if not lagged:
+        if flags is None:
             if _all_ended(beam.ended):
                 break
             continue
-        if pending is not None and pending.value():
+        flags.post(beam.ended)
+        if flags.previous():
             break  # every lane had ended before this step, which only carried them
-        pending = _PendingFlag(beam.ended)
-    if pending is not None:
-        pending.value()  # its pinned buffer is not freed while the copy may still run
+    if flags is not None:
+        flags.drain()
     return beam, steps
 
 

@@ -18,6 +18,8 @@
 //   node_parent, node_label [1 + full frames * N] int64: the emission tree; the k-th full frame's
 //               nodes are 1 + k * N + lane, written for every lane
 //   unresolved  [1] uint8: set to 1 when a hash-equal pair stays undecided after compare_steps
+//   top_labels  [U, T, num_top] int32 or null: per frame its num_top best labels other than blank,
+//               best first (larger log-prob, then lower label), written by ctc_top_labels_<P>
 //   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
 //
 // Per block: one thread per lane for the state and the recombination (a serial walk of the
@@ -26,6 +28,14 @@
 // candidates keeping its best KEPT >= beam (key, column) pairs in registers, packed into uint64
 // (packed_key.cuh) so that equal keys keep the lower column; `beam` rounds of a block maximum over
 // the threads' list heads pick the winners in order (block_top_beam.cuh).
+//
+// The label prefilter (top_labels, num_top = P + 1 with P >= 2 * beam): a lane's extensions other
+// than its last label rank in the order of the frame's log-probs, and at most beam - 1 of them are
+// recombined away (one per other lane), so only the blank (stay), the last label and the frame's P
+// best labels can reach the top beam. That holds as long as the P-th and (P+1)-th labels give a
+// lane different sums (a float rounding tie could let a later, lower label win); a frame where
+// some live lane has such a tie is searched over all labels. Lanes that end up dead (-inf) may
+// hold other prefixes than with the full scan; they never score again.
 
 #include "packed_key.cuh"
 #include "search_math.cuh"
@@ -61,11 +71,11 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
                   long long* __restrict__ node, long long* __restrict__ node_parent,
                   long long* __restrict__ node_label, int compare_steps, int has_threshold, float threshold,
                   long long hash_multiplier, long long hash_modulus, unsigned char* __restrict__ unresolved,
-                  int row_in_shared) {
+                  int row_in_shared, const int* __restrict__ top_labels, int num_top) {
     __shared__ Lanes cur, next;
     __shared__ float s_total[CTC_MAX_BEAM], s_stay_blank[CTC_MAX_BEAM], s_stay_label[CTC_MAX_BEAM];
     __shared__ int s_kill_lane[CTC_MAX_BEAM], s_kill_label[CTC_MAX_BEAM];
-    __shared__ bool s_retime[CTC_MAX_BEAM];
+    __shared__ bool s_retime[CTC_MAX_BEAM], s_tie[CTC_MAX_BEAM];
     __shared__ unsigned long long s_warp_best[CTC_THREADS / 32];
     __shared__ float s_warp_max[CTC_THREADS / 32];
     __shared__ unsigned int s_chosen[CTC_MAX_BEAM];
@@ -113,14 +123,23 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             __syncthreads();
         }
 
+        const int* top = num_top > 0 ? top_labels + ((long long)u * num_frames + t) * num_top : nullptr;
         // the stay (same prefix) scores
         if (i_own < beam) {
             const float total = log_add_exp(cur.blank[i_own], cur.label[i_own]);
             s_total[i_own] = total;
             s_stay_blank[i_own] = total + frame.x(blank);
             s_stay_label[i_own] = cur.last[i_own] >= 0 ? cur.label[i_own] + frame.x((int)cur.last[i_own]) : neg_inf();
+            bool tie = false;
+            if (top != nullptr && total > neg_inf()) {
+                const float listed = total + frame.x(top[num_top - 2]), next_best = total + frame.x(top[num_top - 1]);
+                tie = listed == next_best && listed > neg_inf();
+            }
+            s_tie[i_own] = tie;
         }
         __syncthreads();
+        bool full_scan = top == nullptr;
+        for (int i = 0; i < beam && !full_scan; ++i) full_scan = s_tie[i];
 
         // extension of lane i by label v (before recombination removes some)
         auto emit = [&](int i, int v) -> float {
@@ -164,8 +183,24 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             return emit(i, v);
         };
 
-        const float floor_key = block_top_beam<KEPT, CTC_THREADS>(
-            candidate, beam, vocab_size, has_threshold, threshold, s_warp_best, s_warp_max, s_chosen);
+        float floor_key;
+        if (full_scan) {
+            floor_key = block_top_beam<KEPT, CTC_THREADS>(candidate, beam, vocab_size, has_threshold, threshold,
+                                                          s_warp_best, s_warp_max, s_chosen);
+        } else {  // per lane: the blank (stay), its last label, the frame's best num_top - 1 labels
+            const int slots = num_top + 1;
+            auto scan = [&](auto&& visit) {
+                for (int k = threadIdx.x; k < beam * slots; k += CTC_THREADS) {
+                    const int i = k / slots, slot = k - i * slots;
+                    const int last_i = (int)cur.last[i];
+                    const int v = slot == 0 ? blank : (slot == 1 ? last_i : top[slot - 2]);
+                    if (slot == 1 ? last_i >= 0 : (slot == 0 || v != last_i))  // each label once
+                        visit(candidate(i, v), (unsigned int)(i * vocab_size + v));
+                }
+            };
+            floor_key = block_top_beam_scan<KEPT, CTC_THREADS>(scan, beam, has_threshold, threshold, s_warp_best,
+                                                               s_warp_max, s_chosen);
+        }
 
         // the new lanes
         if (i_own < beam) {
@@ -222,12 +257,61 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         long long* __restrict__ hash, long long* __restrict__ prev_hash, long long* __restrict__ node,    \
         long long* __restrict__ node_parent, long long* __restrict__ node_label, int compare_steps,       \
         int has_threshold, float threshold, long long hash_multiplier, long long hash_modulus,            \
-        unsigned char* __restrict__ unresolved, int row_in_shared) {                                      \
+        unsigned char* __restrict__ unresolved, int row_in_shared, const int* __restrict__ top_labels,     \
+        int num_top) {                                                                                    \
         prefix_frames<KEPT>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
                             blank_logp, label_logp, last, length, hash, prev_hash, node, node_parent,     \
                             node_label, compare_steps, has_threshold, threshold, hash_multiplier,         \
-                            hash_modulus, unresolved, row_in_shared);                                     \
+                            hash_modulus, unresolved, row_in_shared, top_labels, num_top);                \
     }
 CTC_ENTRY(8)
 CTC_ENTRY(16)
 CTC_ENTRY(32)
+
+// The label prefilter: per row of log_probs [rows, V], its P best labels other than blank, best
+// first (larger log-prob, then lower label; NaN ranks like -inf), into top_labels [rows, P]. One
+// warp per row; each thread keeps its best P (log-prob, label) pairs in registers.
+template <int P>
+__device__ __forceinline__ void top_labels_rows(const float* __restrict__ log_probs, long long num_rows,
+                                                int vocab_size, int blank, int* __restrict__ top_labels) {
+    const long long row = (long long)blockIdx.x * (CTC_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= num_rows) return;  // the whole warp
+    const int lane = threadIdx.x & 31;
+    const float* x = log_probs + row * vocab_size;
+    unsigned long long kept[P];  // best first
+#pragma unroll
+    for (int r = 0; r < P; ++r) kept[r] = 0ull;
+    for (int v = lane; v < vocab_size; v += 32) {
+        if (v == blank) continue;
+        const unsigned long long key = pack_key(x[v], (unsigned int)v);
+        if (key <= kept[P - 1]) continue;
+        kept[P - 1] = key;
+#pragma unroll
+        for (int r = P - 1; r > 0; --r) {
+            if (kept[r] > kept[r - 1]) {
+                const unsigned long long swap = kept[r];
+                kept[r] = kept[r - 1];
+                kept[r - 1] = swap;
+            }
+        }
+    }
+    for (int round = 0; round < P; ++round) {
+        const unsigned long long winner = warp_max_u64(kept[0]);
+        if (kept[0] == winner && winner != 0ull) {
+#pragma unroll
+            for (int r = 0; r < P - 1; ++r) kept[r] = kept[r + 1];
+            kept[P - 1] = 0ull;
+        }
+        if (lane == 0) top_labels[row * P + round] = winner != 0ull ? (int)~(unsigned int)(winner & 0xffffffffull) : -1;
+    }
+}
+
+#define TOP_LABELS_ENTRY(P)                                                                                \
+    extern "C" __global__ void __launch_bounds__(CTC_THREADS) ctc_top_labels_##P(                          \
+        const float* __restrict__ log_probs, long long num_rows, int vocab_size, int blank,                \
+        int* __restrict__ top_labels) {                                                                    \
+        top_labels_rows<P>(log_probs, num_rows, vocab_size, blank, top_labels);                            \
+    }
+TOP_LABELS_ENTRY(9)
+TOP_LABELS_ENTRY(17)
+TOP_LABELS_ENTRY(33)

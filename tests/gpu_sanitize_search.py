@@ -36,7 +36,9 @@ def main() -> int:
     log_probs = random_log_probs(np, 6, 30, 12, seed=1, sharpness=2.0, blank_bias=1.5)
     lengths = np.array([30, 17, 1, 0, 29, 8])
     for options in (CtcPrefixOptions(beam_size=4), CtcPrefixOptions(beam_size=32, score_threshold=5.0),
-                    CtcPrefixOptions(beam_size=6, hash_modulus=5, blank_skip_threshold_logp=-0.1)):
+                    CtcPrefixOptions(beam_size=6, hash_modulus=5, blank_skip_threshold_logp=-0.1),
+                    CtcPrefixOptions(beam_size=3, hash_modulus=5, score_threshold=2.0,
+                                     blank_skip_threshold_logp=-0.1)):  # beams 4 and 3: label prefilter
         expected = ctc_prefix_search(log_probs, lengths, options)
         got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
         if [[h.labels for h in n] for n in got] != [[h.labels for h in n] for n in expected]:

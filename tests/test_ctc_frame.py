@@ -7,6 +7,7 @@ import pytest
 from gpudecode.bench.ctc import random_log_probs
 from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
+from gpudecode.search import ctc_frame as ctc_frame_module
 from gpudecode.search.ctc_frame import full_frame_reference
 from tests.test_ctc_search import assert_same_nbest
 
@@ -117,3 +118,122 @@ def test_kernel_with_a_vocabulary_too_large_for_the_shared_row():
     expected = ctc_prefix_search(log_probs, lengths, options)
     got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
     assert_same_nbest(expected, got)
+
+
+PREFILTER_CASES = [
+    dict(beam_size=1),
+    dict(beam_size=3),
+    dict(beam_size=4, score_threshold=2.0),
+    dict(beam_size=4, hash_modulus=5),
+    dict(beam_size=2, blank_skip_threshold_logp=-0.05),
+    dict(beam_size=4, blank=3),
+]
+
+
+@pytest.mark.parametrize("case", PREFILTER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("levels", [None, 3])
+def test_label_prefilter_gives_the_full_search(case, levels, monkeypatch):
+    """The kernel's label prefilter (only the blank, each lane's last label and the frame's best
+    2 * beam + 1 labels) in the reference frame: the same n-best as the array search over all
+    labels, with recombination and threshold; with log-probs in clusters a few ulps apart (sums
+    that round to ties, where a lower label can beat a listed one) the frames with a tie at the
+    list's end are scanned in full."""
+    vocab_size = 12
+    options = CtcPrefixOptions(**case)
+    log_probs = random_log_probs(np, 5, 14, vocab_size, seed=7, sharpness=2.0, blank_bias=1.0)
+    if levels is not None:  # every label but blank within a few ulps: sums that round to a tie
+        rng = np.random.default_rng(1)
+        near = np.round(log_probs.max(axis=2, keepdims=True), 0) - np.float32(1.0)
+        labels = np.arange(vocab_size) != options.blank
+        log_probs[:, :, labels] = (near + rng.integers(0, levels, (5, 14, vocab_size))[:, :, labels]
+                                   * np.float32(2e-7))
+    lengths = np.array([14, 9, 1, 12, 0])
+    num_top = 2 * options.beam_size + 1
+    assert vocab_size - 1 > num_top
+    expected = ctc_prefix_search(log_probs, lengths, options)
+    searches = []
+
+    def reference(search, t, exact):
+        searches.append(search)
+        full_frame_reference(search, t, exact, num_top=num_top)
+
+    monkeypatch.setattr(ctc_module._PrefixSearch, "_full_frame", reference)
+    got = ctc_prefix_search(log_probs, lengths, options)
+    assert searches, "the reference frame never ran"
+    assert _flat(got) == _flat(expected)
+    full_scans = max(getattr(s, "full_scans", 0) for s in searches)
+    if levels is not None and options.beam_size > 1:
+        assert full_scans > 0, "no frame fell back to the full scan"
+    if levels is None:
+        assert full_scans == 0
+
+
+def test_top_labels_reference_orders_by_value_then_label():
+    row = np.array([-1.0, -0.5, np.nan, -0.5, -2.0, -np.inf], dtype=np.float32)
+    assert ctc_frame_module.top_labels_reference(row, blank=1, count=4) == [3, 0, 4, 2]
+
+
+def _prefilter_off(monkeypatch, run):
+    from gpudecode.search import ctc_frame
+
+    monkeypatch.setattr(ctc_frame, "prefilter", False)
+    try:
+        return run()
+    finally:
+        monkeypatch.setattr(ctc_frame, "prefilter", True)
+
+
+def _exact(results):
+    return [[(h.labels, h.frames, h.score) for h in nbest] for nbest in results]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PREFILTER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("levels", [None, 3])
+def test_kernel_prefilter_equals_the_full_scan_kernel(case, levels, monkeypatch):
+    """The kernel with the label prefilter gives bit for bit the n-best of the kernel scanning
+    every label (the same device arithmetic), also where rounding ties force full-scan frames; and
+    the CPU search's n-best on the untied inputs."""
+    import cupy
+
+    from gpudecode.search import ctc_frame
+
+    vocab_size, options = 12, CtcPrefixOptions(**case)
+    assert ctc_frame.top_label_count(options.beam_size, vocab_size) > 0
+    log_probs = random_log_probs(np, 5, 14, vocab_size, seed=7, sharpness=2.0, blank_bias=1.0)
+    if levels is not None:
+        rng = np.random.default_rng(1)
+        near = np.round(log_probs.max(axis=2, keepdims=True), 0) - np.float32(1.0)
+        labels = np.arange(vocab_size) != options.blank
+        log_probs[:, :, labels] = (near + rng.integers(0, levels, (5, 14, vocab_size))[:, :, labels]
+                                   * np.float32(2e-7))
+    lengths = np.array([14, 9, 1, 12, 0])
+    run = lambda: ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)  # noqa: E731
+    got = run()
+    assert _exact(got) == _exact(_prefilter_off(monkeypatch, run))
+    if levels is None:
+        assert_same_nbest(ctc_prefix_search(log_probs, lengths, options), got)
+
+
+@pytest.mark.gpu
+def test_kernel_prefilter_on_larger_inputs():
+    """64 utterances x 200 frames, vocabularies 1,000 and 5,000, beams 4, 8, 13 and 16 (the three
+    list lengths), with and without a threshold and blank skipping: bit for bit the full-scan
+    kernel's n-best."""
+    import cupy
+
+    from gpudecode.search import ctc_frame
+
+    lengths = np.random.default_rng(0).integers(1, 201, 64)
+    for vocab_size in (1000, 5000):
+        log_probs = random_log_probs(cupy, 64, 200, vocab_size, seed=5)
+        for options in (CtcPrefixOptions(beam_size=4), CtcPrefixOptions(beam_size=8),
+                        CtcPrefixOptions(beam_size=13, score_threshold=6.0),
+                        CtcPrefixOptions(beam_size=16, blank_skip_threshold_logp=-0.01)):
+            got = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
+            ctc_frame.prefilter = False
+            try:
+                expected = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
+            finally:
+                ctc_frame.prefilter = True
+            assert _exact(got) == _exact(expected), (vocab_size, options)

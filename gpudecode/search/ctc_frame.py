@@ -36,9 +36,18 @@ def _paths_equal(a: int, b: int, node_label, node_parent, steps: int | None) -> 
         step += 1
 
 
-def full_frame_reference(search, t: int, exact: bool) -> None:
+def top_labels_reference(row: np.ndarray, blank: int, count: int) -> list[int]:
+    """The ``count`` best labels of one frame's log-probs other than ``blank``: larger first,
+    equal ones by lower label, NaN as -inf (``ctc_top_labels_<P>``)."""
+    keys = np.where(np.isnan(row), _NEG_INF, row).astype(np.float32)
+    labels = [v for v in np.lexsort((np.arange(len(row)), -keys)).tolist() if v != blank]
+    return labels[:count]
+
+
+def full_frame_reference(search, t: int, exact: bool, num_top: int | None = None) -> None:
     """``search._full_frame(t, exact)`` for a search without scorers, on numpy, utterance by
-    utterance: the per-thread-block algorithm of ``ctc_frame.cu``."""
+    utterance: the per-thread-block algorithm of ``ctc_frame.cu``. ``num_top``: with the label
+    prefilter (``top_labels``), the kernel's candidate set and full-scan fallback."""
     from gpudecode.search.ctc import _HASH_MULTIPLIER
 
     options, layout = search.options, search.layout
@@ -110,10 +119,23 @@ def full_frame_reference(search, t: int, exact: bool) -> None:
                 else:
                     value = _NEG_INF if (i, v) in killed else emit(i, v)
                 ranks[(i - u * beam) * vocab_size + v] = value
+        present = np.ones(beam * vocab_size, dtype=bool)
+        if num_top is not None:  # the prefilter, unless a live lane ties its last two listed labels
+            top = top_labels_reference(frame, blank, num_top)
+            tie = any(total[i] > _NEG_INF and np.float32(total[i] + x(top[-2])) == np.float32(total[i] + x(top[-1]))
+                      and np.float32(total[i] + x(top[-2])) > _NEG_INF for i in lanes)
+            search.full_scans = getattr(search, "full_scans", 0) + tie
+            if not tie:
+                present[:] = False
+                for i in lanes:
+                    base_column = (i - u * beam) * vocab_size
+                    listed = {blank, *top[:-1]} | ({int(old["last"][i])} if old["last"][i] >= 0 else set())
+                    present[[base_column + v for v in listed]] = True
         if threshold is not None:
-            best = ranks.max()
+            best = ranks[present].max()
             ranks = np.where(ranks >= best - np.float32(threshold), ranks, _NEG_INF)
-        order = np.argsort(-(ranks + np.float32(0)), kind="stable")[:beam]
+        # best first: present, larger rank, lower column
+        order = np.lexsort((np.arange(beam * vocab_size), -(ranks + np.float32(0)), ~present))[:beam]
 
         for b, column in zip(lanes, order.tolist()):
             alive = ranks[column] > _NEG_INF
@@ -146,6 +168,19 @@ _MAX_ROW_BYTES = 40 * 1024
 _STATE = ("blank_logp", "label_logp", "last", "length", "hash", "prev_hash", "node")
 #: Switch for tests: False makes the CuPy search run its array version.
 enabled = True
+#: Switch for tests: False makes the kernel scan every label of every frame (no prefilter).
+prefilter = True
+#: The prefilter's list lengths (``ctc_top_labels_<P>``), P >= 2 * beam + 1, by largest beam.
+_TOP_LABELS = ((4, 9), (8, 17), (16, 33))
+
+
+def top_label_count(beam_size: int, vocab_size: int) -> int:
+    """How many best labels per frame the kernel's prefilter lists (0: no prefilter — a beam
+    above 16, or too few labels for the list to leave any out)."""
+    if not prefilter:
+        return 0
+    count = next((p for b, p in _TOP_LABELS if beam_size <= b), 0)
+    return count if count and vocab_size - 1 > count else 0
 
 
 def use_kernel(search) -> bool:
@@ -175,15 +210,24 @@ def search_kernel(search, frame_kinds: np.ndarray) -> None:
     steps = -1  # the kernel walks hash-equal pairs to the end: it never leaves one undecided
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= layout.beam_size)  # the kernel's per-thread list
-    kernel = load_module("ctc_frame", (), log_probs.device.id).get_function(f"ctc_prefix_frames_{kept}")
-    row_in_shared = vocab_size * 4 <= _MAX_ROW_BYTES
+    module = load_module("ctc_frame", (), log_probs.device.id)
+    kernel = module.get_function(f"ctc_prefix_frames_{kept}")
+    rows = num_utts * num_frames
+    num_top = top_label_count(layout.beam_size, vocab_size) if rows else 0
+    top_labels = np.uint64(0)  # null: no prefilter
+    if num_top:  # every frame's best labels, all frames at once (a warp per frame)
+        top_labels = cupy.empty((num_utts, num_frames, num_top), dtype=np.int32)
+        module.get_function(f"ctc_top_labels_{num_top}")(
+            ((rows + _THREADS // 32 - 1) // (_THREADS // 32),), (_THREADS,),
+            (log_probs, np.int64(rows), np.int32(vocab_size), np.int32(options.blank), top_labels))
+    row_in_shared = not num_top and vocab_size * 4 <= _MAX_ROW_BYTES
     kernel((num_utts,), (_THREADS,), (
         log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank),
         cupy.asarray(kinds), cupy.ascontiguousarray(search.lengths_dev, dtype=np.int64), skip,
         np.int32(layout.beam_size), *state, search.node_parent, search.node_label,
         np.int32(steps), np.int32(threshold is not None), np.float32(threshold or 0),
         np.int64(_HASH_MULTIPLIER), np.int64(options.hash_modulus), search.unresolved.view(np.uint8),
-        np.int32(row_in_shared),
+        np.int32(row_in_shared), top_labels, np.int32(num_top),
     ), shared_mem=vocab_size * 4 if row_in_shared else 0)
     for name, array in zip(_STATE, state):
         setattr(search, name, array)

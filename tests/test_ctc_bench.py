@@ -14,6 +14,6 @@ def test_ctc_bench_smoke(tmp_path):
                      ("prefix", 1, True), ("prefix", 4, True)}
     assert all(c["frames_per_s"] > 0 for c in results["cells"])
     assert set(results["ratios"]) == {"lm_fusion_cost_v20_beam1", "lm_fusion_cost_v20_beam4",
-                                      "end_to_end_beam8_over_greedy"}
+                                      "end_to_end_beam8_over_greedy", "end_to_end_beam8_nbest8_over_greedy"}
     assert json.loads((tmp_path / "ctc.json").read_text())["benchmark"] == "ctc"
     assert "frames/s" in format_table(results)

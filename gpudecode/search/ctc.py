@@ -256,35 +256,34 @@ def _emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, nod
     num_utts, beam = order.shape
     num_lanes = num_utts * beam
     node_frame = np.concatenate([[-1], np.repeat(np.asarray(node_frames, np.int64), num_lanes)])
-    # every lane's emission nodes, newest first (node 0, the empty sequence, once a path has ended)
+    # the lanes that make the lists: per utterance its best num_best, up to the first ranked -inf
+    best = (np.arange(num_utts)[:, None] * beam + order[:, :num_best]).reshape(-1)
+    listed = np.cumprod(np.isfinite(ranks[best]).reshape(num_utts, -1), axis=1).astype(bool)
+    counts = listed.sum(axis=1).tolist()
+    lanes = best[listed.reshape(-1)]
+    # their emission nodes, newest first (node 0, the empty sequence, once a path has ended)
     traced = []
-    current = node
+    current = node[lanes]
     while (current != 0).any():
         traced.append(current)
         current = node_parent[current]
     # per lane, oldest first; shorter sequences have -1 at the front (node 0's label and frame)
-    nodes_by_lane = np.stack(traced[::-1], axis=1) if traced else np.zeros((num_lanes, 0), np.int64)
+    nodes_by_lane = np.stack(traced[::-1], axis=1) if traced else np.zeros((len(lanes), 0), np.int64)
     labels_by_lane, frames_by_lane = node_label[nodes_by_lane], node_frame[nodes_by_lane]
     starts = (labels_by_lane < 0).sum(axis=1).tolist()
     labels_by_lane, frames_by_lane = labels_by_lane.tolist(), frames_by_lane.tolist()
-    ranks_list = ranks.tolist()
-    own_lists = {name: values.tolist() for name, values in own_scores.items()}
-    lm_lists = [(e.name, lm_scores[s].tolist()) for s, e in enumerate(entries)]
+    ranks_list = ranks[lanes].tolist()
+    score_lists = [(name, values[lanes].tolist()) for name, values in own_scores.items()]
+    score_lists += [(e.name, lm_scores[s][lanes].tolist()) for s, e in enumerate(entries)]
 
-    results = []
-    for u in range(num_utts):
-        nbest = []
-        for lane in (u * beam + order[u]).tolist():
-            if not math.isfinite(ranks_list[lane]) or len(nbest) == num_best:
-                break
-            start = starts[lane]
-            labels = labels_by_lane[lane][start:]
-            scores = {name: values[lane] for name, values in own_lists.items()}
-            scores.update({name: values[lane] for name, values in lm_lists})
-            nbest.append(Hypothesis(labels=labels, score=ranks_list[lane], scores=scores,
-                                    length=len(labels), frames=frames_by_lane[lane][start:]))
-        results.append(nbest)
-    return results
+    hypotheses = []
+    for k, start in enumerate(starts):
+        labels = labels_by_lane[k][start:]
+        hypotheses.append(Hypothesis(labels=labels, score=ranks_list[k],
+                                     scores={name: values[k] for name, values in score_lists},
+                                     length=len(labels), frames=frames_by_lane[k][start:]))
+    ends = np.cumsum(counts).tolist()
+    return [hypotheses[end - count:end] for count, end in zip(counts, ends)]
 
 
 class _PrefixSearch:

@@ -51,7 +51,8 @@ from gpudecode.backend import on_shared_stream, to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import check_frames, check_time_sync_options, option_error
-from gpudecode.search.results import Hypothesis, no_cyclic_gc
+from gpudecode.search.emission_tree import emission_tree_nbest
+from gpudecode.search.results import Hypothesis
 from gpudecode.search import ctc_frame
 from gpudecode.search.topk import top_k_indices
 
@@ -238,52 +239,6 @@ def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: 
         equal = equal | met
         pending = pending & ~met
         step += 1
-
-
-def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node, node_parent, node_label,
-                        node_frames: Sequence[int], num_best: int) -> list[list[Hypothesis]]:
-    """N-best lists of a time-synchronous search from host arrays: ``order`` [U, B] lanes of each
-    utterance best first, ``ranks`` [N], ``own_scores`` name -> [N] (the search's own score),
-    ``lm_scores`` [S, N] of ``entries``, and the emission tree (``node`` [N]; node ``1 + k * N + lane``
-    was made at frame ``node_frames[k]``, node 0 is the empty sequence). Lanes ranked -inf end a list."""
-    with no_cyclic_gc():
-        return _emission_tree_nbest(order, ranks, own_scores, lm_scores, entries, node, node_parent, node_label,
-                                    node_frames, num_best)
-
-
-def _emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node, node_parent, node_label,
-                         node_frames: Sequence[int], num_best: int) -> list[list[Hypothesis]]:
-    num_utts, beam = order.shape
-    num_lanes = num_utts * beam
-    node_frame = np.concatenate([[-1], np.repeat(np.asarray(node_frames, np.int64), num_lanes)])
-    # the lanes that make the lists: per utterance its best num_best, up to the first ranked -inf
-    best = (np.arange(num_utts)[:, None] * beam + order[:, :num_best]).reshape(-1)
-    listed = np.cumprod(np.isfinite(ranks[best]).reshape(num_utts, -1), axis=1).astype(bool)
-    counts = listed.sum(axis=1).tolist()
-    lanes = best[listed.reshape(-1)]
-    # their emission nodes, newest first (node 0, the empty sequence, once a path has ended)
-    traced = []
-    current = node[lanes]
-    while (current != 0).any():
-        traced.append(current)
-        current = node_parent[current]
-    # per lane, oldest first; shorter sequences have -1 at the front (node 0's label and frame)
-    nodes_by_lane = np.stack(traced[::-1], axis=1) if traced else np.zeros((len(lanes), 0), np.int64)
-    labels_by_lane, frames_by_lane = node_label[nodes_by_lane], node_frame[nodes_by_lane]
-    starts = (labels_by_lane < 0).sum(axis=1).tolist()
-    labels_by_lane, frames_by_lane = labels_by_lane.tolist(), frames_by_lane.tolist()
-    ranks_list = ranks[lanes].tolist()
-    score_lists = [(name, values[lanes].tolist()) for name, values in own_scores.items()]
-    score_lists += [(e.name, lm_scores[s][lanes].tolist()) for s, e in enumerate(entries)]
-
-    hypotheses = []
-    for k, start in enumerate(starts):
-        labels = labels_by_lane[k][start:]
-        hypotheses.append(Hypothesis(labels=labels, score=ranks_list[k],
-                                     scores={name: values[k] for name, values in score_lists},
-                                     length=len(labels), frames=frames_by_lane[k][start:]))
-    ends = np.cumsum(counts).tolist()
-    return [hypotheses[end - count:end] for count, end in zip(counts, ends)]
 
 
 class _PrefixSearch:
@@ -549,10 +504,6 @@ class _PrefixSearch:
         ctc = xp.logaddexp(self.blank_logp, self.label_logp)
         ranks = ctc + combine_scores(self.lm_scores, self.scales) if self.entries else ctc
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
-        (order, ranks, ctc, lm_scores, node, node_parent, node_label, unresolved) = _to_host(
-            order, ranks, ctc, self.lm_scores, self.node, self.node_parent, self.node_label,
-            self.unresolved)
-        if not exact and bool(unresolved):
-            return None
-        return emission_tree_nbest(order, ranks, {CTC_SCORE_NAME: ctc}, lm_scores, self.entries, node, node_parent,
-                                   node_label, self.node_frames, options.num_best)
+        return emission_tree_nbest(order, ranks, {CTC_SCORE_NAME: ctc}, self.lm_scores, self.entries, self.node,
+                                   self.node_parent, self.node_label, self.node_frames, options.num_best,
+                                   _to_host, unresolved=None if exact else self.unresolved)

@@ -54,7 +54,8 @@ from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search import transducer_step
-from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, emission_tree_nbest, same_label_paths
+from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, same_label_paths
+from gpudecode.search.emission_tree import emission_tree_nbest
 from gpudecode.search.options import check_frames, check_time_sync_options, coerce_ints, option_error
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.results import Hypothesis
@@ -512,9 +513,6 @@ class _TransducerSearch:
         num_utts, beam = layout.num_groups, layout.beam_size
         ranks = self.score + combine_scores(self.lm_scores, self.scales) if self.entries else self.score
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
-        (order, ranks, score, lm_scores, node, node_parent, node_label, unresolved) = _to_host(
-            order, ranks, self.score, self.lm_scores, self.node, self.node_parent, self.node_label, self.unresolved)
-        if not exact and bool(unresolved):
-            return None
-        return emission_tree_nbest(order, ranks, {TRANSDUCER_SCORE_NAME: score}, lm_scores, self.entries, node,
-                                   node_parent, node_label, self.node_frames, options.num_best)
+        return emission_tree_nbest(order, ranks, {TRANSDUCER_SCORE_NAME: self.score}, self.lm_scores, self.entries,
+                                   self.node, self.node_parent, self.node_label, self.node_frames, options.num_best,
+                                   _to_host, unresolved=None if exact else self.unresolved)

@@ -1,0 +1,105 @@
+"""N-best lists of the time-synchronous searches (CTC prefix, transducer) from their emission tree.
+
+Every emitted label is a tree node ``1 + k * N + lane`` (k: the tree step, made at input frame
+``node_frames[k]``) with its parent node and label; node 0 is the empty sequence. The lanes that
+make the lists are traced on the search's device (:func:`trace_paths`; ``kernels/emission_tree.cu``
+on CuPy) and come to the host in one transfer with their scores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from gpudecode.backend import get_array_module
+from gpudecode.search.results import Hypothesis, no_cyclic_gc
+
+_THREADS = 128
+
+
+def trace_paths(lanes, node, node_parent, node_label, node_frames: Sequence[int], num_lanes: int):
+    """Labels and frames of ``lanes`` [L], oldest first: (labels [L, K], frames [L, K], lengths
+    [L]) int32 on the arrays' module, rows padded with -1 (K: the tree's steps)."""
+    xp = get_array_module(node)
+    max_length = len(node_frames)
+    num_traced = int(lanes.shape[0])
+    if xp is np:
+        return _trace_on_host(lanes, node, node_parent, node_label, node_frames, num_lanes)
+    from gpudecode.kernels import load_module
+
+    labels = xp.empty((num_traced, max_length), dtype=np.int32)
+    frames = xp.empty((num_traced, max_length), dtype=np.int32)
+    lengths = xp.empty(num_traced, dtype=np.int32)
+    if num_traced:
+        kernel = load_module("emission_tree", (), node.device.id).get_function("trace_emission_paths")
+        frames_dev = xp.asarray(np.asarray(node_frames, dtype=np.int64).reshape(-1))
+        kernel(((num_traced + _THREADS - 1) // _THREADS,), (_THREADS,), (
+            xp.ascontiguousarray(lanes, dtype=np.int64), np.int32(num_traced), xp.ascontiguousarray(node),
+            node_parent, node_label, frames_dev, np.int64(num_lanes), np.int32(max_length),
+            labels, frames, lengths))
+    return labels, frames, lengths
+
+
+def _trace_on_host(lanes, node, node_parent, node_label, node_frames, num_lanes: int):
+    max_length = len(node_frames)
+    node_frame = np.concatenate([[-1], np.repeat(np.asarray(node_frames, np.int64), num_lanes)])
+    traced = []  # newest first; node 0 (the root) once a path has ended
+    current = node[lanes]
+    while (current != 0).any():
+        traced.append(current)
+        current = node_parent[current]
+    labels = np.full((len(lanes), max_length), -1, dtype=np.int32)
+    frames = np.full((len(lanes), max_length), -1, dtype=np.int32)
+    if not traced:
+        return labels, frames, np.zeros(len(lanes), dtype=np.int32)
+    newest_first = np.stack(traced, axis=1)  # [L, D], each row's path then zeros
+    lengths = (newest_first != 0).sum(axis=1)
+    columns = lengths[:, None] - 1 - np.arange(newest_first.shape[1])[None, :]  # oldest first
+    valid = columns >= 0
+    nodes = np.take_along_axis(newest_first, np.maximum(columns, 0), axis=1)
+    depth = newest_first.shape[1]
+    labels[:, :depth] = np.where(valid, node_label[nodes], -1)
+    frames[:, :depth] = np.where(valid, node_frame[nodes], -1)
+    return labels, frames, lengths.astype(np.int32)
+
+
+def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node, node_parent, node_label,
+                        node_frames: Sequence[int], num_best: int, transfer: Callable, unresolved=None):
+    """Per utterance the n-best, best first: ``order`` [U, B] each utterance's lanes best first,
+    ``ranks`` [N] (a lane ranked -inf ends its list), ``own_scores`` name -> [N] (the search's own
+    score), ``lm_scores`` [S, N] of ``entries``. Arrays may live on the device; ``transfer`` brings
+    them to the host (one call). None when the device bool ``unresolved`` is set."""
+    xp = get_array_module(node)
+    num_utts, beam = order.shape
+    num_lanes = num_utts * beam
+    num_best = min(num_best, beam)
+    lanes = (xp.arange(num_utts, dtype=np.int64)[:, None] * beam + order[:, :num_best]).reshape(-1)
+    labels, frames, lengths = trace_paths(lanes, node, node_parent, node_label, node_frames, num_lanes)
+    names = list(own_scores) + [e.name for e in entries]
+    scores = [own_scores[name][lanes] for name in own_scores] + [lm_scores[s][lanes] for s in range(len(entries))]
+    flag = xp.zeros((), dtype=bool) if unresolved is None else unresolved
+    (flag, ranks, labels, frames, lengths, *scores) = transfer(flag, ranks[lanes], labels, frames, lengths, *scores)
+    if bool(flag):
+        return None
+    with no_cyclic_gc():
+        return _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores)
+
+
+def _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores) -> list[list[Hypothesis]]:
+    ranks_list, lengths_list = ranks.tolist(), lengths.tolist()
+    label_rows, frame_rows = labels.tolist(), frames.tolist()
+    score_lists = [values.tolist() for values in scores]
+    results = []
+    for u in range(num_utts):
+        nbest = []
+        for k in range(u * num_best, (u + 1) * num_best):
+            if not math.isfinite(ranks_list[k]):
+                break
+            n = lengths_list[k]
+            nbest.append(Hypothesis(labels=label_rows[k][:n], score=ranks_list[k],
+                                    scores={name: values[k] for name, values in zip(names, score_lists)},
+                                    length=n, frames=frame_rows[k][:n]))
+        results.append(nbest)
+    return results

@@ -224,11 +224,13 @@ def bench_batching(output: str, utterances: int, max_active: int, beam: int, qui
 @click.option("--beams", default="1,8,16", show_default=True, help="Comma-separated.")
 @click.option("--encoder-frames", type=int, default=1000, show_default=True,
               help="Input frames per utterance for the end-to-end beam ÷ greedy with the pinned encoder.")
-def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams: str, encoder_frames: int) -> None:
+@click.option("--repeats", type=int, default=1, show_default=True, help="Timed runs per cell; the fastest counts.")
+def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams: str, encoder_frames: int,
+              repeats: int) -> None:
     """CTC prefix search frames/s (with and without an LSTM LM) and end-to-end beam 8 ÷ greedy."""
     _run_bench("ctc", "run_ctc_bench", num_utts=utterances, num_frames=frames,
                vocab_sizes=_int_list(vocab_sizes), beams=_int_list(beams),
-               encoder_frames=encoder_frames, output_dir=output)
+               encoder_frames=encoder_frames, repeats=repeats, output_dir=output)
 
 
 @bench.command("transducer")

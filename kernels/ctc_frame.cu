@@ -22,7 +22,7 @@
 //               best first (larger log-prob, then lower label), written by ctc_top_labels_<P>
 //   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
 //
-// Per block (256 threads, or one warp with the label prefilter): one thread per lane for the state and the recombination (a serial walk of the
+// Per block: one thread per lane for the state and the recombination (a serial walk of the
 // emission tree per hash-equal pair); the frame's log-prob row is staged in dynamic shared memory
 // (row_in_shared, when V floats fit); every thread scans a strided share of the beam * V
 // candidates keeping its best KEPT >= beam (key, column) pairs in registers, packed into uint64
@@ -62,8 +62,7 @@ struct Frame {
 };
 
 // KEPT (8, 16 or 32, >= beam): the per-thread candidate list, held in registers (unrolled).
-// THREADS (>= beam): 256, or 32 (one warp, whose barriers cost little) with the label prefilter.
-template <int KEPT, int THREADS>
+template <int KEPT>
 __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab_size, int blank,
                   const signed char* __restrict__ frame_kinds, const long long* __restrict__ lengths,
                   const unsigned char* __restrict__ skip, int beam,
@@ -77,8 +76,8 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     __shared__ float s_total[CTC_MAX_BEAM], s_stay_blank[CTC_MAX_BEAM], s_stay_label[CTC_MAX_BEAM];
     __shared__ int s_kill_lane[CTC_MAX_BEAM], s_kill_label[CTC_MAX_BEAM];
     __shared__ bool s_retime[CTC_MAX_BEAM], s_tie[CTC_MAX_BEAM];
-    __shared__ unsigned long long s_warp_best[THREADS / 32];
-    __shared__ float s_warp_max[THREADS / 32];
+    __shared__ unsigned long long s_warp_best[CTC_THREADS / 32];
+    __shared__ float s_warp_max[CTC_THREADS / 32];
     __shared__ unsigned int s_chosen[CTC_MAX_BEAM];
     extern __shared__ float s_row[];  // the frame's log-probs [V] when row_in_shared
 
@@ -119,7 +118,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         const long long base = 1 + full_index * num_lanes;
         ++full_index;
         if (row_in_shared) {  // one coalesced load of the row; every candidate reads it
-            for (int v = threadIdx.x; v < vocab_size; v += THREADS) s_row[v] = frame.row[v];
+            for (int v = threadIdx.x; v < vocab_size; v += CTC_THREADS) s_row[v] = frame.row[v];
             frame.row = s_row;
             __syncthreads();
         }
@@ -186,12 +185,12 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
 
         float floor_key;
         if (full_scan) {
-            floor_key = block_top_beam<KEPT, THREADS>(candidate, beam, vocab_size, has_threshold, threshold,
+            floor_key = block_top_beam<KEPT, CTC_THREADS>(candidate, beam, vocab_size, has_threshold, threshold,
                                                           s_warp_best, s_warp_max, s_chosen);
         } else {  // per lane: the blank (stay), its last label, the frame's best num_top - 1 labels
             const int slots = num_top + 1;
             auto scan = [&](auto&& visit) {
-                for (int k = threadIdx.x; k < beam * slots; k += THREADS) {
+                for (int k = threadIdx.x; k < beam * slots; k += CTC_THREADS) {
                     const int i = k / slots, slot = k - i * slots;
                     const int last_i = (int)cur.last[i];
                     const int v = slot == 0 ? blank : (slot == 1 ? last_i : top[slot - 2]);
@@ -199,7 +198,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
                         visit(candidate(i, v), (unsigned int)(i * vocab_size + v));
                 }
             };
-            floor_key = block_top_beam_scan<KEPT, THREADS>(scan, beam, has_threshold, threshold, s_warp_best,
+            floor_key = block_top_beam_scan<KEPT, CTC_THREADS>(scan, beam, has_threshold, threshold, s_warp_best,
                                                                s_warp_max, s_chosen);
         }
 
@@ -249,8 +248,8 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     }
 }
 
-#define CTC_ENTRY(NAME, KEPT, THREADS)                                                                    \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                           \
+#define CTC_ENTRY(KEPT)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(CTC_THREADS) ctc_prefix_frames_##KEPT(                   \
         const float* __restrict__ log_probs, int num_frames, int vocab_size, int blank,                   \
         const signed char* __restrict__ frame_kinds, const long long* __restrict__ lengths,               \
         const unsigned char* __restrict__ skip, int beam, float* __restrict__ blank_logp,                 \
@@ -260,17 +259,14 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         int has_threshold, float threshold, long long hash_multiplier, long long hash_modulus,            \
         unsigned char* __restrict__ unresolved, int row_in_shared, const int* __restrict__ top_labels,     \
         int num_top) {                                                                                    \
-        prefix_frames<KEPT, THREADS>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths,      \
-                                     skip, beam, blank_logp, label_logp, last, length, hash, prev_hash,   \
-                                     node, node_parent, node_label, compare_steps, has_threshold,         \
-                                     threshold, hash_multiplier, hash_modulus, unresolved, row_in_shared, \
-                                     top_labels, num_top);                                                \
+        prefix_frames<KEPT>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
+                            blank_logp, label_logp, last, length, hash, prev_hash, node, node_parent,     \
+                            node_label, compare_steps, has_threshold, threshold, hash_multiplier,         \
+                            hash_modulus, unresolved, row_in_shared, top_labels, num_top);                \
     }
-CTC_ENTRY(ctc_prefix_frames_8, 8, CTC_THREADS)
-CTC_ENTRY(ctc_prefix_frames_16, 16, CTC_THREADS)
-CTC_ENTRY(ctc_prefix_frames_32, 32, CTC_THREADS)
-CTC_ENTRY(ctc_prefix_frames_warp_8, 8, 32)
-CTC_ENTRY(ctc_prefix_frames_warp_16, 16, 32)
+CTC_ENTRY(8)
+CTC_ENTRY(16)
+CTC_ENTRY(32)
 
 // The label prefilter: per row of log_probs [rows, V], its P best labels other than blank, best
 // first (larger log-prob, then lower label; NaN ranks like -inf), into top_labels [rows, P]. One

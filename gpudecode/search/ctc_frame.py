@@ -211,11 +211,9 @@ def search_kernel(search, frame_kinds: np.ndarray) -> None:
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= layout.beam_size)  # the kernel's per-thread list
     module = load_module("ctc_frame", (), log_probs.device.id)
+    kernel = module.get_function(f"ctc_prefix_frames_{kept}")
     rows = num_utts * num_frames
     num_top = top_label_count(layout.beam_size, vocab_size) if rows else 0
-    # with the prefilter a frame has few candidates: one warp per utterance, cheap barriers
-    threads = 32 if num_top else _THREADS
-    kernel = module.get_function(f"ctc_prefix_frames_warp_{kept}" if num_top else f"ctc_prefix_frames_{kept}")
     top_labels = np.uint64(0)  # null: no prefilter
     if num_top:  # every frame's best labels, all frames at once (a warp per frame)
         top_labels = cupy.empty((num_utts, num_frames, num_top), dtype=np.int32)
@@ -223,7 +221,7 @@ def search_kernel(search, frame_kinds: np.ndarray) -> None:
             ((rows + _THREADS // 32 - 1) // (_THREADS // 32),), (_THREADS,),
             (log_probs, np.int64(rows), np.int32(vocab_size), np.int32(options.blank), top_labels))
     row_in_shared = not num_top and vocab_size * 4 <= _MAX_ROW_BYTES
-    kernel((num_utts,), (threads,), (
+    kernel((num_utts,), (_THREADS,), (
         log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank),
         cupy.asarray(kinds), cupy.ascontiguousarray(search.lengths_dev, dtype=np.int64), skip,
         np.int32(layout.beam_size), *state, search.node_parent, search.node_label,

@@ -27,7 +27,7 @@ from gpudecode.search.topk import top_k_indices  # noqa: E402
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    for rows, cols, k in ((3, 7, 1), (5, 300, 8), (2, 5000, 32), (4, 40, 40)):
+    for rows, cols, k in ((3, 7, 1), (5, 300, 8), (2, 5000, 32), (3, 4097, 8), (2, 80_000, 13), (4, 40, 40)):
         keys = rng.standard_normal((rows, cols)).astype(np.float32)
         keys[:, ::5] = keys[:, :1]  # ties
         if not np.array_equal(top_k_indices(cupy.asarray(keys), k).get(), top_k_indices(keys, k)):

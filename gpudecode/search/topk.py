@@ -6,12 +6,14 @@ import numpy as np
 
 from gpudecode.backend import get_array_module
 
-# On CuPy, k up to this many columns are selected by one kernel launch (kernels/top_k.cu), one
-# thread block per row; larger k sort. Rows at least _FLAT_SORT_MIN_COLUMNS long are sorted as one
-# flat radix sort of (row, key) — about 3× faster than the row-wise sort at 64 × 80k on an H200.
+# On CuPy, k up to this many columns are selected by kernels/top_k.cu (no sort): one launch for
+# rows of at most _TOP_K_SEGMENT columns, two for longer rows (the best k of each segment, then of
+# those); larger k sort. Rows at least _FLAT_SORT_MIN_COLUMNS long are sorted as one flat radix
+# sort of (row, key) — about 3× faster than the row-wise sort at 64 × 80k on an H200.
 _KERNEL_MAX_K = 32
 _FLAT_SORT_MIN_COLUMNS = 16384
 _TOP_K_THREADS = 256  # TOP_K_THREADS of kernels/top_k.cu
+_TOP_K_SEGMENT = 4096  # TOP_K_SEGMENT of kernels/top_k.cu
 
 
 def top_k_indices(keys, k: int):
@@ -34,16 +36,30 @@ def top_k_indices(keys, k: int):
 
 
 def _top_k_kernel(keys, k: int):
-    """``row_top_k`` of kernels/top_k.cu: one launch, no sort, on the current stream."""
+    """kernels/top_k.cu on the current stream, no host synchronisation: ``top_k_rows_<KEPT>``, or
+    for rows longer than one segment ``top_k_segments_<KEPT>`` then ``top_k_merge_<KEPT>``."""
     from gpudecode.kernels import load_module
 
     xp = get_array_module(keys)
     keys = xp.ascontiguousarray(keys, dtype=np.float32)
     num_rows, num_cols = keys.shape
     out = xp.empty((num_rows, k), dtype=np.int64)
-    if num_rows:
-        kernel = load_module("top_k", (), keys.device.id).get_function("row_top_k")
-        kernel((num_rows,), (_TOP_K_THREADS,), (keys, np.int64(num_cols), np.int32(num_cols), np.int32(k), out))
+    if not num_rows:
+        return out
+    kept = 1 << (k - 1).bit_length()  # the per-thread list: the smallest power of two >= k
+    module = load_module("top_k", (), keys.device.id)
+    block = (_TOP_K_THREADS,)
+    if num_cols <= _TOP_K_SEGMENT:
+        module.get_function(f"top_k_rows_{kept}")(
+            (num_rows,), block, (keys, np.int64(num_cols), np.int32(num_cols), np.int32(k), out))
+        return out
+    segments = -(-num_cols // _TOP_K_SEGMENT)
+    candidates = xp.empty((num_rows, segments * k), dtype=np.uint64)  # [R, S, k] packed
+    module.get_function(f"top_k_segments_{kept}")(
+        (num_rows * segments,), block,
+        (keys, np.int64(num_cols), np.int32(num_cols), np.int32(segments), np.int32(k), candidates))
+    module.get_function(f"top_k_merge_{kept}")(
+        (num_rows,), block, (candidates, np.int32(segments * k), np.int32(k), out))
     return out
 
 

@@ -20,14 +20,18 @@
 //   unresolved  [1] uint8: set to 1 when a hash-equal pair stays undecided after compare_steps
 //   top_labels  [U, T, num_top] int32 or null: per frame its num_top best labels other than blank,
 //               best first (larger log-prob, then lower label), written by ctc_top_labels_<P>
+//   top_values  [U, T, num_top] float32 or null: their log-probs
 //   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
 //
 // Per block: one thread per lane for the state and the recombination (a serial walk of the
 // emission tree per hash-equal pair); the frame's log-prob row is staged in dynamic shared memory
 // (row_in_shared, when V floats fit); every thread scans a strided share of the beam * V
 // candidates keeping its best KEPT >= beam (key, column) pairs in registers, packed into uint64
-// (packed_key.cuh) so that equal keys keep the lower column; `beam` rounds of a block maximum over
-// the threads' list heads pick the winners in order (block_top_beam.cuh).
+// (packed_key.cuh) so that equal keys keep the lower column; each warp's best `beam`, ranked across
+// the block, give the winners in order with their values (block_top_beam.cuh). A lane's parent
+// node (node_parent[node]) is kept in shared memory with its state, so a frame's only global reads
+// are the frame's log-probs (x(blank), each lane's x(last label), the listed labels' values), all
+// issued together while the lanes' stay scores are formed.
 //
 // The label prefilter (top_labels, num_top = P + 1 with P >= 2 * beam): a lane's extensions other
 // than its last label rank in the order of the frame's log-probs, and at most beam - 1 of them are
@@ -43,11 +47,12 @@
 
 #define CTC_THREADS 256
 #define CTC_MAX_BEAM 32
+#define CTC_MAX_TOP 33  // the longest label list, ctc_top_labels_33
 
 struct Lanes {  // one utterance's lanes
     float blank[CTC_MAX_BEAM], label[CTC_MAX_BEAM];
     long long last[CTC_MAX_BEAM], length[CTC_MAX_BEAM], hash[CTC_MAX_BEAM], prev_hash[CTC_MAX_BEAM],
-        node[CTC_MAX_BEAM];
+        node[CTC_MAX_BEAM], parent_node[CTC_MAX_BEAM];  // parent_node: node_parent[node], kept here
 };
 
 struct Frame {
@@ -71,14 +76,19 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
                   long long* __restrict__ node, long long* __restrict__ node_parent,
                   long long* __restrict__ node_label, int compare_steps, int has_threshold, float threshold,
                   long long hash_multiplier, long long hash_modulus, unsigned char* __restrict__ unresolved,
-                  int row_in_shared, const int* __restrict__ top_labels, int num_top) {
+                  int row_in_shared, const int* __restrict__ top_labels, const float* __restrict__ top_values,
+                  int num_top) {
     __shared__ Lanes cur, next;
     __shared__ float s_total[CTC_MAX_BEAM], s_stay_blank[CTC_MAX_BEAM], s_stay_label[CTC_MAX_BEAM];
+    __shared__ float s_x_last[CTC_MAX_BEAM];  // x(last label), lane by lane
     __shared__ int s_kill_lane[CTC_MAX_BEAM], s_kill_label[CTC_MAX_BEAM];
     __shared__ bool s_retime[CTC_MAX_BEAM], s_tie[CTC_MAX_BEAM];
-    __shared__ unsigned long long s_warp_best[CTC_THREADS / 32];
+    __shared__ int s_top_label[CTC_MAX_TOP];  // the frame's listed labels and their x
+    __shared__ float s_top_x[CTC_MAX_TOP];
+    __shared__ unsigned long long s_warp_lists[CTC_THREADS / 32 * CTC_MAX_BEAM];
     __shared__ float s_warp_max[CTC_THREADS / 32];
     __shared__ unsigned int s_chosen[CTC_MAX_BEAM];
+    __shared__ float s_chosen_value[CTC_MAX_BEAM];
     extern __shared__ float s_row[];  // the frame's log-probs [V] when row_in_shared
 
     const int u = blockIdx.x;
@@ -86,6 +96,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     const long long num_lanes = (long long)gridDim.x * beam;
     const long long utterance_length = lengths[u];
     const int i_own = threadIdx.x;  // the lane this thread keeps, when < beam
+    const int k_own = threadIdx.x - CTC_MAX_BEAM;  // the listed label this thread loads, when in [0, num_top)
     if (i_own < beam) {
         cur.blank[i_own] = blank_logp[first + i_own];
         cur.label[i_own] = label_logp[first + i_own];
@@ -94,6 +105,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         cur.hash[i_own] = hash[first + i_own];
         cur.prev_hash[i_own] = prev_hash[first + i_own];
         cur.node[i_own] = node[first + i_own];
+        cur.parent_node[i_own] = node_parent[cur.node[i_own]];
     }
     __syncthreads();
 
@@ -123,37 +135,36 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             __syncthreads();
         }
 
-        const int* top = num_top > 0 ? top_labels + ((long long)u * num_frames + t) * num_top : nullptr;
-        // the stay (same prefix) scores
+        // the stay (same prefix) scores; meanwhile other threads load the listed labels
+        const bool listed = num_top > 0;
         if (i_own < beam) {
             const float total = log_add_exp(cur.blank[i_own], cur.label[i_own]);
+            const float x_last = cur.last[i_own] >= 0 ? frame.x((int)cur.last[i_own]) : neg_inf();
             s_total[i_own] = total;
+            s_x_last[i_own] = x_last;
             s_stay_blank[i_own] = total + frame.x(blank);
-            s_stay_label[i_own] = cur.last[i_own] >= 0 ? cur.label[i_own] + frame.x((int)cur.last[i_own]) : neg_inf();
-            bool tie = false;
-            if (top != nullptr && total > neg_inf()) {
-                const float listed = total + frame.x(top[num_top - 2]), next_best = total + frame.x(top[num_top - 1]);
-                tie = listed == next_best && listed > neg_inf();
-            }
-            s_tie[i_own] = tie;
+            s_stay_label[i_own] = cur.last[i_own] >= 0 ? cur.label[i_own] + x_last : neg_inf();
+        } else if (listed && k_own >= 0 && k_own < num_top) {
+            const long long at = ((long long)u * num_frames + t) * num_top + k_own;
+            s_top_label[k_own] = top_labels[at];
+            s_top_x[k_own] = frame.keep ? top_values[at] : neg_inf();  // listed labels are never blank
         }
         __syncthreads();
-        bool full_scan = top == nullptr;
-        for (int i = 0; i < beam && !full_scan; ++i) full_scan = s_tie[i];
 
-        // extension of lane i by label v (before recombination removes some)
-        auto emit = [&](int i, int v) -> float {
+        // extension of lane i by label v whose log-prob is xv (before recombination removes some)
+        auto emit_x = [&](int i, int v, float xv) -> float {
             if (v == blank) return neg_inf();
-            if (cur.last[i] >= 0 && v == cur.last[i]) return cur.blank[i] + frame.x(v);
-            return s_total[i] + frame.x(v);
+            if (cur.last[i] >= 0 && v == cur.last[i]) return cur.blank[i] + xv;
+            return s_total[i] + xv;
         };
 
-        // recombination: lane j's prefix = lane i's prefix + j's last label (the first such i)
+        // recombination: lane j's prefix = lane i's prefix + j's last label (the first such i); and
+        // whether lane j's sums tie at the list's end (then the frame is scanned in full)
         if (i_own < beam) {
             const int j = i_own;
             int match = 0;
             bool matched = false, undecided_any = false;
-            const long long node_j = node_parent[cur.node[j]];
+            const long long node_j = cur.parent_node[j];
             for (int i = 0; i < beam; ++i) {
                 if (!(cur.hash[i] == cur.prev_hash[j] && cur.length[i] + 1 == cur.length[j]
                       && s_total[i] > neg_inf() && s_total[j] > neg_inf())) continue;
@@ -168,62 +179,76 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             }
             if (undecided_any) unresolved[0] = 1;
             const int safe_last = cur.last[j] >= 0 ? (int)cur.last[j] : 0;
-            const float merged = emit(match, safe_last);
+            const float merged = emit_x(match, safe_last, s_x_last[j]);
             s_retime[j] = matched && merged > log_add_exp(s_stay_blank[j], s_stay_label[j]);
             if (matched) s_stay_label[j] = log_add_exp(s_stay_label[j], merged);
             s_kill_lane[j] = matched ? match : -1;
             s_kill_label[j] = safe_last;
+            bool tie = false;
+            if (listed && s_total[j] > neg_inf()) {
+                const float at_end = s_total[j] + s_top_x[num_top - 2], after = s_total[j] + s_top_x[num_top - 1];
+                tie = at_end == after && at_end > neg_inf();
+            }
+            s_tie[j] = tie;
         }
         __syncthreads();
+        bool full_scan = !listed;
+        for (int i = 0; i < beam && !full_scan; ++i) full_scan = s_tie[i];
 
-        auto candidate = [&](int i, int v) -> float {  // column c = i * V + v
-            if (v == blank) return log_add_exp(s_stay_blank[i], s_stay_label[i]);
+        auto killed = [&](int i, int v) -> bool {
             for (int j = 0; j < beam; ++j)
-                if (s_kill_lane[j] == i && s_kill_label[j] == v) return neg_inf();
-            return emit(i, v);
+                if (s_kill_lane[j] == i && s_kill_label[j] == v) return true;
+            return false;
         };
+        auto stay = [&](int i) -> float { return log_add_exp(s_stay_blank[i], s_stay_label[i]); };
 
-        float floor_key;
         if (full_scan) {
-            floor_key = block_top_beam<KEPT, CTC_THREADS>(candidate, beam, vocab_size, has_threshold, threshold,
-                                                          s_warp_best, s_warp_max, s_chosen);
+            auto candidate = [&](int i, int v) -> float {  // column c = i * V + v
+                if (v == blank) return stay(i);
+                return killed(i, v) ? neg_inf() : emit_x(i, v, frame.x(v));
+            };
+            block_top_beam<KEPT, CTC_THREADS>(candidate, beam, vocab_size, has_threshold, threshold, s_warp_lists,
+                                              s_warp_max, s_chosen, s_chosen_value);
         } else {  // per lane: the blank (stay), its last label, the frame's best num_top - 1 labels
             const int slots = num_top + 1;
             auto scan = [&](auto&& visit) {
                 for (int k = threadIdx.x; k < beam * slots; k += CTC_THREADS) {
                     const int i = k / slots, slot = k - i * slots;
                     const int last_i = (int)cur.last[i];
-                    const int v = slot == 0 ? blank : (slot == 1 ? last_i : top[slot - 2]);
-                    if (slot == 1 ? last_i >= 0 : (slot == 0 || v != last_i))  // each label once
-                        visit(candidate(i, v), (unsigned int)(i * vocab_size + v));
+                    const int v = slot == 0 ? blank : (slot == 1 ? last_i : s_top_label[slot - 2]);
+                    if (!(slot == 1 ? last_i >= 0 : (slot == 0 || v != last_i))) continue;  // each label once
+                    const float xv = slot == 1 ? s_x_last[i] : (slot == 0 ? 0.0f : s_top_x[slot - 2]);
+                    const float value = slot == 0 ? stay(i) : (killed(i, v) ? neg_inf() : emit_x(i, v, xv));
+                    visit(value, (unsigned int)(i * vocab_size + v));
                 }
             };
-            floor_key = block_top_beam_scan<KEPT, CTC_THREADS>(scan, beam, has_threshold, threshold, s_warp_best,
-                                                               s_warp_max, s_chosen);
+            block_top_beam_scan<KEPT, CTC_THREADS>(scan, beam, has_threshold, threshold, s_warp_lists, s_warp_max,
+                                                   s_chosen, s_chosen_value);
         }
 
-        // the new lanes
+        // the new lanes (the winners' values come with them, thresholded)
         if (i_own < beam) {
             const int b = i_own;
             const int c = (int)s_chosen[b];
             const int p = c / vocab_size;
             const int label = c - p * vocab_size;
-            float value = candidate(p, label);
-            if (has_threshold && !(value >= floor_key)) value = neg_inf();
+            const float value = s_chosen_value[b];
             const bool alive = value > neg_inf();
-            const bool stay = label == blank || !alive;
-            const bool retimed = stay && alive && s_retime[p];
+            const bool stays = label == blank || !alive;
+            const bool retimed = stays && alive && s_retime[p];
             const long long out = base + first + b;
             const long long parent_node = cur.node[p];
-            node_parent[out] = retimed ? node_parent[parent_node] : parent_node;
+            const long long out_parent = retimed ? cur.parent_node[p] : parent_node;
+            node_parent[out] = out_parent;
             node_label[out] = retimed ? cur.last[p] : (long long)label;
-            next.blank[b] = (stay && alive) ? s_stay_blank[p] : neg_inf();
-            next.label[b] = stay ? (alive ? s_stay_label[p] : neg_inf()) : emit(p, label);
-            next.node[b] = (stay && !retimed) ? parent_node : out;
-            next.prev_hash[b] = stay ? cur.prev_hash[p] : cur.hash[p];
-            next.hash[b] = stay ? cur.hash[p] : (cur.hash[p] * hash_multiplier + label + 1) % hash_modulus;
-            next.last[b] = stay ? cur.last[p] : (long long)label;
-            next.length[b] = cur.length[p] + (stay ? 0 : 1);
+            next.blank[b] = (stays && alive) ? s_stay_blank[p] : neg_inf();
+            next.label[b] = stays ? (alive ? s_stay_label[p] : neg_inf()) : value;
+            next.node[b] = (stays && !retimed) ? parent_node : out;
+            next.parent_node[b] = (stays && !retimed) ? cur.parent_node[p] : out_parent;
+            next.prev_hash[b] = stays ? cur.prev_hash[p] : cur.hash[p];
+            next.hash[b] = stays ? cur.hash[p] : (cur.hash[p] * hash_multiplier + label + 1) % hash_modulus;
+            next.last[b] = stays ? cur.last[p] : (long long)label;
+            next.length[b] = cur.length[p] + (stays ? 0 : 1);
         }
         __syncthreads();
         if (i_own < beam) {
@@ -234,6 +259,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             cur.hash[i_own] = next.hash[i_own];
             cur.prev_hash[i_own] = next.prev_hash[i_own];
             cur.node[i_own] = next.node[i_own];
+            cur.parent_node[i_own] = next.parent_node[i_own];
         }
         __syncthreads();
     }
@@ -258,22 +284,24 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         long long* __restrict__ node_parent, long long* __restrict__ node_label, int compare_steps,       \
         int has_threshold, float threshold, long long hash_multiplier, long long hash_modulus,            \
         unsigned char* __restrict__ unresolved, int row_in_shared, const int* __restrict__ top_labels,     \
-        int num_top) {                                                                                    \
+        const float* __restrict__ top_values, int num_top) {                                              \
         prefix_frames<KEPT>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
                             blank_logp, label_logp, last, length, hash, prev_hash, node, node_parent,     \
                             node_label, compare_steps, has_threshold, threshold, hash_multiplier,         \
-                            hash_modulus, unresolved, row_in_shared, top_labels, num_top);                \
+                            hash_modulus, unresolved, row_in_shared, top_labels, top_values, num_top);    \
     }
 CTC_ENTRY(8)
 CTC_ENTRY(16)
 CTC_ENTRY(32)
 
 // The label prefilter: per row of log_probs [rows, V], its P best labels other than blank, best
-// first (larger log-prob, then lower label; NaN ranks like -inf), into top_labels [rows, P]. One
-// warp per row; each thread keeps its best P (log-prob, label) pairs in registers.
+// first (larger log-prob, then lower label; NaN ranks like -inf), into top_labels [rows, P], and
+// their log-probs into top_values [rows, P]. One warp per row; each thread keeps its best P
+// (log-prob, label) pairs in registers.
 template <int P>
 __device__ __forceinline__ void top_labels_rows(const float* __restrict__ log_probs, long long num_rows,
-                                                int vocab_size, int blank, int* __restrict__ top_labels) {
+                                                int vocab_size, int blank, int* __restrict__ top_labels,
+                                                float* __restrict__ top_values) {
     const long long row = (long long)blockIdx.x * (CTC_THREADS / 32) + (threadIdx.x >> 5);
     if (row >= num_rows) return;  // the whole warp
     const int lane = threadIdx.x & 31;
@@ -302,15 +330,19 @@ __device__ __forceinline__ void top_labels_rows(const float* __restrict__ log_pr
             for (int r = 0; r < P - 1; ++r) kept[r] = kept[r + 1];
             kept[P - 1] = 0ull;
         }
-        if (lane == 0) top_labels[row * P + round] = winner != 0ull ? (int)~(unsigned int)(winner & 0xffffffffull) : -1;
+        if (lane == 0) {
+            const int label = winner != 0ull ? (int)~(unsigned int)(winner & 0xffffffffull) : -1;
+            top_labels[row * P + round] = label;
+            top_values[row * P + round] = label >= 0 ? x[label] : neg_inf();
+        }
     }
 }
 
 #define TOP_LABELS_ENTRY(P)                                                                                \
     extern "C" __global__ void __launch_bounds__(CTC_THREADS) ctc_top_labels_##P(                          \
         const float* __restrict__ log_probs, long long num_rows, int vocab_size, int blank,                \
-        int* __restrict__ top_labels) {                                                                    \
-        top_labels_rows<P>(log_probs, num_rows, vocab_size, blank, top_labels);                            \
+        int* __restrict__ top_labels, float* __restrict__ top_values) {                                    \
+        top_labels_rows<P>(log_probs, num_rows, vocab_size, blank, top_labels, top_values);                \
     }
 TOP_LABELS_ENTRY(9)
 TOP_LABELS_ENTRY(17)

@@ -13,6 +13,12 @@ __device__ __forceinline__ unsigned long long pack_key(float key, unsigned int c
     return ((unsigned long long)ordered << 32) | (unsigned long long)(~column);
 }
 
+// The key of a packed pair (NaN came back as -inf, -0.0 as +0.0).
+__device__ __forceinline__ float unpack_key_value(unsigned long long packed) {
+    const unsigned int ordered = (unsigned int)(packed >> 32);
+    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+
 __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long value) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {

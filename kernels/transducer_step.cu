@@ -17,8 +17,8 @@
 //
 // Per block: one thread per lane for the stays and both merges (a serial walk of the emission tree
 // per hash-equal pair); every thread scans a strided share of the beam * V candidates keeping its
-// best KEPT >= beam (key, column) pairs in registers; `beam` rounds of a block maximum over the
-// threads' list heads pick the winners in order (block_top_beam.cuh).
+// best KEPT >= beam (key, column) pairs in registers; each warp's best `beam`, ranked across the
+// block, give the winners in order (block_top_beam.cuh).
 
 #include "packed_key.cuh"
 #include "search_math.cuh"
@@ -50,7 +50,7 @@ __device__ __forceinline__ void select_step(
     __shared__ long long s_stay_node_parent[TRANSDUCER_MAX_BEAM];
     __shared__ bool s_stay_new[TRANSDUCER_MAX_BEAM];
     __shared__ int s_kill_lane[TRANSDUCER_MAX_BEAM], s_kill_label[TRANSDUCER_MAX_BEAM];
-    __shared__ unsigned long long s_warp_best[TRANSDUCER_THREADS / 32];
+    __shared__ unsigned long long s_warp_lists[TRANSDUCER_THREADS / 32 * TRANSDUCER_MAX_BEAM];
     __shared__ float s_warp_max[TRANSDUCER_THREADS / 32];
     __shared__ unsigned int s_chosen[TRANSDUCER_MAX_BEAM];
 
@@ -162,7 +162,7 @@ __device__ __forceinline__ void select_step(
     };
 
     const float floor_key = block_top_beam<KEPT, TRANSDUCER_THREADS>(
-        candidate, beam, vocab_size, has_threshold, threshold, s_warp_best, s_warp_max, s_chosen);
+        candidate, beam, vocab_size, has_threshold, threshold, s_warp_lists, s_warp_max, s_chosen, nullptr);
 
     // the new lanes (every read of the old state above came from shared memory)
     if (me < beam) {

@@ -214,12 +214,13 @@ def search_kernel(search, frame_kinds: np.ndarray) -> None:
     kernel = module.get_function(f"ctc_prefix_frames_{kept}")
     rows = num_utts * num_frames
     num_top = top_label_count(layout.beam_size, vocab_size) if rows else 0
-    top_labels = np.uint64(0)  # null: no prefilter
+    top_labels = top_values = np.uint64(0)  # null: no prefilter
     if num_top:  # every frame's best labels, all frames at once (a warp per frame)
         top_labels = cupy.empty((num_utts, num_frames, num_top), dtype=np.int32)
+        top_values = cupy.empty((num_utts, num_frames, num_top), dtype=np.float32)
         module.get_function(f"ctc_top_labels_{num_top}")(
             ((rows + _THREADS // 32 - 1) // (_THREADS // 32),), (_THREADS,),
-            (log_probs, np.int64(rows), np.int32(vocab_size), np.int32(options.blank), top_labels))
+            (log_probs, np.int64(rows), np.int32(vocab_size), np.int32(options.blank), top_labels, top_values))
     row_in_shared = not num_top and vocab_size * 4 <= _MAX_ROW_BYTES
     kernel((num_utts,), (_THREADS,), (
         log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank),
@@ -227,7 +228,7 @@ def search_kernel(search, frame_kinds: np.ndarray) -> None:
         np.int32(layout.beam_size), *state, search.node_parent, search.node_label,
         np.int32(steps), np.int32(threshold is not None), np.float32(threshold or 0),
         np.int64(_HASH_MULTIPLIER), np.int64(options.hash_modulus), search.unresolved.view(np.uint8),
-        np.int32(row_in_shared), top_labels, np.int32(num_top),
+        np.int32(row_in_shared), top_labels, top_values, np.int32(num_top),
     ), shared_mem=vocab_size * 4 if row_in_shared else 0)
     for name, array in zip(_STATE, state):
         setattr(search, name, array)

@@ -171,12 +171,14 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @click.option("--cuda-graphs", is_flag=True, help="Run the CUDA-manager cells with CUDA graphs (decode-graphs.json).")
 @click.option("--utterance-rows", type=click.Choice(["utterance", "lane"]), default="utterance", show_default=True,
               help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
+@click.option("--tf32", is_flag=True, help="The decoder's matrix products on TF32 tensor cores (*-tf32.json); "
+              "off by default, as in the library.")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
-                 cuda_graphs: bool, utterance_rows: str) -> None:
+                 cuda_graphs: bool, utterance_rows: str, tf32: bool) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
                num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
-               utterance_rows=utterance_rows)
+               utterance_rows=utterance_rows, tf32=tf32)
 
 
 @bench.command("graphs")

@@ -166,7 +166,7 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
-                     cuda_graphs: bool = False, utterance_rows: str = "utterance") -> dict:
+                     cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -175,6 +175,10 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
 
     ``cuda_graphs``: the CUDA-manager cells run the decoder step as CUDA graphs (results as
     ``decode-graphs.json``); the CPU-manager baseline cannot be captured and runs plain.
+
+    ``tf32``: the decoder's float32 matrix products on TF32 tensor cores (ONNX Runtime's
+    ``use_tf32``; results as ``decode[-graphs]-tf32.json``). Off by default, as in the library: the
+    exactness of DESIGN §8 is defined without it.
     """
     from gpudecode.backend import require_cupy
     from gpudecode.session import OnnxSession, SessionOptions
@@ -187,10 +191,10 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     if quick:
         dims = dict(vocab_size=1000, model_dim=128, num_layers=2, num_heads=4, ffn_dim=256)
     reference = build_transformer_decoder(0, max_positions=num_labels + 8, utterance_rows=utterance_rows, **dims)
-    session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=False))
+    session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=tf32))
     cuda_session, graphs = session, None
     if cuda_graphs:
-        cuda_session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=False,
+        cuda_session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=tf32,
                                                                           cuda_graphs=True))
         if not cuda_session.cuda_graphs:
             raise RuntimeError(f"the benchmark decoder cannot be captured: {cuda_session.graph_blocker}")
@@ -198,7 +202,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     fixed = dict(encoder_length=encoder_length, num_labels=num_labels)
     results = {"benchmark": "decode", "config": {**dims, "encoder_length": encoder_length, "num_labels": num_labels,
                                                  "utterances": num_utts, "cross_attention": "precomputed",
-                                                 "utterance_rows": utterance_rows,
+                                                 "utterance_rows": utterance_rows, "tf32": tf32,
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
                                                  "timing": "fastest of 3 searches (CPU manager: 1)"},
@@ -220,7 +224,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         "host_cpu_per_extra_step_4096_over_64": (large["host_cpu_ms_per_extra_step"]
                                                  / beam1["host_cpu_ms_per_extra_step"]),
     }
-    name = ("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
+    name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
+            + ("-tf32" if tf32 else ""))
     return write_results(results, output_dir, name, plot_decode)
 
 

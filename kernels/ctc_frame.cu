@@ -48,6 +48,7 @@
 #define CTC_THREADS 256
 #define CTC_MAX_BEAM 32
 #define CTC_MAX_TOP 33  // the longest label list, ctc_top_labels_33
+#define TOP_LABELS_LOADS 8  // log-probs a thread of ctc_top_labels_<P> loads at once
 
 struct Lanes {  // one utterance's lanes
     float blank[CTC_MAX_BEAM], label[CTC_MAX_BEAM];
@@ -309,17 +310,27 @@ __device__ __forceinline__ void top_labels_rows(const float* __restrict__ log_pr
     unsigned long long kept[P];  // best first
 #pragma unroll
     for (int r = 0; r < P; ++r) kept[r] = 0ull;
-    for (int v = lane; v < vocab_size; v += 32) {
-        if (v == blank) continue;
-        const unsigned long long key = pack_key(x[v], (unsigned int)v);
-        if (key <= kept[P - 1]) continue;
-        kept[P - 1] = key;
+    for (int start = lane; start < vocab_size; start += 32 * TOP_LABELS_LOADS) {
+        float values[TOP_LABELS_LOADS];  // loads issued together, then ranked
 #pragma unroll
-        for (int r = P - 1; r > 0; --r) {
-            if (kept[r] > kept[r - 1]) {
-                const unsigned long long swap = kept[r];
-                kept[r] = kept[r - 1];
-                kept[r - 1] = swap;
+        for (int j = 0; j < TOP_LABELS_LOADS; ++j) {
+            const int v = start + 32 * j;
+            values[j] = v < vocab_size ? x[v] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < TOP_LABELS_LOADS; ++j) {
+            const int v = start + 32 * j;
+            if (v >= vocab_size || v == blank) continue;
+            const unsigned long long key = pack_key(values[j], (unsigned int)v);
+            if (key <= kept[P - 1]) continue;
+            kept[P - 1] = key;
+#pragma unroll
+            for (int r = P - 1; r > 0; --r) {
+                if (kept[r] > kept[r - 1]) {
+                    const unsigned long long swap = kept[r];
+                    kept[r] = kept[r - 1];
+                    kept[r - 1] = swap;
+                }
             }
         }
     }

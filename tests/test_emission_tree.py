@@ -21,7 +21,7 @@ def random_tree(seed: int, num_lanes: int = 6, steps: int = 9):
             node_label[n] = rng.integers(0, 7)
     node = rng.integers(0, size, num_lanes).astype(np.int64)
     node[0] = 0  # an empty sequence
-    node_frames = sorted(rng.choice(40, steps, replace=False).tolist())
+    node_frames = sorted(rng.choice(4 * steps, steps, replace=False).tolist())
     return node, node_parent, node_label, node_frames
 
 

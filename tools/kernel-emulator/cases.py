@@ -1,0 +1,390 @@
+"""The fused CTC prefix-search kernels (kernels/ctc_frame.cu) and the n-best trace
+(kernels/emission_tree.cu) on the CPU emulation, against the numpy search.
+
+Run through run.sh (PYTHONPATH: the fake cupy, then the checkout). The CuPy path of
+ctc_prefix_search runs unchanged: gpudecode.search.ctc_frame.search_kernel launches
+ctc_top_labels_<P> / ctc_prefix_frames_<K>, topk launches top_k_rows_<K>, emission_tree.trace_paths
+launches trace_emission_paths; each launch is emulated (emu/emulator.py) with its arguments checked
+against the kernel's C signature.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+import cupy  # the fake (fakecupy/cupy)
+import emulator
+import gpudecode
+from gpudecode.bench.ctc import random_log_probs
+from gpudecode.kernels import kernel_source
+from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
+from gpudecode.search import ctc as ctc_module
+from gpudecode.search import ctc_frame
+
+TOL = 1e-4
+SMALL_LENGTHS = np.array([14, 9, 1, 12, 0])
+
+
+def small_inputs(seed, blank_bias, blank=0):
+    return random_log_probs(np, 5, 14, 12, seed=seed, sharpness=2.0, blank_bias=blank_bias), SMALL_LENGTHS
+
+
+def large_inputs(seed, blank_bias=1.5):
+    lengths = np.random.default_rng(seed).integers(1, 41, 8)
+    return random_log_probs(np, 8, 40, 200, seed=seed, sharpness=2.0, blank_bias=blank_bias), lengths
+
+
+def wide_inputs(seed):
+    return (random_log_probs(np, 4, 30, 1000, seed=seed, sharpness=2.0, blank_bias=1.5),
+            np.random.default_rng(seed).integers(1, 31, 4))
+
+
+def huge_vocab_inputs(seed):
+    return (random_log_probs(np, 3, 20, 12_000, seed=seed, sharpness=2.0, blank_bias=1.5),
+            np.array([20, 13, 7]))
+
+
+def tie_inputs(options, spec):
+    """Log-probs where every label but blank lies within a few ulps, so that sums round to ties.
+    ("test",): tests/test_ctc_frame.py's `levels` inputs (U=5, T=14, V=12, seed 7, 3 levels);
+    ("gen", seed, levels, spacing, V): the same construction with other parameters."""
+    if spec[0] == "test":
+        seed, noise_seed, levels, spacing, vocab_size = 7, 1, 3, 2e-7, 12
+    else:
+        _, seed, levels, spacing, vocab_size = spec
+        noise_seed = seed + 1
+    log_probs = random_log_probs(np, 5, 14, vocab_size, seed=seed, sharpness=2.0, blank_bias=1.0)
+    rng = np.random.default_rng(noise_seed)
+    near = np.round(log_probs.max(axis=2, keepdims=True), 0) - np.float32(1.0)
+    labels = np.arange(vocab_size) != options.blank
+    log_probs[:, :, labels] = (near + rng.integers(0, levels, (5, 14, vocab_size))[:, :, labels]
+                               * np.float32(spacing))
+    return log_probs, SMALL_LENGTHS
+
+
+SMALL = [
+    dict(beam_size=1),
+    dict(beam_size=3),
+    dict(beam_size=4),
+    dict(beam_size=4, score_threshold=2.0),
+    dict(beam_size=4, hash_modulus=5),
+    dict(beam_size=2, blank_skip_threshold_logp=-0.05),
+    dict(beam_size=4, blank=3),
+    dict(beam_size=6),  # V = 12: too few labels for the prefilter, the full scan
+]
+SMALL_INPUTS = [(7, 1.0), (0, 1.5), (1, 1.5), (2, 1.0)]  # (seed, blank_bias)
+LARGE = [
+    dict(beam_size=4),
+    dict(beam_size=8),
+    dict(beam_size=13),
+    dict(beam_size=8, score_threshold=4.0),
+]
+LARGE_SEEDS = [3, 4, 5, 6]
+EXTRA = [  # not in the brief: the other kernel paths and list lengths
+    ("large", dict(beam_size=5), 3),                          # 17-label list, KEPT 8
+    ("large", dict(beam_size=9, score_threshold=5.0), 3),     # 33-label list, KEPT 16
+    ("large", dict(beam_size=16), 4),                         # 33-label list at its largest beam
+    ("large", dict(beam_size=8, blank_skip_threshold_logp=-0.05), 5, 10.0),  # 84 skipped, 4 blank-only frames
+    ("small", dict(beam_size=2, blank_skip_threshold_logp=-0.05), 3, 6.0),    # 14 skipped, 1 blank-only frame
+    ("small", dict(beam_size=4, blank_skip_threshold_logp=-0.05), 3, 6.0),
+    ("small", dict(beam_size=6, blank_skip_threshold_logp=-0.01), 3, 8.0),    # full scan, 2 blank-only frames
+    ("large", dict(beam_size=8, hash_modulus=7), 6),          # hash collisions with the prefilter
+    ("large", dict(beam_size=13, hash_modulus=3), 4),
+    ("small", dict(beam_size=6, hash_modulus=3), 0, 1.5),
+    ("small", dict(beam_size=6, hash_modulus=3), 7, 1.0),
+    ("small", dict(beam_size=4, hash_modulus=2), 1, 1.5),
+    ("wide", dict(beam_size=1), 5, 1.5, False),               # full scans where every warp holds labels
+    ("wide", dict(beam_size=4), 5, 1.5, False),
+    ("wide", dict(beam_size=8, score_threshold=4.0), 6, 1.5, False),
+    ("wide", dict(beam_size=8), 6),                           # the same input with the prefilter
+    ("huge", dict(beam_size=2), 4, 1.5, False),
+    ("large", dict(beam_size=20, score_threshold=6.0), 3),   # beam > 16: no prefilter, KEPT 32, row in shared
+    ("huge", dict(beam_size=6, score_threshold=6.0), 4),     # V = 12,000 with the prefilter
+    ("huge", dict(beam_size=17), 4),                         # V = 12,000, full scan: row read from global memory
+]
+TIES = [  # (options, inputs): the kernel with the prefilter must equal the kernel without it bit for bit
+    *[(case, ("test",)) for case in [
+        dict(beam_size=1),
+        dict(beam_size=3),
+        dict(beam_size=4, score_threshold=2.0),
+        dict(beam_size=4, hash_modulus=5),
+        dict(beam_size=2, blank_skip_threshold_logp=-0.05),
+        dict(beam_size=4, blank=3),
+    ]],
+    # more tie inputs (in the numpy reference most of these give another n-best without the fallback)
+    *[(dict(beam_size=beam, blank=blank), ("gen", seed, levels, spacing, 12))
+      for beam in (2, 3, 4) for blank in (0, 3) for seed in (0, 1) for levels, spacing in ((2, 1e-7), (3, 2e-7))],
+    *[(dict(beam_size=beam, blank=blank), ("gen", 0, levels, spacing, vocab_size))
+      for beam, vocab_size in ((6, 24), (8, 40), (13, 64), (16, 64)) for blank in (0, 3)
+      for levels, spacing in ((2, 1e-7), (3, 2e-7))],
+]
+
+
+def describe(options: dict) -> str:
+    return ",".join(f"{k.replace('_size', '').replace('_threshold', '_thr')}={v}" for k, v in options.items())
+
+
+def emulated(log_probs, lengths, options):
+    emulator.launch_log.clear()
+    got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
+    return got, list(emulator.launch_log)
+
+
+def check_launches(launches, options, vocab_size, prefilter=True):
+    """The kernels the CuPy path must have launched."""
+    problems = []
+    if not any(n.startswith("ctc_prefix_frames_") for n in launches):
+        problems.append("ctc_prefix_frames_* never launched")
+    if "trace_emission_paths" not in launches:
+        problems.append("trace_emission_paths never launched")
+    saved = ctc_frame.prefilter
+    ctc_frame.prefilter = prefilter
+    try:
+        num_top = ctc_frame.top_label_count(options.beam_size, vocab_size)
+    finally:
+        ctc_frame.prefilter = saved
+    tops = [n for n in launches if n.startswith("ctc_top_labels_")]
+    if num_top and not tops:
+        problems.append(f"expected the label prefilter (ctc_top_labels_*, {num_top} labels), not launched")
+    if not num_top and tops:
+        problems.append(f"prefilter launched ({tops}) where none was expected")
+    return problems
+
+
+def compare(expected, got):
+    """Problems (empty: equal): labels and frames exact, scores within TOL."""
+    problems, worst = [], 0.0
+    if len(expected) != len(got):
+        return [f"{len(got)} utterances, expected {len(expected)}"], worst
+    for u, (a, b) in enumerate(zip(expected, got)):
+        if len(a) != len(b):
+            problems.append(f"utt {u}: {len(b)} hypotheses, expected {len(a)}")
+        for r, (x, y) in enumerate(zip(a, b)):
+            where = f"utt {u} hyp {r}"
+            if x.labels != y.labels:
+                problems.append(f"{where}: labels {y.labels} expected {x.labels}")
+            elif x.frames != y.frames:
+                problems.append(f"{where}: frames {y.frames} expected {x.frames}")
+            diffs = [abs(x.score - y.score)] + [abs(x.scores[k] - y.scores.get(k, np.inf)) for k in x.scores]
+            if x.scores.keys() != y.scores.keys():
+                problems.append(f"{where}: score names {sorted(y.scores)} expected {sorted(x.scores)}")
+            d = max(diffs)
+            worst = max(worst, d) if np.isfinite(d) else np.inf
+            if not d <= TOL:
+                problems.append(f"{where}: score {y.score!r} expected {x.score!r} (|diff| {d:.3g})")
+    return problems, worst
+
+
+def exact(results):
+    return [[(h.labels, h.frames, h.score, sorted(h.scores.items())) for h in nbest] for nbest in results]
+
+
+def reference_full_scans(log_probs, lengths, options):
+    """How many frames fall back to the full scan in the prefilter's numpy reference (the tie path)."""
+    num_top = ctc_frame.top_label_count(options.beam_size, log_probs.shape[2])  # the kernel's list
+    searches = []
+    original = ctc_module._PrefixSearch._full_frame
+
+    def reference(search, t, exact_):
+        searches.append(search)
+        ctc_frame.full_frame_reference(search, t, exact_, num_top=num_top)
+
+    ctc_module._PrefixSearch._full_frame = reference
+    try:
+        ctc_prefix_search(log_probs, lengths, options)
+    finally:
+        ctc_module._PrefixSearch._full_frame = original
+    return max((getattr(s, "full_scans", 0) for s in searches), default=0)
+
+
+# --- the case runners -------------------------------------------------------------------------------
+def run_vs_numpy(kind, case, seed, blank_bias=1.5, prefilter=True):
+    options = CtcPrefixOptions(**case)
+    if kind == "small":
+        log_probs, lengths = small_inputs(seed, blank_bias)
+        shape = f"U=5 T=14 V=12 seed={seed} bias={blank_bias}"
+    elif kind == "large":
+        log_probs, lengths = large_inputs(seed, blank_bias)
+        shape = f"U=8 T=40 V=200 seed={seed}" + ("" if blank_bias == 1.5 else f" bias={blank_bias}")
+    elif kind == "wide":
+        log_probs, lengths = wide_inputs(seed)
+        shape = f"U=4 T=30 V=1000 seed={seed}"
+    else:
+        log_probs, lengths = huge_vocab_inputs(seed)
+        shape = f"U=3 T=20 V=12000 seed={seed}"
+    name = f"{shape} {describe(case)}" + ("" if prefilter else " prefilter off")
+    expected = ctc_prefix_search(log_probs, lengths, options)
+    ctc_frame.prefilter = prefilter
+    try:
+        got, launches = emulated(log_probs, lengths, options)
+    finally:
+        ctc_frame.prefilter = True
+    problems, worst = compare(expected, got)
+    problems += check_launches(launches, options, log_probs.shape[2], prefilter=prefilter)
+    kernels = "+".join(n for n in dict.fromkeys(launches) if n.startswith("ctc_"))
+    return name, problems, f"[{kernels}] max|dscore| {worst:.2g}"
+
+
+def run_ties(case, spec):
+    options = CtcPrefixOptions(**case)
+    log_probs, lengths = tie_inputs(options, spec)
+    vocab_size = log_probs.shape[2]
+    inputs = "test inputs" if spec[0] == "test" else f"seed={spec[1]} levels={spec[2]} spacing={spec[3]:g}"
+    name = f"ties U=5 T=14 V={vocab_size} {inputs} {describe(case)}: prefilter vs full scan"
+    with_prefilter, launches_on = emulated(log_probs, lengths, options)
+    ctc_frame.prefilter = False
+    try:
+        full_scan, launches_off = emulated(log_probs, lengths, options)
+    finally:
+        ctc_frame.prefilter = True
+    problems = []
+    if exact(with_prefilter) != exact(full_scan):
+        for u, (a, b) in enumerate(zip(exact(full_scan), exact(with_prefilter))):
+            if a != b:
+                problems.append(f"utt {u}: prefilter {b} != full scan {a}")
+    problems += check_launches(launches_on, options, vocab_size, prefilter=True)
+    problems += check_launches(launches_off, options, vocab_size, prefilter=False)
+    info = "bit-exact"
+    if vocab_size == 12:  # the numpy reference of the prefilter: how many frames need the full scan
+        scans = reference_full_scans(log_probs, lengths, options)
+        if options.beam_size > 1 and scans == 0:
+            problems.append("the inputs give no tie frame (the reference never falls back to the full scan)")
+        info += f"; tie frames in the reference: {scans}"
+    return name, problems, info
+
+
+def run_one(job):
+    t0 = time.time()
+    try:
+        name, problems, info = job[0](*job[1:])
+    except Exception as exc:  # an emulation error (deadlock, race, bad argument, ...) or a crash
+        name = f"{job[0].__name__}{job[1:]}"
+        problems = [f"{type(exc).__name__}: {exc}"]
+        info = traceback.format_exc(limit=6)
+    if len(problems) > 20:
+        problems = problems[:20] + [f"... {len(problems) - 20} more"]
+    return name, problems, info, time.time() - t0
+
+
+def run_isolated(all_jobs, workers, timeout):
+    """Each job in a forked child (a crash or a hang of an emulated kernel fails that job only);
+    yields (name, problems, info, seconds) in job order."""
+    pending = list(enumerate(all_jobs))
+    running, done, emitted = {}, {}, 0
+    timeouts = 0
+    while pending or running:
+        while pending and timeouts >= 2:  # something hangs: do not wait for every remaining job
+            index, job = pending.pop(0)
+            done[index] = (f"{job[0].__name__}{job[1:]}", ["not run: earlier jobs timed out"], "", 0.0)
+        while pending and len(running) < workers:
+            index, job = pending.pop(0)
+            out = tempfile.NamedTemporaryFile(prefix="ctcemu_", delete=False)
+            err = tempfile.TemporaryFile()
+            pid = os.fork()
+            if pid == 0:  # the child
+                code = 0
+                try:
+                    os.dup2(err.fileno(), 1)
+                    os.dup2(err.fileno(), 2)
+                    pickle.dump(run_one(job), out)
+                    out.flush()
+                except BaseException:
+                    code = 1
+                finally:
+                    os._exit(code)
+            running[pid] = (index, job, out, err, time.time())
+        finished = False
+        for pid, (index, job, out, err, started) in list(running.items()):
+            got, status = os.waitpid(pid, os.WNOHANG)
+            timed_out = not got and time.time() - started > timeout
+            if not got and not timed_out:
+                continue
+            if timed_out:
+                timeouts += 1
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            err.seek(0)
+            log = err.read().decode(errors="replace").strip()
+            err.close()
+            out.close()
+            try:
+                with open(out.name, "rb") as f:
+                    result = pickle.load(f)
+            except Exception:
+                result = None
+            os.unlink(out.name)
+            if result is None:
+                name = f"{job[0].__name__}{job[1:]}"
+                why = (f"timed out after {timeout} s (an endless loop?)" if timed_out else
+                       f"the worker died ({'signal ' + str(os.WTERMSIG(status)) if os.WIFSIGNALED(status) else 'exit ' + str(os.WEXITSTATUS(status))})")
+                crash = [line for line in log.splitlines() if "EMULATED KERNEL CRASH" in line]
+                result = (name, [why] + crash[:1], log[-2000:], time.time() - started)
+            done[index] = result
+            del running[pid]
+            finished = True
+        while emitted in done:
+            yield done.pop(emitted)
+            emitted += 1
+        if not finished:
+            time.sleep(0.01)
+
+
+def compile_job(family):
+    t0 = time.time()
+    emulator.compile_source(kernel_source(family))
+    return f"compile {family}", [], f"{time.time() - t0:.1f} s"
+
+
+def jobs():
+    out = []
+    for seed, bias in SMALL_INPUTS:
+        for case in SMALL:
+            out.append((run_vs_numpy, "small", case, seed, bias))
+    for seed in LARGE_SEEDS:
+        for case in LARGE:
+            out.append((run_vs_numpy, "large", case, seed))
+    for kind, case, seed, *bias in EXTRA:
+        out.append((run_vs_numpy, kind, case, seed, *bias))
+    for case, spec in TIES:
+        out.append((run_ties, case, spec))
+    return out
+
+
+def main():
+    t0 = time.time()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(gpudecode.__file__)))
+    print(f"repo {repo}", flush=True)
+    workers = max(1, min(int(os.environ.get("CTCEMU_JOBS", os.cpu_count() or 2)), 8))
+    timeout = float(os.environ.get("CTCEMU_TIMEOUT", 60))
+    for name, problems, info, seconds in run_isolated(
+            [(compile_job, f) for f in ("ctc_frame", "emission_tree", "top_k")], workers, timeout):
+        if problems:
+            print(f"FAIL  {name}: " + "\n        ".join(problems) + ("\n" + info if info else ""))
+            return 2
+        print(f"{name} for the emulator: {info}", flush=True)
+    failures = 0
+    all_jobs = jobs()
+    for name, problems, info, seconds in run_isolated(all_jobs, workers, timeout):
+        if problems:
+            failures += 1
+            print(f"FAIL  {name} ({seconds:.1f} s)")
+            for p in problems:
+                print(f"        {p}")
+            if "Traceback" in info:
+                print("        " + info.strip()[-1500:].replace("\n", "\n        "))
+        else:
+            print(f"PASS  {name}  {info} ({seconds:.1f} s)", flush=True)
+    print(f"{len(all_jobs) - failures}/{len(all_jobs)} cases passed, {failures} failed, {time.time() - t0:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,8 @@
 """The fused CTC frame step: the per-utterance reference (the kernel's algorithm) against the
 array version of the prefix beam search, and the CUDA kernel against both (GPU)."""
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -86,18 +88,13 @@ def test_kernel_frame_on_larger_inputs_equals_the_array_version():
     array version."""
     import cupy
 
-    from gpudecode.search import ctc_frame
-
     log_probs = random_log_probs(cupy, 64, 200, 1000, seed=3)
     lengths = np.random.default_rng(0).integers(1, 201, 64)
     for options in (CtcPrefixOptions(beam_size=8), CtcPrefixOptions(beam_size=12),
                     CtcPrefixOptions(beam_size=32, score_threshold=8.0)):
         got = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
-        ctc_frame.enabled = False
-        try:
+        with _switched("enabled", False):
             expected = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
-        finally:
-            ctc_frame.enabled = True
         assert [[h.labels for h in n] for n in got] == [[h.labels for h in n] for n in expected]
         worst = max(abs(a.score - b.score) for n, m in zip(got, expected) for a, b in zip(n, m))
         assert worst < 1e-3, worst
@@ -118,6 +115,29 @@ def test_kernel_with_a_vocabulary_too_large_for_the_shared_row():
     expected = ctc_prefix_search(log_probs, lengths, options)
     got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
     assert_same_nbest(expected, got)
+
+
+def _near_ties(log_probs, blank: int, levels: int):
+    """``log_probs`` with every label but blank set, per frame, to one value plus 0 .. levels - 1
+    steps of 2e-7: sums that round to ties, where a lower label can beat a listed one."""
+    rng = np.random.default_rng(1)
+    near = np.round(log_probs.max(axis=2, keepdims=True), 0) - np.float32(1.0)
+    labels = np.arange(log_probs.shape[2]) != blank
+    steps = rng.integers(0, levels, log_probs.shape)[:, :, labels] * np.float32(2e-7)
+    out = log_probs.copy()
+    out[:, :, labels] = near + steps
+    return out
+
+
+@contextmanager
+def _switched(name: str, value):
+    """``ctc_frame.<name>`` set to ``value`` inside the block."""
+    saved = getattr(ctc_frame_module, name)
+    setattr(ctc_frame_module, name, value)
+    try:
+        yield
+    finally:
+        setattr(ctc_frame_module, name, saved)
 
 
 PREFILTER_CASES = [
@@ -142,11 +162,7 @@ def test_label_prefilter_gives_the_full_search(case, levels, monkeypatch):
     options = CtcPrefixOptions(**case)
     log_probs = random_log_probs(np, 5, 14, vocab_size, seed=7, sharpness=2.0, blank_bias=1.0)
     if levels is not None:  # every label but blank within a few ulps: sums that round to a tie
-        rng = np.random.default_rng(1)
-        near = np.round(log_probs.max(axis=2, keepdims=True), 0) - np.float32(1.0)
-        labels = np.arange(vocab_size) != options.blank
-        log_probs[:, :, labels] = (near + rng.integers(0, levels, (5, 14, vocab_size))[:, :, labels]
-                                   * np.float32(2e-7))
+        log_probs = _near_ties(log_probs, options.blank, levels)
     lengths = np.array([14, 9, 1, 12, 0])
     num_top = 2 * options.beam_size + 1
     assert vocab_size - 1 > num_top
@@ -173,16 +189,6 @@ def test_top_labels_reference_orders_by_value_then_label():
     assert ctc_frame_module.top_labels_reference(row, blank=1, count=4) == [3, 0, 4, 2]
 
 
-def _prefilter_off(monkeypatch, run):
-    from gpudecode.search import ctc_frame
-
-    monkeypatch.setattr(ctc_frame, "prefilter", False)
-    try:
-        return run()
-    finally:
-        monkeypatch.setattr(ctc_frame, "prefilter", True)
-
-
 def _exact(results):
     return [[(h.labels, h.frames, h.score) for h in nbest] for nbest in results]
 
@@ -202,15 +208,12 @@ def test_kernel_prefilter_equals_the_full_scan_kernel(case, levels, monkeypatch)
     assert ctc_frame.top_label_count(options.beam_size, vocab_size) > 0
     log_probs = random_log_probs(np, 5, 14, vocab_size, seed=7, sharpness=2.0, blank_bias=1.0)
     if levels is not None:
-        rng = np.random.default_rng(1)
-        near = np.round(log_probs.max(axis=2, keepdims=True), 0) - np.float32(1.0)
-        labels = np.arange(vocab_size) != options.blank
-        log_probs[:, :, labels] = (near + rng.integers(0, levels, (5, 14, vocab_size))[:, :, labels]
-                                   * np.float32(2e-7))
+        log_probs = _near_ties(log_probs, options.blank, levels)
     lengths = np.array([14, 9, 1, 12, 0])
     run = lambda: ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)  # noqa: E731
     got = run()
-    assert _exact(got) == _exact(_prefilter_off(monkeypatch, run))
+    with _switched("prefilter", False):
+        assert _exact(got) == _exact(run())
     if levels is None:
         assert_same_nbest(ctc_prefix_search(log_probs, lengths, options), got)
 
@@ -222,8 +225,6 @@ def test_kernel_prefilter_on_larger_inputs():
     kernel's n-best."""
     import cupy
 
-    from gpudecode.search import ctc_frame
-
     lengths = np.random.default_rng(0).integers(1, 201, 64)
     for vocab_size in (1000, 5000):
         log_probs = random_log_probs(cupy, 64, 200, vocab_size, seed=5)
@@ -231,9 +232,6 @@ def test_kernel_prefilter_on_larger_inputs():
                         CtcPrefixOptions(beam_size=13, score_threshold=6.0),
                         CtcPrefixOptions(beam_size=16, blank_skip_threshold_logp=-0.01)):
             got = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
-            ctc_frame.prefilter = False
-            try:
+            with _switched("prefilter", False):
                 expected = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
-            finally:
-                ctc_frame.prefilter = True
             assert _exact(got) == _exact(expected), (vocab_size, options)

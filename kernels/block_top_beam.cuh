@@ -35,17 +35,7 @@ __device__ __forceinline__ float block_top_beam_scan(const Scan& scan, int beam,
     for (int r = 0; r < KEPT; ++r) kept[r] = 0ull;
     scan([&](float value, unsigned int column) {
         if (has_threshold && !(value >= floor_key)) value = neg_inf();
-        const unsigned long long key = pack_key(value, column);
-        if (key <= kept[KEPT - 1]) return;
-        kept[KEPT - 1] = key;
-#pragma unroll
-        for (int r = KEPT - 1; r > 0; --r) {
-            if (kept[r] > kept[r - 1]) {
-                const unsigned long long swap = kept[r];
-                kept[r] = kept[r - 1];
-                kept[r - 1] = swap;
-            }
-        }
+        keep_best(kept, pack_key(value, column));
     });
     if (threadIdx.x < beam) chosen[threadIdx.x] = ~0u;
     for (int round = 0; round < beam; ++round) {  // this warp's best `beam`, best first

@@ -321,17 +321,7 @@ __device__ __forceinline__ void top_labels_rows(const float* __restrict__ log_pr
         for (int j = 0; j < TOP_LABELS_LOADS; ++j) {
             const int v = start + 32 * j;
             if (v >= vocab_size || v == blank) continue;
-            const unsigned long long key = pack_key(values[j], (unsigned int)v);
-            if (key <= kept[P - 1]) continue;
-            kept[P - 1] = key;
-#pragma unroll
-            for (int r = P - 1; r > 0; --r) {
-                if (kept[r] > kept[r - 1]) {
-                    const unsigned long long swap = kept[r];
-                    kept[r] = kept[r - 1];
-                    kept[r - 1] = swap;
-                }
-            }
+            keep_best(kept, pack_key(values[j], (unsigned int)v));
         }
     }
     for (int round = 0; round < P; ++round) {

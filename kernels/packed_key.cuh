@@ -19,6 +19,22 @@ __device__ __forceinline__ float unpack_key_value(unsigned long long packed) {
     return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
 }
 
+// A thread's best KEPT packed pairs, best first (0: empty; no two entries equal but 0s), kept in
+// registers: `key` takes its place if it beats the last entry, which drops out.
+template <int KEPT>
+__device__ __forceinline__ void keep_best(unsigned long long (&kept)[KEPT], unsigned long long key) {
+    if (key <= kept[KEPT - 1]) return;
+    kept[KEPT - 1] = key;
+#pragma unroll
+    for (int r = KEPT - 1; r > 0; --r) {  // one bubble pass moves it up to its place
+        if (kept[r] > kept[r - 1]) {
+            const unsigned long long swap = kept[r];
+            kept[r] = kept[r - 1];
+            kept[r - 1] = swap;
+        }
+    }
+}
+
 __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long value) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {

@@ -86,6 +86,32 @@ def to_host(array) -> np.ndarray:
     return np.asarray(array)
 
 
+def to_host_all(*arrays) -> tuple[np.ndarray, ...]:
+    """:func:`to_host` of every argument with one synchronisation: the copies into pinned memory
+    are queued together on the shared stream, then the stream is waited for once."""
+    device = [a for a in arrays if is_device_array(a)]
+    if len(device) <= 1:
+        return tuple(to_host(a) for a in arrays)
+    cupy = require_cupy()
+    outs, sources = [], []
+    with on_shared_stream(device[0].device.id) as stream:
+        for array in arrays:
+            if not is_device_array(array):
+                outs.append(np.asarray(array))
+                continue
+            shape = array.shape
+            array = cupy.ascontiguousarray(array)
+            pinned = cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
+            out = np.frombuffer(pinned, array.dtype, array.size).reshape(shape)
+            if array.nbytes:
+                cupy.cuda.runtime.memcpyAsync(out.ctypes.data, array.data.ptr, array.nbytes,
+                                              cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+            sources.append(array)  # alive until the copies have run
+            outs.append(out)
+        stream.synchronize()
+    return tuple(outs)
+
+
 def to_device(array, device_id: int = 0):
     """A CuPy array on ``device_id`` (uploaded on the shared stream); CuPy arrays pass through."""
     cupy = require_cupy()

@@ -138,3 +138,19 @@ def test_to_host_copies_any_device_array_through_pinned_memory(cp):
         host = to_host(array)
         assert isinstance(host, np.ndarray) and host.shape == array.shape and host.dtype == array.dtype
         assert np.array_equal(host, cp.asnumpy(array))
+
+
+@pytest.mark.gpu
+def test_to_host_all_copies_every_array(cp):
+    """Strided, transposed, 0-d, empty, bool and host arrays, and one just written on the caller's stream."""
+    from gpudecode.backend import to_host_all
+
+    base = cp.arange(60, dtype=cp.float32).reshape(3, 4, 5)
+    late = cp.zeros(1000, dtype=cp.float32)
+    late += 3  # queued on the default stream before the copies
+    arrays = (base, base[:, ::2, 1:], base.T, base[0, 0, 0], base[:0], cp.asarray([True, False]),
+              np.arange(3), cp.arange(7, dtype=cp.int64), late)
+    hosts = to_host_all(*arrays)
+    for array, host in zip(arrays, hosts):
+        assert isinstance(host, np.ndarray) and host.shape == array.shape and host.dtype == array.dtype
+        assert np.array_equal(host, array.get() if isinstance(array, cp.ndarray) else array)

@@ -47,7 +47,7 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import on_shared_stream, to_host
+from gpudecode.backend import on_shared_stream, to_host_all
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import check_frames, check_time_sync_options, option_error
@@ -113,7 +113,7 @@ class CtcPrefixOptions:
 
 def _to_host(*arrays) -> tuple[np.ndarray, ...]:
     """Every device→host transfer of the CTC searches goes through here (tests count the calls)."""
-    return tuple(to_host(a) for a in arrays)
+    return to_host_all(*arrays)
 
 
 def _check_log_probs(log_probs, lengths, xp) -> tuple[object, np.ndarray]:
@@ -267,11 +267,10 @@ class _PrefixSearch:
         num_full = int((frame_kinds == 2).sum())
 
         groups = np.arange(num_utts, dtype=np.int64)
-        lanes = xp.arange(num_lanes, dtype=np.int64)
-        self.lane_group = lanes // beam
-        self.group_base = (xp.arange(num_utts, dtype=np.int64) * beam)[:, None]
-        first = (lanes % beam) == 0
-        self.blank_logp = xp.where(first, np.float32(0), _NEG_INF).astype(np.float32)
+        fused = ctc_frame.use_kernel(self)  # CuPy without scorers: all frames in one launch
+        blank_logp = np.full(num_lanes, _NEG_INF, dtype=np.float32)
+        blank_logp[::beam] = 0  # each utterance starts from one lane: the empty prefix
+        self.blank_logp = xp.asarray(blank_logp)
         self.label_logp = xp.full(num_lanes, _NEG_INF, dtype=np.float32)
         self.last = xp.full(num_lanes, -1, dtype=np.int64)
         self.length = xp.zeros(num_lanes, dtype=np.int64)
@@ -284,6 +283,12 @@ class _PrefixSearch:
         self.unresolved = xp.zeros((), dtype=bool)
         self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
         self.lengths_dev = xp.asarray(self.lengths)
+        if fused:
+            ctc_frame.search_kernel(self, frame_kinds)
+            return self._nbest(exact)
+        lanes = xp.arange(num_lanes, dtype=np.int64)
+        self.lane_group = lanes // beam
+        self.group_base = (xp.arange(num_utts, dtype=np.int64) * beam)[:, None]
         self.blank_column = xp.arange(vocab_size) == blank
 
         begun: list[ScorerEntry] = []
@@ -301,14 +306,11 @@ class _PrefixSearch:
             self.changed = xp.ones(num_lanes, dtype=bool)  # lanes whose scorer context is new
             self.rescore = bool(self.entries)  # host: some lane's context is new
 
-            if ctc_frame.use_kernel(self):  # CuPy without scorers: all frames in one launch
-                ctc_frame.search_kernel(self, frame_kinds)
-            else:
-                for t, kind in enumerate(frame_kinds.tolist()):
-                    if kind == 1:
-                        self._blank_frame(t)
-                    elif kind == 2:
-                        self._full_frame(t, exact)
+            for t, kind in enumerate(frame_kinds.tolist()):
+                if kind == 1:
+                    self._blank_frame(t)
+                elif kind == 2:
+                    self._full_frame(t, exact)
             if options.sentence_end is not None and self.entries:
                 self._score_contexts(self.lengths_dev[self.lane_group])
                 end = xp.stack([c[:, options.sentence_end] for c in self.cache])  # [S, N]

@@ -26,7 +26,7 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import on_shared_stream, to_host
+from gpudecode.backend import on_shared_stream, to_host, to_host_all
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
@@ -99,7 +99,7 @@ class LabelSyncOptions:
 
 def _to_host(*arrays) -> tuple[np.ndarray, ...]:
     """Every device→host transfer of the search goes through here (tests count the calls)."""
-    return tuple(to_host(a) for a in arrays)
+    return to_host_all(*arrays)
 
 
 def _all_ended(ended) -> bool:

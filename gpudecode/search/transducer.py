@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import to_host
+from gpudecode.backend import to_host, to_host_all
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search import transducer_step
@@ -115,7 +115,7 @@ class TransducerOptions:
 
 def _to_host(*arrays) -> tuple[np.ndarray, ...]:
     """Every device→host transfer of the transducer searches goes through here (tests count)."""
-    return tuple(to_host(a) for a in arrays)
+    return to_host_all(*arrays)
 
 
 def _on_xp(xp, array):

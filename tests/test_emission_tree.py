@@ -25,6 +25,30 @@ def random_tree(seed: int, num_lanes: int = 6, steps: int = 9):
     return node, node_parent, node_label, node_frames
 
 
+def grouped_tree(seed: int, num_groups: int, group_size: int, steps: int):
+    """A tree whose nodes' parents stay in their lane's group (an utterance's beam), as the
+    searches make them."""
+    rng = np.random.default_rng(seed)
+    num_lanes = num_groups * group_size
+    size = 1 + steps * num_lanes
+    node_parent = np.zeros(size, np.int64)
+    node_label = rng.integers(0, 50, size).astype(np.int64)
+    node_label[0] = -1
+    for k in range(1, steps):
+        for lane in range(num_lanes):
+            if rng.random() < 0.002:
+                continue  # a path that starts at step k
+            group = lane // group_size
+            parent_step = rng.integers(max(0, k - 2), k)
+            node_parent[1 + k * num_lanes + lane] = 1 + parent_step * num_lanes + group * group_size + rng.integers(
+                group_size)
+    newest = np.where(rng.random(num_lanes) < 0.5, steps - 1, rng.integers(0, max(steps, 1), num_lanes))
+    first = 1 + newest * num_lanes + np.arange(num_lanes)
+    node = np.where((rng.random(num_lanes) < 0.1) | (steps == 0), 0, first).astype(np.int64)
+    node_frames = sorted(rng.choice(3 * steps, steps, replace=False).tolist())
+    return node, node_parent, node_label, node_frames
+
+
 def walk(n, node_parent, node_label, node_frames, num_lanes):
     labels, frames = [], []
     while n != 0:
@@ -66,3 +90,43 @@ def test_kernel_trace_equals_the_host_trace(seed):
                       cupy.asarray(node_label), node_frames, 40)
     for a, b in zip(expected, got):
         np.testing.assert_array_equal(a, b.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_groups, group_size, rows_per_group, steps",
+                         [(3, 4, 2, 50), (5, 8, 1, 300), (2, 8, 8, 700), (4, 3, 3, 1), (1, 1, 1, 5000), (2, 16, 5, 0)])
+def test_group_kernel_trace_equals_the_host_trace(num_groups, group_size, rows_per_group, steps):
+    """trace_emission_groups (paths walked in shared memory, one or more chunks of steps) equals
+    the host trace; rows trace lanes of their own group in any order, repeats included."""
+    import cupy
+
+    node, node_parent, node_label, node_frames = grouped_tree(steps, num_groups, group_size, steps)
+    rng = np.random.default_rng(1)
+    lanes = (np.arange(num_groups)[:, None] * group_size
+             + rng.integers(0, group_size, (num_groups, rows_per_group))).reshape(-1)
+    expected = trace_paths(lanes, node, node_parent, node_label, node_frames, num_groups * group_size)
+    got = trace_paths(cupy.asarray(lanes), cupy.asarray(node), cupy.asarray(node_parent), cupy.asarray(node_label),
+                      node_frames, num_groups * group_size, group_size=group_size)
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a, b.get())
+    assert steps < 10 or expected[2].max() > steps // 4  # long paths, over chunks of steps
+
+
+@pytest.mark.gpu
+def test_group_kernel_flags_paths_that_leave_their_group():
+    import cupy
+
+    node, node_parent, node_label, node_frames = grouped_tree(0, 2, 4, 20)
+    lanes = np.array([1, 2, 4, 7])
+    crossing = 1 + 19 * 8 + 5  # a node of lane 5 (group 1) of the last step, on no other path, ...
+    node_parent[crossing] = 1 + 9 * 8 + 0  # ... whose parent is of lane 0 (group 0)
+    node[7] = crossing
+    node[2] = 1 + 19 * 8 + 6  # lane 2 of group 0 ends in a node of lane 6 (group 1)
+    got = trace_paths(cupy.asarray(lanes), cupy.asarray(node), cupy.asarray(node_parent), cupy.asarray(node_label),
+                      node_frames, 8, group_size=4)
+    expected = trace_paths(lanes, node, node_parent, node_label, node_frames, 8)
+    lengths = got[2].get()
+    assert lengths.tolist()[1::2] == [-1, -1]
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a[0::2], b.get()[0::2])
+    assert (got[0].get()[1::2] == -1).all()

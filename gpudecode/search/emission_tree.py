@@ -16,12 +16,18 @@ import numpy as np
 from gpudecode.backend import get_array_module
 from gpudecode.search.results import Hypothesis, no_cyclic_gc
 
-_THREADS = 128
+_THREADS = 128  # trace_emission_paths, and trace_emission_groups' TRACE_THREADS
+_GROUP_CHUNK = 2048  # TRACE_CHUNK of kernels/emission_tree.cu
 
 
-def trace_paths(lanes, node, node_parent, node_label, node_frames: Sequence[int], num_lanes: int):
+def trace_paths(lanes, node, node_parent, node_label, node_frames: Sequence[int], num_lanes: int,
+                group_size: int | None = None):
     """Labels and frames of ``lanes`` [L], oldest first: (labels [L, K], frames [L, K], lengths
-    [L]) int32 on the arrays' module, rows padded with -1 (K: the tree's steps)."""
+    [L]) int32 on the arrays' module, rows padded with -1 (K: the tree's steps).
+
+    ``group_size`` G: lanes come in groups of G (an utterance's beam) whose paths stay in their
+    group, and the rows are the groups' rows in order, L / (N / G) each; on CuPy each group's
+    nodes are then walked in shared memory. A row that breaks this gets length -1."""
     xp = get_array_module(node)
     max_length = len(node_frames)
     num_traced = int(lanes.shape[0])
@@ -32,13 +38,22 @@ def trace_paths(lanes, node, node_parent, node_label, node_frames: Sequence[int]
     labels = xp.empty((num_traced, max_length), dtype=np.int32)
     frames = xp.empty((num_traced, max_length), dtype=np.int32)
     lengths = xp.empty(num_traced, dtype=np.int32)
-    if num_traced:
-        kernel = load_module("emission_tree", (), node.device.id).get_function("trace_emission_paths")
-        frames_dev = xp.asarray(np.asarray(node_frames, dtype=np.int64).reshape(-1))
-        kernel(((num_traced + _THREADS - 1) // _THREADS,), (_THREADS,), (
-            xp.ascontiguousarray(lanes, dtype=np.int64), np.int32(num_traced), xp.ascontiguousarray(node),
-            node_parent, node_label, frames_dev, np.int64(num_lanes), np.int32(max_length),
-            labels, frames, lengths))
+    if not num_traced:
+        return labels, frames, lengths
+    module = load_module("emission_tree", (), node.device.id)
+    frames_dev = xp.asarray(np.asarray(node_frames, dtype=np.int64).reshape(-1))
+    lanes = xp.ascontiguousarray(lanes, dtype=np.int64)
+    num_groups = num_lanes // group_size if group_size else 0
+    rows_per_group = num_traced // num_groups if num_groups else 0
+    if (num_groups and num_groups * group_size == num_lanes and rows_per_group * num_groups == num_traced
+            and group_size <= _GROUP_CHUNK and rows_per_group <= _THREADS and max_length * group_size < 2**31):
+        module.get_function("trace_emission_groups")((num_groups,), (_THREADS,), (
+            lanes, np.int32(rows_per_group), np.int32(group_size), xp.ascontiguousarray(node), node_parent,
+            node_label, frames_dev, np.int64(num_lanes), np.int32(max_length), labels, frames, lengths))
+    else:
+        module.get_function("trace_emission_paths")(((num_traced + _THREADS - 1) // _THREADS,), (_THREADS,), (
+            lanes, np.int32(num_traced), xp.ascontiguousarray(node), node_parent, node_label, frames_dev,
+            np.int64(num_lanes), np.int32(max_length), labels, frames, lengths))
     return labels, frames, lengths
 
 
@@ -76,13 +91,16 @@ def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node
     num_lanes = num_utts * beam
     num_best = min(num_best, beam)
     lanes = (xp.arange(num_utts, dtype=np.int64)[:, None] * beam + order[:, :num_best]).reshape(-1)
-    labels, frames, lengths = trace_paths(lanes, node, node_parent, node_label, node_frames, num_lanes)
+    labels, frames, lengths = trace_paths(lanes, node, node_parent, node_label, node_frames, num_lanes,
+                                          group_size=beam)
     names = list(own_scores) + [e.name for e in entries]
     scores = [own_scores[name][lanes] for name in own_scores] + [lm_scores[s][lanes] for s in range(len(entries))]
     flag = xp.zeros((), dtype=bool) if unresolved is None else unresolved
     (flag, ranks, labels, frames, lengths, *scores) = transfer(flag, ranks[lanes], labels, frames, lengths, *scores)
     if bool(flag):
         return None
+    if (lengths < 0).any():
+        raise RuntimeError("emission tree: a traced path leaves its utterance's lanes (a search bug)")
     with no_cyclic_gc():
         return _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores)
 

@@ -4,7 +4,7 @@
 Run through run.sh (PYTHONPATH: the fake cupy, then the checkout). The CuPy path of
 ctc_prefix_search runs unchanged: gpudecode.search.ctc_frame.search_kernel launches
 ctc_top_labels_<P> / ctc_prefix_frames_<K>, topk launches top_k_rows_<K>, emission_tree.trace_paths
-launches trace_emission_paths; each launch is emulated (emu/emulator.py) with its arguments checked
+launches trace_emission_groups; each launch is emulated (emu/emulator.py) with its arguments checked
 against the kernel's C signature.
 """
 
@@ -143,8 +143,8 @@ def check_launches(launches, options, vocab_size, prefilter=True):
     problems = []
     if not any(n.startswith("ctc_prefix_frames_") for n in launches):
         problems.append("ctc_prefix_frames_* never launched")
-    if "trace_emission_paths" not in launches:
-        problems.append("trace_emission_paths never launched")
+    if "trace_emission_groups" not in launches:
+        problems.append("trace_emission_groups never launched")
     saved = ctc_frame.prefilter
     ctc_frame.prefilter = prefilter
     try:
@@ -261,6 +261,34 @@ def run_ties(case, spec):
     return name, problems, info
 
 
+TRACES = [(3, 4, 2, 50), (5, 8, 1, 300), (2, 8, 8, 700), (1, 1, 1, 3000), (2, 16, 5, 0)]
+
+
+def run_trace(num_groups, group_size, rows_per_group, steps, grouped=True):
+    """trace_paths on the device (trace_emission_groups, or trace_emission_paths when not grouped)
+    vs the host trace, on tests/test_emission_tree.py's grouped trees (several chunks of steps)."""
+    from gpudecode.search.emission_tree import trace_paths
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(gpudecode.__file__)), "tests"))
+    from test_emission_tree import grouped_tree
+
+    node, node_parent, node_label, node_frames = grouped_tree(steps, num_groups, group_size, steps)
+    rng = np.random.default_rng(1)
+    lanes = (np.arange(num_groups)[:, None] * group_size
+             + rng.integers(0, group_size, (num_groups, rows_per_group))).reshape(-1)
+    num_lanes = num_groups * group_size
+    expected = trace_paths(lanes, node, node_parent, node_label, node_frames, num_lanes)
+    emulator.launch_log.clear()
+    got = trace_paths(*(cupy.asarray(a) for a in (lanes, node, node_parent, node_label)), node_frames, num_lanes,
+                      group_size=group_size if grouped else None)
+    kernel = "trace_emission_groups" if grouped else "trace_emission_paths"
+    problems = [] if list(emulator.launch_log) == [kernel] else [f"launched {list(emulator.launch_log)}, not [{kernel}]"]
+    for name, a, b in zip(("labels", "frames", "lengths"), expected, got):
+        if not np.array_equal(a, np.asarray(b)):
+            problems.append(f"{name} differ from the host trace")
+    name = f"trace G={group_size} groups={num_groups} rows/group={rows_per_group} K={steps} via {kernel}"
+    return name, problems, f"longest path {int(expected[2].max(initial=0))}"
+
+
 def run_one(job):
     t0 = time.time()
     try:
@@ -355,6 +383,9 @@ def jobs():
         out.append((run_vs_numpy, kind, case, seed, *bias))
     for case, spec in TIES:
         out.append((run_ties, case, spec))
+    for trace in TRACES:
+        out.append((run_trace, *trace))
+    out.append((run_trace, 3, 4, 2, 50, False))
     return out
 
 

@@ -19,6 +19,11 @@ MUTANTS = {  # name: (file, old, new) -- old must occur exactly once
                           "s_top_x[k_own] = top_values[at];"),
     "top-labels-no-row-guard": ("kernels/ctc_frame.cu", "if (row >= num_rows) return;  // the whole warp", ""),
     "trace-reverse-short": ("kernels/emission_tree.cu", "i < j; ++i, --j", "i < j - 1; ++i, --j"),
+    "trace-groups-chunk-edge": ("kernels/emission_tree.cu", "while (current >= base) {", "while (current > base) {"),
+    "trace-groups-swap-short": ("kernels/emission_tree.cu", "if (i < length / 2) {", "if (i < (length - 1) / 2) {"),
+    "trace-groups-no-barrier": ("kernels/emission_tree.cu", "        lengths[first_row + t] = s_length[t];\n    }\n    __syncthreads();",
+                                "        lengths[first_row + t] = s_length[t];\n    }\n"),
+    "trace-groups-frame-step": ("kernels/emission_tree.cu", "frame_row[depth] = s_frame[i / group_size];", "frame_row[depth] = s_frame[i % group_size];"),
     "warp-rounds-short": ("kernels/block_top_beam.cuh", "round < beam; ++round) {  // this warp's best", "round < beam - 1; ++round) {  // this warp's best"),
     "rank-skips-last-listed": ("kernels/block_top_beam.cuh", "f < listed; ++f", "f < listed - 1; ++f"),
     "threshold-halved": ("kernels/block_top_beam.cuh", "floor_key = best - threshold;", "floor_key = best - 0.5f * threshold;"),
@@ -49,7 +54,7 @@ def main():
             continue
         dest = HERE / "mut" / name
         shutil.rmtree(dest, ignore_errors=True)
-        for part in ("gpudecode", "kernels"):
+        for part in ("gpudecode", "kernels", "tests"):
             shutil.copytree(repo / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
         (dest / path).write_text(text.replace(old, new))
         t0 = time.time()

@@ -19,7 +19,9 @@
 //               nodes are 1 + k * N + lane, written for every lane
 //   unresolved  [1] uint8: set to 1 when a hash-equal pair stays undecided after compare_steps
 //   top_labels  [U, T, num_top] int32 or null: per frame its num_top best labels other than blank,
-//               best first (larger log-prob, then lower label), written by ctc_top_labels_<P>
+//               best first (larger log-prob, then lower label), written by ctc_top_labels_<P> (a warp
+//               per frame: the labels above a threshold ranked in static shared memory, [8 warps][64]
+//               packed keys, with per-thread lists in registers as the fallback; see top_labels_rows)
 //   top_values  [U, T, num_top] float32 or null: their log-probs
 //   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
 //

@@ -19,7 +19,9 @@
 //               nodes are 1 + k * N + lane, written for every lane
 //   unresolved  [1] uint8: set to 1 when a hash-equal pair stays undecided after compare_steps
 //   top_labels  [U, T, num_top] int32 or null: per frame its num_top best labels other than blank,
-//               best first (larger log-prob, then lower label), written by ctc_top_labels_<P>
+//               best first (larger log-prob, then lower label), written by ctc_top_labels_<P> (a warp
+//               per frame: the labels above a threshold ranked in static shared memory, [8 warps][64]
+//               packed keys, with per-thread lists in registers as the fallback; see top_labels_rows)
 //   top_values  [U, T, num_top] float32 or null: their log-probs
 //   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
 //
@@ -49,6 +51,7 @@
 #define CTC_MAX_BEAM 32
 #define CTC_MAX_TOP 33  // the longest label list, ctc_top_labels_33
 #define TOP_LABELS_LOADS 8  // log-probs a thread of ctc_top_labels_<P> loads at once
+#define TOP_LABELS_CAP 64  // candidates a warp of ctc_top_labels_<P> ranks in shared memory (a multiple of 32)
 
 struct Lanes {  // one utterance's lanes
     float blank[CTC_MAX_BEAM], label[CTC_MAX_BEAM];
@@ -297,33 +300,99 @@ CTC_ENTRY(32)
 
 // The label prefilter: per row of log_probs [rows, V], its P best labels other than blank, best
 // first (larger log-prob, then lower label; NaN ranks like -inf), into top_labels [rows, P], and
-// their log-probs into top_values [rows, P]. One warp per row; each thread keeps its best P
-// (log-prob, label) pairs in registers.
+// their log-probs into top_values [rows, P] (-1 / -inf past the row's labels). One warp per row.
+// Fast path: each thread keeps its best M = ceil(P / 32) log-probs (blank, NaN and columns >= V as
+// -inf); tau, the P-th largest of the warp's 32 * M, is a lower bound of the row's P-th best, so
+// the labels with log-prob >= tau (at least P) are the candidates: up to TOP_LABELS_CAP of them go
+// to shared memory as packed keys (packed_key.cuh) and each one's rank is the number of larger
+// keys. Fallback, where tau is -inf or the candidates overflow (ties, -inf rows, tiny V): each
+// thread keeps its best P packed keys in registers, then P rounds of warp max.
 template <int P>
 __device__ __forceinline__ void top_labels_rows(const float* __restrict__ log_probs, long long num_rows,
                                                 int vocab_size, int blank, int* __restrict__ top_labels,
                                                 float* __restrict__ top_values) {
+    constexpr int M = (P + 31) / 32;
+    __shared__ unsigned long long s_candidates[CTC_THREADS / 32][TOP_LABELS_CAP];
     const long long row = (long long)blockIdx.x * (CTC_THREADS / 32) + (threadIdx.x >> 5);
     if (row >= num_rows) return;  // the whole warp
     const int lane = threadIdx.x & 31;
     const float* x = log_probs + row * vocab_size;
-    unsigned long long kept[P];  // best first
+    auto for_row = [&](auto&& visit) {  // visit(value, v) for this thread's columns (the whole warp: v >= V too)
+        for (int start = 0; start < vocab_size; start += 32 * TOP_LABELS_LOADS) {
+            float values[TOP_LABELS_LOADS];  // loads issued together, then visited
 #pragma unroll
-    for (int r = 0; r < P; ++r) kept[r] = 0ull;
-    for (int start = lane; start < vocab_size; start += 32 * TOP_LABELS_LOADS) {
-        float values[TOP_LABELS_LOADS];  // loads issued together, then ranked
+            for (int j = 0; j < TOP_LABELS_LOADS; ++j) {
+                const int v = start + lane + 32 * j;
+                values[j] = v < vocab_size ? x[v] : 0.0f;
+            }
 #pragma unroll
-        for (int j = 0; j < TOP_LABELS_LOADS; ++j) {
-            const int v = start + 32 * j;
-            values[j] = v < vocab_size ? x[v] : 0.0f;
+            for (int j = 0; j < TOP_LABELS_LOADS; ++j) visit(values[j], start + lane + 32 * j);
         }
+    };
+
+    float best[M];  // this thread's best M log-probs, best first
 #pragma unroll
-        for (int j = 0; j < TOP_LABELS_LOADS; ++j) {
-            const int v = start + 32 * j;
-            if (v >= vocab_size || v == blank) continue;
-            keep_best(kept, pack_key(values[j], (unsigned int)v));
+    for (int r = 0; r < M; ++r) best[r] = neg_inf();
+    for_row([&](float value, int v) {
+        float carry = v < vocab_size && v != blank ? fmaxf(value, neg_inf()) : neg_inf();  // NaN -> -inf
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            const float higher = fmaxf(best[r], carry);
+            carry = fminf(best[r], carry);
+            best[r] = higher;
+        }
+    });
+    int count[M] = {};  // how many of the warp's 32 * M are >= best[r]
+    for (int src = 0; src < 32; ++src) {
+#pragma unroll
+        for (int s = 0; s < M; ++s) {
+            const float other = __shfl_sync(0xffffffffu, best[s], src);
+#pragma unroll
+            for (int r = 0; r < M; ++r) count[r] += other >= best[r];
         }
     }
+    float tau = neg_inf();
+#pragma unroll
+    for (int r = 0; r < M; ++r)
+        if (count[r] >= P) tau = fmaxf(tau, best[r]);
+    tau = warp_max_f(tau);
+
+    if (tau > neg_inf()) {
+        unsigned long long* candidates = s_candidates[threadIdx.x >> 5];
+        int num_candidates = 0;
+        for_row([&](float value, int v) {
+            const bool candidate = value >= tau && v < vocab_size && v != blank;  // NaN is not
+            const unsigned int ballot = __ballot_sync(0xffffffffu, candidate);
+            if (ballot == 0u) return;
+            const int at = num_candidates + __popc(ballot & ((1u << lane) - 1u));
+            if (candidate && at < TOP_LABELS_CAP) candidates[at] = pack_key(value, (unsigned int)v);
+            num_candidates += __popc(ballot);
+        });
+        if (num_candidates <= TOP_LABELS_CAP) {
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < TOP_LABELS_CAP / 32; ++k) {
+                const int c = lane + 32 * k;
+                if (c >= num_candidates) break;
+                const unsigned long long key = candidates[c];
+                int rank = 0;
+                for (int other = 0; other < num_candidates; ++other) rank += candidates[other] > key;
+                if (rank < P) {
+                    const int label = (int)~(unsigned int)(key & 0xffffffffull);
+                    top_labels[row * P + rank] = label;
+                    top_values[row * P + rank] = x[label];
+                }
+            }
+            return;
+        }
+    }
+
+    unsigned long long kept[P];  // the fallback: best first
+#pragma unroll
+    for (int r = 0; r < P; ++r) kept[r] = 0ull;
+    for_row([&](float value, int v) {
+        if (v < vocab_size && v != blank) keep_best(kept, pack_key(value, (unsigned int)v));
+    });
     for (int round = 0; round < P; ++round) {
         const unsigned long long winner = warp_max_u64(kept[0]);
         if (kept[0] == winner && winner != 0ull) {

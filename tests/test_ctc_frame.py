@@ -189,6 +189,62 @@ def test_top_labels_reference_orders_by_value_then_label():
     assert ctc_frame_module.top_labels_reference(row, blank=1, count=4) == [3, 0, 4, 2]
 
 
+def _top_labels_rows(kind: str, num_rows: int, vocab_size: int, blank: int, seed: int = 0) -> np.ndarray:
+    """Rows [num_rows, V] float32 for ``ctc_top_labels_<P>``: random, or built to take its fallback
+    (many equal values, one lane full of large values, -inf and NaN rows) or to tie."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((num_rows, vocab_size)) * 2 - 5).astype(np.float32)
+    if kind == "blank-max":
+        x[:, blank] = 50.0
+    elif kind.startswith("levels-"):  # ties: lower label first
+        x = (rng.integers(0, int(kind[7:]), x.shape) * 0.25 - 3).astype(np.float32)
+    elif kind == "equal":
+        x[:] = -1.5
+    elif kind == "one-lane":
+        x[:, 5::32] = 10 + rng.integers(0, 3, x[:, 5::32].shape)
+    elif kind == "few-finite":
+        x[:] = -np.inf
+        x[:, rng.integers(0, vocab_size, 8)] = rng.standard_normal(8)
+        x[1::2, rng.integers(0, vocab_size, 40)] = np.nan
+    elif kind == "nan":
+        x[rng.random(x.shape) < np.linspace(0, 1, num_rows)[:, None]] = np.nan
+    elif kind == "zeros":
+        x = np.where(rng.random(x.shape) < 0.5, np.float32(-0.0), np.float32(0.0))
+        x[:, ::7] = -1
+    elif kind == "inf":
+        x[:, rng.integers(0, vocab_size, 12)] = np.inf
+    return x
+
+
+TOP_LABELS_ROWS = [  # (V, blank, kind); V None: P + 1 labels (P other than blank), 0: P labels (one -1)
+    (1000, 0, "random"), (12_000, 5, "random"), (45, 3, "random"), (None, 1, "random"), (0, 0, "random"),
+    (20, 4, "random"), (1000, 999, "blank-max"), (1000, 6, "levels-3"), (1000, 1, "levels-16"),
+    (1000, 0, "levels-400"), (1000, 0, "equal"), (60, 0, "equal"), (1000, 0, "one-lane"), (5000, 7, "one-lane"),
+    (1000, 3, "few-finite"), (1000, 9, "nan"), (1000, 4, "zeros"), (1000, 4, "inf"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_top", [9, 17, 33])
+@pytest.mark.parametrize("vocab_size,blank,kind", TOP_LABELS_ROWS, ids=lambda v: str(v))
+def test_kernel_top_labels_equal_the_reference(num_top, vocab_size, blank, kind):
+    """``ctc_top_labels_<P>`` on its fast path (candidates above a threshold ranked in shared
+    memory) and on its fallback (per-thread lists: ties, -inf and NaN rows, V <= P): the labels of
+    top_labels_reference, -1 past the row's labels, and their log-probs bit for bit."""
+    import cupy
+
+    vocab_size = {None: num_top + 1, 0: num_top}.get(vocab_size, vocab_size)
+    blank = min(blank, vocab_size - 1)
+    x = _top_labels_rows(kind, 203, vocab_size, blank, seed=num_top)
+    labels, values = (cupy.asnumpy(a) for a in ctc_frame_module.top_labels_kernel(cupy.asarray(x), blank, num_top))
+    for r, row in enumerate(x):
+        want = ctc_frame_module.top_labels_reference(row, blank, num_top)
+        want = np.array(want + [-1] * (num_top - len(want)), dtype=np.int32)
+        assert labels[r].tolist() == want.tolist(), r
+        want_values = np.where(want >= 0, row[np.maximum(want, 0)], np.float32(-np.inf)).astype(np.float32)
+        assert values[r].view(np.uint32).tolist() == want_values.view(np.uint32).tolist(), r
+
+
 def _exact(results):
     return [[(h.labels, h.frames, h.score) for h in nbest] for nbest in results]
 

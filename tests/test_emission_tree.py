@@ -36,8 +36,8 @@ def grouped_tree(seed: int, num_groups: int, group_size: int, steps: int):
     node_label[0] = -1
     for k in range(1, steps):
         for lane in range(num_lanes):
-            if rng.random() < 0.002:
-                continue  # a path that starts at step k
+            if rng.random() < min(0.002, 0.5 / steps):
+                continue  # a path that starts at step k (rarely: paths span several chunks of steps)
             group = lane // group_size
             parent_step = rng.integers(max(0, k - 2), k)
             node_parent[1 + k * num_lanes + lane] = 1 + parent_step * num_lanes + group * group_size + rng.integers(

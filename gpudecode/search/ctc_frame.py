@@ -183,6 +183,26 @@ def top_label_count(beam_size: int, vocab_size: int) -> int:
     return count if count and vocab_size - 1 > count else 0
 
 
+def top_labels_kernel(log_probs, blank: int, num_top: int):
+    """``ctc_top_labels_<num_top>`` (num_top 9, 17 or 33) on log_probs [..., V], a C-contiguous
+    float32 CuPy array: per row its num_top best labels other than ``blank``, as
+    :func:`top_labels_reference`, and their log-probs — (labels [..., num_top] int32 (-1 past the
+    row's labels), values [..., num_top] float32 (-inf there)). A warp per row, no host sync."""
+    from gpudecode.backend import require_cupy
+    from gpudecode.kernels import load_module
+
+    cupy = require_cupy()
+    vocab_size = log_probs.shape[-1]
+    rows = log_probs.size // vocab_size if vocab_size else 0
+    labels = cupy.empty((*log_probs.shape[:-1], num_top), dtype=np.int32)
+    values = cupy.empty((*log_probs.shape[:-1], num_top), dtype=np.float32)
+    if rows:
+        load_module("ctc_frame", (), log_probs.device.id).get_function(f"ctc_top_labels_{num_top}")(
+            ((rows + _THREADS // 32 - 1) // (_THREADS // 32),), (_THREADS,),
+            (log_probs, np.int64(rows), np.int32(vocab_size), np.int32(blank), labels, values))
+    return labels, values
+
+
 def use_kernel(search) -> bool:
     """Whether ``search`` runs as ``ctc_prefix_frames_<K>`` (CuPy, no scorers, beam <= 32)."""
     return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
@@ -216,11 +236,7 @@ def search_kernel(search, frame_kinds: np.ndarray) -> None:
     num_top = top_label_count(layout.beam_size, vocab_size) if rows else 0
     top_labels = top_values = np.uint64(0)  # null: no prefilter
     if num_top:  # every frame's best labels, all frames at once (a warp per frame)
-        top_labels = cupy.empty((num_utts, num_frames, num_top), dtype=np.int32)
-        top_values = cupy.empty((num_utts, num_frames, num_top), dtype=np.float32)
-        module.get_function(f"ctc_top_labels_{num_top}")(
-            ((rows + _THREADS // 32 - 1) // (_THREADS // 32),), (_THREADS,),
-            (log_probs, np.int64(rows), np.int32(vocab_size), np.int32(options.blank), top_labels, top_values))
+        top_labels, top_values = top_labels_kernel(log_probs, options.blank, num_top)
     row_in_shared = not num_top and vocab_size * 4 <= _MAX_ROW_BYTES
     kernel((num_utts,), (_THREADS,), (
         log_probs, np.int32(num_frames), np.int32(vocab_size), np.int32(options.blank),

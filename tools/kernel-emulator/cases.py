@@ -128,6 +128,87 @@ TIES = [  # (options, inputs): the kernel with the prefilter must equal the kern
 ]
 
 
+TOP_LABELS_CAP = 64  # TOP_LABELS_CAP of kernels/ctc_frame.cu
+TOP_LABELS = [  # (P, V, blank, kind, the kernel paths the rows must take): ctc_top_labels_<P> alone
+    *[(p, 1000, 0, "random", "fast") for p in (9, 17, 33)],
+    (17, 1000, 999, "random", "fast"), (9, 200, 77, "random", "fast"), (33, 12_000, 5, "random", "fast"),
+    (17, 45, 3, "random", "fast"), (33, 40, 39, "random", "fast"),             # V not a multiple of 32
+    *[(p, v, b, "random", "fast") for p in (9, 17, 33) for v, b in ((p + 1, p), (p + 2, 1))],  # P labels
+    *[(p, p, 0, "random", "fallback") for p in (9, 17, 33)],                   # fewer labels than P: -1
+    (9, 1, 0, "random", "fallback"), (33, 20, 4, "random", "fallback"),
+    (17, 1000, 2, "blank-max", "fast"), (33, 300, 0, "blank-max", "fast"),
+    (17, 1000, 0, "levels-400", "fast"), (9, 1000, 6, "levels-3", "fallback"),  # ties: lower label first
+    (33, 1000, 1, "levels-16", "both"), (9, 1000, 1, "levels-16", "both"),
+    *[(p, 1000, 0, "equal", "fallback") for p in (9, 17, 33)], (17, 60, 0, "equal", "fast"),
+    (17, 1000, 0, "one-lane", "fast"), (17, 5000, 0, "one-lane", "fallback"),  # a lane full of large values
+    (33, 5000, 7, "one-lane", "fallback"),
+    (17, 1000, 0, "few-finite", "fallback"), (33, 1000, 3, "few-finite", "fallback"),  # -inf rows
+    (17, 1000, 0, "nan", "both"), (9, 100, 0, "nan", "both"), (33, 1000, 9, "nan", "both"),
+    (17, 1000, 4, "zeros", "fallback"), (17, 1000, 4, "inf", "fast"),         # -0.0 / +0.0, +inf
+]
+
+
+def top_labels_rows(vocab_size, blank, kind, seed, num_rows=13):
+    """num_rows rows of log-probs [num_rows, V] float32 of one kind (13 rows: the last block part empty)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((num_rows, vocab_size)) * 2 - 5).astype(np.float32)
+    if kind == "blank-max":
+        x[:, blank] = 50.0
+    elif kind.startswith("levels-"):
+        x = (rng.integers(0, int(kind[7:]), x.shape) * 0.25 - 3).astype(np.float32)
+    elif kind == "equal":
+        x[:] = -1.5
+    elif kind == "one-lane":  # lane 5's columns above everything, a third of them equal
+        x[:, 5::32] = (10 + rng.integers(0, 3, x[:, 5::32].shape)).astype(np.float32)
+    elif kind == "few-finite":  # P - 1 or fewer finite labels, the rest -inf (and some NaN)
+        x[:] = -np.inf
+        x[:, rng.integers(0, vocab_size, 8)] = rng.standard_normal(8).astype(np.float32)
+        x[1::2, rng.integers(0, vocab_size, 40)] = np.nan
+    elif kind == "nan":  # rows from all NaN to NaN-free
+        for r in range(num_rows):
+            x[r, rng.random(vocab_size) < r / (num_rows - 1)] = np.nan
+        x[-1, 3] = 0.0
+    elif kind == "zeros":
+        x = np.where(rng.random(x.shape) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+        x[:, ::7] = -1
+    elif kind == "inf":
+        x[:, rng.integers(0, vocab_size, 12)] = np.inf
+    return x
+
+
+def top_labels_path(row, blank, num_top):
+    """Which path ctc_top_labels_<P> takes on `row` ("fast" or "fallback"), by the kernel's rule."""
+    x = np.where(np.isnan(row), -np.inf, row).astype(np.float32)
+    x[blank] = -np.inf
+    kept_per_lane = (num_top + 31) // 32  # M
+    padding = max(-len(x) % 32, 32 * kept_per_lane - len(x))
+    lanes = np.concatenate([x, np.full(padding, -np.inf, np.float32)]).reshape(-1, 32)
+    kept = -np.sort(-lanes, axis=0)[:kept_per_lane]
+    tau = np.sort(kept.ravel())[::-1][num_top - 1]
+    count = np.count_nonzero(row >= tau) - (row[blank] >= tau)
+    return "fast" if tau > -np.inf and count <= TOP_LABELS_CAP else "fallback"
+
+
+def run_top_labels(num_top, vocab_size, blank, kind, paths):
+    x = top_labels_rows(vocab_size, blank, kind, seed=num_top * vocab_size + blank)
+    name = f"top labels P={num_top} V={vocab_size} blank={blank} {kind}"
+    labels, values = (np.asarray(a) for a in ctc_frame.top_labels_kernel(cupy.asarray(x), blank, num_top))
+    problems = []
+    for r, row in enumerate(x):
+        want = ctc_frame.top_labels_reference(row, blank, num_top)
+        want = np.array(want + [-1] * (num_top - len(want)), dtype=np.int32)
+        want_values = np.where(want >= 0, row[np.maximum(want, 0)], np.float32(-np.inf)).astype(np.float32)
+        if not np.array_equal(labels[r], want):
+            problems.append(f"row {r}: labels {labels[r].tolist()} expected {want.tolist()}")
+        elif not np.array_equal(values[r].view(np.uint32), want_values.view(np.uint32)):
+            problems.append(f"row {r}: values {values[r].tolist()} expected {want_values.tolist()}")
+    taken = [top_labels_path(row, blank, num_top) for row in x]
+    counts = {p: taken.count(p) for p in ("fast", "fallback")}
+    if any(counts[p] == 0 for p in (("fast", "fallback") if paths == "both" else (paths,))):
+        problems.append(f"rows by path {counts}, expected {paths}")
+    return name, problems, f"rows: {counts['fast']} fast path, {counts['fallback']} fallback"
+
+
 def describe(options: dict) -> str:
     return ",".join(f"{k.replace('_size', '').replace('_threshold', '_thr')}={v}" for k, v in options.items())
 
@@ -386,6 +467,8 @@ def jobs():
     for trace in TRACES:
         out.append((run_trace, *trace))
     out.append((run_trace, 3, 4, 2, 50, False))
+    for case in TOP_LABELS:
+        out.append((run_top_labels, *case))
     return out
 
 

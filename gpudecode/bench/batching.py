@@ -84,7 +84,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                        max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
                        quick: bool = False, output_dir=None, cuda_graphs: bool = False,
                        max_batch_size: int | None = None, utterance_rows: str = "utterance") -> dict:
-    """Runs both modes in one process (after a warm-up); returns (and writes) the results.
+    """Runs both modes in one process, each once untimed first (compilation, allocations, every
+    CUDA-graph capture; ``quick``: a short warm-up); returns (and writes) the results.
     ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
     as ``batching[...]-lane.json``) per hypothesis.
     ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
@@ -163,13 +164,16 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         return label_sync_search(scorers, batch, options, xp=xp, max_active_utterances=max_active,
                                  admission_order="longest-first")
 
-    warm = batch.select(order[:max_active])
-    label_sync_search(scorers, warm, options, xp=xp)  # compilation, first allocations
-    label_sync_search(scorers, warm, options, xp=xp, max_active_utterances=max_active // 2 or 1)
+    if quick:
+        warm = batch.select(order[:max_active])
+        label_sync_search(scorers, warm, options, xp=xp)  # compilation, first allocations
+        label_sync_search(scorers, warm, options, xp=xp, max_active_utterances=max_active // 2 or 1)
+    else:  # each mode once: compilation, first allocations, every graph bucket it uses
+        static()
+        continuous()
     cells = {}
     for name, run in (("static", static), ("continuous", continuous)):
-        if device == "cuda":
-            xp.get_default_memory_pool().free_all_blocks()
+        captured = decoder.captured_graphs
         steps["count"] = 0
         history.update(merged=0, kept=None)
         sync()
@@ -186,6 +190,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
             "pool_capacity_slots": stats.capacity_slots, "pool_peak_live_slots": stats.peak_live_slots,
             "pool_bytes": stats.bytes,
             "cupy_pool_bytes": int(xp.get_default_memory_pool().total_bytes()) if device == "cuda" else None,
+            "graphs_captured_while_timed": decoder.captured_graphs - captured,
             "history_tokens_merged": history["merged"], "history_tokens_kept": int(history["kept"]),
             "history_padding": history["merged"] / max(int(history["kept"]), 1),
         }

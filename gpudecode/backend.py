@@ -72,26 +72,17 @@ def get_array_module(*arrays) -> ModuleType:
 def to_host(array) -> np.ndarray:
     """A numpy copy of a CuPy array, read on the shared stream after the work queued so far on
     the caller's current stream; numpy arrays pass through."""
-    if is_device_array(array):
-        cupy = require_cupy()
-        with on_shared_stream(array.device.id) as stream:
-            # into pinned memory: the copy is asynchronous and the wait is a stream
-            # synchronisation (which blocks rather than spins under a blocking-sync context);
-            # a copy into pageable memory waits inside the driver
-            shape = array.shape
-            array = cupy.ascontiguousarray(array)  # 0-d arrays come back 1-d
-            pinned = cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
-            out = np.frombuffer(pinned, array.dtype, array.size).reshape(array.shape)
-            return array.get(stream=stream, out=out).reshape(shape)
-    return np.asarray(array)
+    return to_host_all(array)[0]
 
 
 def to_host_all(*arrays) -> tuple[np.ndarray, ...]:
     """:func:`to_host` of every argument with one synchronisation: the copies into pinned memory
-    are queued together on the shared stream, then the stream is waited for once."""
+    are queued together on the shared stream, then the stream is waited for once (a blocking
+    wait under a blocking-sync context; a copy into pageable memory would wait inside the
+    driver)."""
     device = [a for a in arrays if is_device_array(a)]
-    if len(device) <= 1:
-        return tuple(to_host(a) for a in arrays)
+    if not device:
+        return tuple(np.asarray(a) for a in arrays)
     cupy = require_cupy()
     outs, sources = [], []
     with on_shared_stream(device[0].device.id) as stream:
@@ -100,7 +91,7 @@ def to_host_all(*arrays) -> tuple[np.ndarray, ...]:
                 outs.append(np.asarray(array))
                 continue
             shape = array.shape
-            array = cupy.ascontiguousarray(array)
+            array = cupy.ascontiguousarray(array)  # 0-d arrays come back 1-d
             pinned = cupy.cuda.alloc_pinned_memory(max(array.nbytes, 1))
             out = np.frombuffer(pinned, array.dtype, array.size).reshape(shape)
             if array.nbytes:

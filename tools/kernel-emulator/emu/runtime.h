@@ -247,40 +247,6 @@ static unsigned __ballot_sync(unsigned mask, int pred) {
 static int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
 static int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == mask; }
 static void __syncwarp(unsigned mask = 0xffffffffu) { emu_warp_exchange(mask, 0); }
-static unsigned __activemask() { return 0xffffffffu; }
-template <typename T>
-static unsigned __match_any_sync(unsigned mask, T v) {
-    const unsigned long long* got = emu_warp_exchange(mask, emu_bits(v));
-    const unsigned long long mine = emu_bits(v);
-    unsigned r = 0;
-    for (int l = 0; l < 32; ++l)
-        if ((mask >> l & 1u) && got[l] == mine) r |= 1u << l;
-    return r;
-}
-template <typename T>
-static T __reduce_max_sync(unsigned mask, T v) {
-    const unsigned long long* got = emu_warp_exchange(mask, emu_bits(v));
-    T r = v;
-    for (int l = 0; l < 32; ++l)
-        if (mask >> l & 1u) r = std::max(r, emu_from_bits<T>(got[l]));
-    return r;
-}
-template <typename T>
-static T __reduce_min_sync(unsigned mask, T v) {
-    const unsigned long long* got = emu_warp_exchange(mask, emu_bits(v));
-    T r = v;
-    for (int l = 0; l < 32; ++l)
-        if (mask >> l & 1u) r = std::min(r, emu_from_bits<T>(got[l]));
-    return r;
-}
-template <typename T>
-static T __reduce_add_sync(unsigned mask, T v) {
-    const unsigned long long* got = emu_warp_exchange(mask, emu_bits(v));
-    T r = 0;
-    for (int l = 0; l < 32; ++l)
-        if (mask >> l & 1u) r += emu_from_bits<T>(got[l]);
-    return r;
-}
 
 // ---- atomics (fibers never switch inside one: trivially atomic) -----------------------------------
 template <typename T, typename U> static T atomicAdd(T* p, U v) { T o = *p; *p = o + (T)v; return o; }

@@ -349,8 +349,7 @@ def run_trace(num_groups, group_size, rows_per_group, steps, grouped=True):
     """trace_paths on the device (trace_emission_groups, or trace_emission_paths when not grouped)
     vs the host trace, on tests/test_emission_tree.py's grouped trees (several chunks of steps)."""
     from gpudecode.search.emission_tree import trace_paths
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(gpudecode.__file__)), "tests"))
-    from test_emission_tree import grouped_tree
+    from tests.test_emission_tree import grouped_tree
 
     node, node_parent, node_label, node_frames = grouped_tree(steps, num_groups, group_size, steps)
     rng = np.random.default_rng(1)

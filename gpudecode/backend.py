@@ -6,7 +6,9 @@ CuPy is imported lazily so that ``import gpudecode`` works on machines without C
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import time
 from types import ModuleType
 
 import numpy as np
@@ -99,8 +101,45 @@ def to_host_all(*arrays) -> tuple[np.ndarray, ...]:
                                               cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
             sources.append(array)  # alive until the copies have run
             outs.append(out)
-        stream.synchronize()
+        wait_for(stream)
     return tuple(outs)
+
+
+@dataclasses.dataclass
+class HostWaits:
+    """How the host waits for the GPU, and what its waits cost (a benchmark's accounting).
+
+    ``spin``: poll the event or stream until its work is done instead of sleeping in the driver.
+    A sleeping host thread wakes up slower (its core may have left its caches and clock speed);
+    a spinning one keeps a core busy. ``cpu_s`` / ``wall_s``: thread CPU and wall seconds spent
+    inside :func:`wait_for` since the last :meth:`reset`."""
+
+    spin: bool = False
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    count: int = 0
+
+    def reset(self) -> None:
+        self.cpu_s = self.wall_s = 0.0
+        self.count = 0
+
+
+#: The process's waiting mode and accounting (every wait of the searches goes through wait_for).
+HOST_WAITS = HostWaits()
+
+
+def wait_for(work) -> None:
+    """Waits until a CuPy event or stream has run its queued work (see :class:`HostWaits`)."""
+    waits = HOST_WAITS
+    cpu, wall = time.thread_time(), time.perf_counter()
+    if waits.spin:
+        while not work.done:
+            pass
+    else:
+        work.synchronize()
+    waits.cpu_s += time.thread_time() - cpu
+    waits.wall_s += time.perf_counter() - wall
+    waits.count += 1
 
 
 def to_device(array, device_id: int = 0):

@@ -173,12 +173,15 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
               help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
 @click.option("--tf32", is_flag=True, help="The decoder's matrix products on TF32 tensor cores (*-tf32.json); "
               "off by default, as in the library.")
+@click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
+              help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
+@click.option("--beams", default="1,4,8,16", show_default=True, help="Comma-separated; must include 1 and 8.")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
-                 cuda_graphs: bool, utterance_rows: str, tf32: bool) -> None:
+                 cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
                num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
-               utterance_rows=utterance_rows, tf32=tf32)
+               utterance_rows=utterance_rows, tf32=tf32, host_wait=host_wait, beams=_int_list(beams))
 
 
 @bench.command("graphs")

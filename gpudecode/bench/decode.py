@@ -80,7 +80,7 @@ def measure_search(session, reference, manager: str, beam: int, utts: int, *, en
     """
     from gpudecode.session.graphs import GraphOptions
 
-    from gpudecode.backend import require_cupy, shared_stream
+    from gpudecode.backend import HOST_WAITS, require_cupy, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
     from gpudecode.states.options import StateManagerOptions
@@ -102,21 +102,23 @@ def measure_search(session, reference, manager: str, beam: int, utts: int, *, en
     search(num_labels if graphs.enabled else 3)
 
     def timed(labels: int):
-        """(wall, thread CPU) seconds of the fastest of ``repeats`` searches, and its n-best."""
+        """(wall, thread CPU, thread CPU waiting) seconds of the fastest of ``repeats`` searches,
+        and its n-best."""
         timings, nbest = [], None
         for _ in range(repeats):
             stream.synchronize()
+            HOST_WAITS.reset()
             wall, cpu = time.perf_counter(), time.thread_time()
             nbest = search(labels)
             stream.synchronize()
-            timings.append((time.perf_counter() - wall, time.thread_time() - cpu))
+            timings.append((time.perf_counter() - wall, time.thread_time() - cpu, HOST_WAITS.cpu_s))
         return min(timings), nbest
 
-    (wall, cpu), nbest = timed(num_labels)
+    (wall, cpu, wait_cpu), nbest = timed(num_labels)
     # host CPU of one more step: a search half as long, so per-search work (admission, n-best
     # lists) cancels out
     half = num_labels // 2
-    cpu_half = timed(half)[0][1] if manager.endswith("cuda") and half > 0 else None
+    cpu_half = timed(half)[0][1:] if manager.endswith("cuda") and half > 0 else None
     measure_phases = manager.endswith("cuda") and not graphs.enabled  # replays bypass session.run
     phases = _phase_times(decoder, stream, lambda: search(num_labels)) if measure_phases else {}
     steps = num_labels + 1
@@ -127,7 +129,10 @@ def measure_search(session, reference, manager: str, beam: int, utts: int, *, en
     return {"graphs_captured": captured, "state_manager": manager, "cuda_graphs": graphs.enabled, "beam": beam, "utterances": utts,
             "hypotheses": beam * utts,
             "seconds": wall, "step_ms": 1000 * wall / steps, "host_cpu_ms_per_step": 1000 * cpu / steps,
-            **({"host_cpu_ms_per_extra_step": 1000 * (cpu - cpu_half) / (num_labels - half)} if cpu_half is not None else {}),
+            "host_wait_cpu_ms_per_step": 1000 * wait_cpu / steps,
+            **({"host_cpu_ms_per_extra_step": 1000 * (cpu - cpu_half[0]) / (num_labels - half),
+                "host_work_ms_per_extra_step": 1000 * ((cpu - wait_cpu) - (cpu_half[0] - cpu_half[1]))
+                / (num_labels - half)} if cpu_half is not None else {}),
             "utterances_per_s": utts / wall,
             **{f"{name}_ms_per_step": 1000 * seconds / steps for name, seconds in phases.items()}}
 
@@ -166,7 +171,8 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
-                     cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False) -> dict:
+                     cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
+                     host_wait: str = "block") -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -179,13 +185,23 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``tf32``: the decoder's float32 matrix products on TF32 tensor cores (ONNX Runtime's
     ``use_tf32``; results as ``decode[-graphs]-tf32.json``). Off by default, as in the library: the
     exactness of DESIGN §8 is defined without it.
+
+    ``host_wait``: "block" (the host sleeps in the driver while it waits for the GPU) or "spin"
+    (it polls; results as ``*-spin.json``). Host CPU time is reported with and without the waits
+    (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
     """
-    from gpudecode.backend import require_cupy
+    from gpudecode.backend import HOST_WAITS, require_cupy
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.session.graphs import GraphOptions
     from gpudecode.testing import build_transformer_decoder
 
-    blocking = _blocking_sync()  # before any CUDA work: waiting must not count as host CPU time
+    if not {1, 8} <= set(beams):
+        raise ValueError(f"beams: the ratios need beams 1 and 8, got {list(beams)}")
+    if host_wait not in ("block", "spin"):
+        raise ValueError(f"host_wait: expected 'block' or 'spin', got {host_wait!r}")
+    # before any CUDA work: with "block", waiting must not count as host CPU time
+    blocking = _blocking_sync() if host_wait == "block" else False
+    HOST_WAITS.spin = host_wait == "spin"
     require_cupy()
     dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
     if quick:
@@ -205,6 +221,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                  "utterance_rows": utterance_rows, "tf32": tf32,
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
+                                                 "host_wait": host_wait,
                                                  "timing": "fastest of 3 searches (CPU manager: 1)"},
                "cells": []}
 
@@ -214,6 +231,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     results["cells"].append(measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
     results["cells"].append(measure_search(cuda_session, reference, "transformer-cuda", 8, large_utts, repeats=3,
                                            graphs=graphs, **fixed))
+    HOST_WAITS.spin = False
     cell = {(c["state_manager"], c["beam"], c["utterances"]): c for c in results["cells"]}
     cuda8, cpu8 = cell[("transformer-cuda", 8, num_utts)], cell[("transformer-cpu", 8, num_utts)]
     beam1, large = cell[("transformer-cuda", 1, num_utts)], cell[("transformer-cuda", 8, large_utts)]
@@ -223,9 +241,11 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         "host_cpu_per_step_4096_over_64": large["host_cpu_ms_per_step"] / beam1["host_cpu_ms_per_step"],
         "host_cpu_per_extra_step_4096_over_64": (large["host_cpu_ms_per_extra_step"]
                                                  / beam1["host_cpu_ms_per_extra_step"]),
+        "host_work_per_extra_step_4096_over_64": (large["host_work_ms_per_extra_step"]
+                                                  / beam1["host_work_ms_per_extra_step"]),
     }
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
-            + ("-tf32" if tf32 else ""))
+            + ("-tf32" if tf32 else "") + ("-spin" if host_wait == "spin" else ""))
     return write_results(results, output_dir, name, plot_decode)
 
 
@@ -250,18 +270,21 @@ def plot_decode(results: dict, path) -> str | None:
 
 
 def format_table(results: dict) -> str:
-    lines = ["| state manager | beam | utterances | ms/step | host CPU ms/step | host CPU ms/extra step | utterances/s "
-             "| GPU ms/step: model / merge / split / rest (search, idle) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| state manager | beam | utterances | ms/step | host CPU ms/step | host CPU ms/extra step "
+             "| outside waits | utterances/s | GPU ms/step: model / merge / split / rest (search, idle) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in results["cells"]:
         split = " / ".join(f"{c[f'{p}_ms_per_step']:.2f}" for p in ("model", "merge", "split", "rest")
                            if f"{p}_ms_per_step" in c) or "–"
         extra = f"{c['host_cpu_ms_per_extra_step']:.2f}" if "host_cpu_ms_per_extra_step" in c else "–"
+        work = f"{c['host_work_ms_per_extra_step']:.2f}" if "host_work_ms_per_extra_step" in c else "–"
         lines.append(f"| {c['state_manager']} | {c['beam']} | {c['utterances']} | {c['step_ms']:.2f} | "
-                     f"{c['host_cpu_ms_per_step']:.2f} | {extra} | {c['utterances_per_s']:.1f} | {split} |")
+                     f"{c['host_cpu_ms_per_step']:.2f} | {extra} | {work} | {c['utterances_per_s']:.1f} | {split} |")
     r = results["ratios"]
     lines.append("")
     lines.append(f"CUDA ÷ CPU state manager (beam 8): {r['cuda_over_cpu_manager_beam8']:.3f}; "
                  f"beam 8 ÷ beam 1: {r['beam8_over_beam1']:.3f}; "
                  f"host CPU per step 4,096 ÷ 64 hypotheses: {r['host_cpu_per_step_4096_over_64']:.3f} "
-                 f"(per extra step: {r['host_cpu_per_extra_step_4096_over_64']:.3f})")
+                 f"(per extra step: {r['host_cpu_per_extra_step_4096_over_64']:.3f}; outside waits: "
+                 f"{r['host_work_per_extra_step_4096_over_64']:.3f})")
     return "\n".join(lines)

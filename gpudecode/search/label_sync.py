@@ -26,7 +26,7 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import on_shared_stream, to_host, to_host_all
+from gpudecode.backend import on_shared_stream, to_host, to_host_all, wait_for
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
@@ -152,14 +152,14 @@ class _LaggedStopFlags:
         event, value = self._posted.pop(0)
         if event is None:
             return value
-        event.synchronize()
+        wait_for(event)
         return bool(self._host[value])
 
     def drain(self) -> None:
         """Waits for every posted copy (the pinned bytes outlive no copy in flight)."""
         for event, _ in self._posted:
             if event is not None:
-                event.synchronize()
+                wait_for(event)
         self._posted.clear()
 
 

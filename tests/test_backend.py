@@ -1,0 +1,51 @@
+"""The host's waits for the GPU (backend.wait_for), with stand-ins for CuPy events."""
+
+import pytest
+
+from gpudecode import backend
+
+
+class FakeEvent:
+    """Done after ``polls`` queries of ``done``; counts synchronize() calls."""
+
+    def __init__(self, polls: int):
+        self.polls, self.queries, self.synchronized = polls, 0, 0
+
+    @property
+    def done(self) -> bool:
+        self.queries += 1
+        return self.queries > self.polls
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    fresh = backend.HostWaits()
+    monkeypatch.setattr(backend, "HOST_WAITS", fresh)
+    return fresh
+
+
+def test_blocking_wait_sleeps_in_the_driver(waits):
+    event = FakeEvent(polls=5)
+    backend.wait_for(event)
+    assert (event.synchronized, event.queries) == (1, 0)
+    assert waits.count == 1
+
+
+def test_spinning_wait_polls_until_done(waits):
+    waits.spin = True
+    event = FakeEvent(polls=5)
+    backend.wait_for(event)
+    assert (event.synchronized, event.queries) == (0, 6)
+
+
+def test_waits_are_accounted_and_reset(waits):
+    waits.spin = True
+    for _ in range(3):
+        backend.wait_for(FakeEvent(polls=20_000))
+    assert waits.count == 3
+    assert waits.wall_s > 0 and waits.cpu_s > 0
+    waits.reset()
+    assert (waits.count, waits.cpu_s, waits.wall_s) == (0, 0.0, 0.0)

@@ -176,12 +176,16 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
               help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
 @click.option("--beams", default="1,4,8,16", show_default=True, help="Comma-separated; must include 1 and 8.")
+@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history"]), default="new-step",
+              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, or the past with "
+              "the new step appended (*-full-history.json).")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
-                 cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str) -> None:
+                 cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str, export: str) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
                num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
-               utterance_rows=utterance_rows, tf32=tf32, host_wait=host_wait, beams=_int_list(beams))
+               utterance_rows=utterance_rows, tf32=tf32, host_wait=host_wait, beams=_int_list(beams),
+               export=export)
 
 
 @bench.command("graphs")
@@ -212,12 +216,15 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
                    "batching-calls<N>.json); default: all lanes.")
 @click.option("--utterance-rows", type=click.Choice(["utterance", "lane"]), default="utterance", show_default=True,
               help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
+@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history"]), default="new-step",
+              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, or the past with "
+              "the new step appended (*-full-history.json).")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,
-                   max_batch_size: int | None, utterance_rows: str) -> None:
+                   max_batch_size: int | None, utterance_rows: str, export: str) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""
     _run_bench("batching", "run_batching_bench", num_utts=utterances, max_active=max_active,
                beam=beam, quick=quick, output_dir=output, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,
-               utterance_rows=utterance_rows)
+               utterance_rows=utterance_rows, export=export)
 
 
 @bench.command("ctc")

@@ -151,10 +151,12 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv_layout", ["bhtd", "btd"])
-def test_bucketed_decoder_equals_the_oracle_and_the_unbucketed_run(device, kv_layout):
+@pytest.mark.parametrize("kv_layout, export", [("bhtd", ("full", False)), ("btd", ("full", False)),
+                                               ("bhtd", ("new", True))])
+def test_bucketed_decoder_equals_the_oracle_and_the_unbucketed_run(device, kv_layout, export):
+    """(export: state outputs of the whole history or of the new step alone, DESIGN §5.)"""
     xp = xp_of(device)
-    setup = Setup(5, device=device, kv_layout=kv_layout, num_utts=3, frames=(40, 30, 36))
+    setup = Setup(5, device=device, kv_layout=kv_layout, num_utts=3, frames=(40, 30, 36), export=export)
     graphs = GraphOptions(enabled=True, time_step=2, min_rows=8)  # 12 lanes -> 16 rows; times 1, 2, 4, 6, ...
     scorer = graph_scorer(setup, device, graphs)
     nbest = search([("decoder", scorer, 1.0)], setup.batch(xp=xp), xp)

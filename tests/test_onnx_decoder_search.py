@@ -22,10 +22,12 @@ BOS, EOS = 0, 1
 class Setup:
     """An encoder + attention decoder pair, encoded utterances and the oracle's sequence scores."""
 
-    def __init__(self, seed, *, vocab_size=12, num_utts=3, device="cpu", kv_layout="bhtd", frames=(14, 9, 11, 6)):
+    def __init__(self, seed, *, vocab_size=12, num_utts=3, device="cpu", kv_layout="bhtd", frames=(14, 9, 11, 6),
+                 export=("full", False)):
         self.device = device
         self.encoder = build_encoder(seed, num_decoder_layers=2, num_heads=2)
-        self.decoder = build_transformer_decoder(seed, vocab_size=vocab_size, kv_layout=kv_layout)
+        self.decoder = build_transformer_decoder(seed, vocab_size=vocab_size, kv_layout=kv_layout,
+                                                 state_outputs=export[0], fused_qkv=export[1])
         rng = np.random.default_rng(seed)
         lengths = np.array(frames[:num_utts], np.int32)
         features = rng.standard_normal((num_utts, lengths.max(), 16)).astype(np.float32)
@@ -104,9 +106,11 @@ def test_exhaustive_enumeration_with_a_beam_larger_than_all_candidates():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv_layout", ["bhtd", "btd"])
-def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout):
-    setup = Setup(5, device=device, kv_layout=kv_layout)
+@pytest.mark.parametrize("kv_layout, export", [("bhtd", ("full", False)), ("btd", ("full", False)),
+                                               ("bhtd", ("new", True)), ("btd", ("new", False))])
+def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, export):
+    """(export: the model outputs the whole history or only the new step, DESIGN §5.)"""
+    setup = Setup(5, device=device, kv_layout=kv_layout, export=export)
     scorer = setup.scorer()
     nbest = search([("decoder", scorer, 1.0)], setup.batch(xp=xp_of(device)), xp=xp_of(device), beam_size=4)
     checked = 0

@@ -23,6 +23,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"
 MODES = ["precomputed", "encoder-states", None]
 LAYOUTS = ["bhtd", "btd"]
 DTYPES = [np.float32, np.float16]
+# (state_outputs, fused_qkv): the history concatenated in the model, or the new step alone with
+# the three self-attention projections fused (the bench decoder's export)
+EXPORTS = [("full", False), ("new", True)]
 GARBAGE = 5.0  # scale of the random values written into padded positions
 
 
@@ -153,11 +156,13 @@ def test_encoder_ignores_features_beyond_size(subsampling):
 # -- transformer decoder (RASR convention) ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("state_outputs, fused_qkv", EXPORTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_decoder_step_matches_oracle(mode, kv_layout, dtype):
-    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype)
+def test_decoder_step_matches_oracle(mode, kv_layout, dtype, state_outputs, fused_qkv):
+    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype,
+                                    state_outputs=state_outputs, fused_qkv=fused_qkv)
     for prefix_length, past_time in [([0, 3, 5, 1], 5), ([0, 0], 0)]:
         sizes = [7, 4, 1, 2][: len(prefix_length)]
         feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time,
@@ -168,16 +173,21 @@ def test_decoder_step_matches_oracle(mode, kv_layout, dtype):
         total = np.log(np.exp(got["scores"].astype(np.float64)).sum(-1))
         np.testing.assert_allclose(total, 0, atol=_tolerance(dtype)["atol"])
         for past, present in ref.states.items():  # the full time axis: past, then the new token
+            if state_outputs == "new":  # or the new token alone
+                assert got[present].shape[ref.time_axis] == 1
+                continue
             assert got[present].shape[ref.time_axis] == past_time + 1
             np.testing.assert_array_equal(
                 np.take(got[present], range(past_time), axis=ref.time_axis), feeds[past])
 
 
+@pytest.mark.parametrize("state_outputs, fused_qkv", EXPORTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_decoder_ignores_padding(mode, kv_layout, dtype):
-    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype)
+def test_decoder_ignores_padding(mode, kv_layout, dtype, state_outputs, fused_qkv):
+    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype,
+                                    state_outputs=state_outputs, fused_qkv=fused_qkv)
     args = (ref, mode, [2, 0, 6], 6, [5, 8, 1], 8)
     clean_feeds, noisy_feeds = _decoder_feeds(*args, seed=1), _decoder_feeds(*args, seed=1, garbage=True)
     assert np.abs(noisy_feeds["past-key-0"].astype(np.float32) - clean_feeds["past-key-0"]).max() > 1
@@ -228,18 +238,20 @@ def _step_through(ref: ReferenceModel, mode, sequences, starts, utterance_of, en
         got = dict(zip(ref.output_names, session.run(None, feeds)))
         for row, (n, p) in enumerate(zip(active, positions)):
             scores[n][p] = got["scores"][row, 0]
-            history[n].append({  # the new token state sits at time index T of the presents
-                name: np.take(got[out][row], past_time, axis=ref.time_axis - 1)
+            history[n].append({  # the new token state is the presents' last time index
+                name: np.take(got[out][row], got[out].shape[ref.time_axis] - 1, axis=ref.time_axis - 1)
                 for name, out in ref.states.items()
             })
     return scores
 
 
+@pytest.mark.parametrize("state_outputs, fused_qkv", EXPORTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_decoder_steps_match_sequence_log_probs(mode, kv_layout, dtype):
-    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype)
+def test_decoder_steps_match_sequence_log_probs(mode, kv_layout, dtype, state_outputs, fused_qkv):
+    ref = build_transformer_decoder(cross_attention=mode, kv_layout=kv_layout, dtype=dtype,
+                                    state_outputs=state_outputs, fused_qkv=fused_qkv)
     rng = np.random.default_rng(7)
     sequences = [rng.integers(0, ref.vocab_size, size=n).tolist() for n in (6, 3, 5, 1)]
     starts, utterance_of = [0, 2, 1, 4], [0, 1, 1, 2]

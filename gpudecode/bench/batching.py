@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from gpudecode.bench.common import pyplot, save_figure, write_results
+from gpudecode.bench.common import decoder_export, pyplot, save_figure, write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -83,13 +83,16 @@ def make_lengths(num_utts: int, min_labels: int, max_labels: int, seed: int = 0)
 def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
                        max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
                        quick: bool = False, output_dir=None, cuda_graphs: bool = False,
-                       max_batch_size: int | None = None, utterance_rows: str = "utterance") -> dict:
+                       max_batch_size: int | None = None, utterance_rows: str = "utterance",
+                       export: str = "new-step") -> dict:
     """Runs both modes in one process, each once untimed first (compilation, allocations, every
     CUDA-graph capture; ``quick``: a short warm-up); returns (and writes) the results.
     ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
     as ``batching[...]-lane.json``) per hypothesis.
     ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
-    ``max_batch_size``: lanes per decoder call (the scorer's chunks; default all lanes)."""
+    ``max_batch_size``: lanes per decoder call (the scorer's chunks; default all lanes).
+    ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
+    as ``batching[...]-full-history.json``)."""
     from gpudecode.backend import array_module, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
@@ -105,7 +108,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
     if quick:
         dims = dict(vocab_size=500, model_dim=64, num_layers=2, num_heads=4, ffn_dim=128)
-    reference = build_transformer_decoder(0, max_positions=max_labels + 8, utterance_rows=utterance_rows, **dims)
+    reference = build_transformer_decoder(0, max_positions=max_labels + 8, utterance_rows=utterance_rows, **dims,
+                                          **decoder_export(export))
     session = OnnxSession(reference.serialized(), SessionOptions(device=device, use_tf32=False,
                                                                  cuda_graphs=cuda_graphs))
     if cuda_graphs and not session.cuda_graphs:
@@ -198,7 +202,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     results = {
         "benchmark": "batching",
         "config": {**dims, "device": device, "cuda_graphs": cuda_graphs, "max_batch_size": max_batch_size,
-                   "utterance_rows": utterance_rows,
+                   "utterance_rows": utterance_rows, "decoder_export": export,
                    "utterances": num_utts, "max_active_utterances": max_active,
                    "beam": beam, "output_labels": [min_labels, max_labels], "encoder_length": encoder_length,
                    "order": "longest-first by input length (both runs)",
@@ -208,7 +212,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                    cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
     }
     name = "batching" + ("-graphs" if cuda_graphs else "") + (f"-calls{max_batch_size}" if max_batch_size else "")
-    name += "-lane" if utterance_rows == "lane" else ""
+    name += ("-lane" if utterance_rows == "lane" else "") + ("" if export == "new-step" else f"-{export}")
     return write_results(results, output_dir, name, plot_batching)
 
 

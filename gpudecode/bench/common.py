@@ -60,3 +60,19 @@ def save_figure(plt, fig, path) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)
+
+
+#: How the benchmarks export their transformer decoder (``build_transformer_decoder`` options).
+#: "new-step": the state outputs hold the new step alone (DESIGN §5; no copy of the history inside
+#: the model) and the self-attention's query/key/value are one fused product; "full-history": each
+#: state output is the past with the new step appended (a Concat per state variable and step), and
+#: three separate products. The same function either way.
+DECODER_EXPORTS = {"new-step": dict(state_outputs="new", fused_qkv=True),
+                   "full-history": dict(state_outputs="full", fused_qkv=False)}
+
+
+def decoder_export(name: str) -> dict:
+    """The ``build_transformer_decoder`` options of export ``name`` (a key of DECODER_EXPORTS)."""
+    if name not in DECODER_EXPORTS:
+        raise ValueError(f"decoder_export: expected one of {', '.join(DECODER_EXPORTS)}, got {name!r}")
+    return DECODER_EXPORTS[name]

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from gpudecode.bench.common import pyplot, save_figure, write_results
+from gpudecode.bench.common import decoder_export, pyplot, save_figure, write_results
 
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
@@ -172,7 +172,7 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
-                     host_wait: str = "block") -> dict:
+                     host_wait: str = "block", export: str = "new-step") -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -189,6 +189,9 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``host_wait``: "block" (the host sleeps in the driver while it waits for the GPU) or "spin"
     (it polls; results as ``*-spin.json``). Host CPU time is reported with and without the waits
     (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
+
+    ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
+    as ``*-full-history.json``).
     """
     from gpudecode.backend import HOST_WAITS, require_cupy
     from gpudecode.session import OnnxSession, SessionOptions
@@ -206,7 +209,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
     if quick:
         dims = dict(vocab_size=1000, model_dim=128, num_layers=2, num_heads=4, ffn_dim=256)
-    reference = build_transformer_decoder(0, max_positions=num_labels + 8, utterance_rows=utterance_rows, **dims)
+    reference = build_transformer_decoder(0, max_positions=num_labels + 8, utterance_rows=utterance_rows, **dims,
+                                          **decoder_export(export))
     session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=tf32))
     cuda_session, graphs = session, None
     if cuda_graphs:
@@ -219,6 +223,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     results = {"benchmark": "decode", "config": {**dims, "encoder_length": encoder_length, "num_labels": num_labels,
                                                  "utterances": num_utts, "cross_attention": "precomputed",
                                                  "utterance_rows": utterance_rows, "tf32": tf32,
+                                                 "decoder_export": export,
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
                                                  "host_wait": host_wait,
@@ -245,7 +250,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                   / beam1["host_work_ms_per_extra_step"]),
     }
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
-            + ("-tf32" if tf32 else "") + ("-spin" if host_wait == "spin" else ""))
+            + ("-tf32" if tf32 else "") + ("-spin" if host_wait == "spin" else "")
+            + ("" if export == "new-step" else f"-{export}"))
     return write_results(results, output_dir, name, plot_decode)
 
 

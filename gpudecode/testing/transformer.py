@@ -22,6 +22,7 @@ from gpudecode.testing.reference import Feeds, ReferenceModel
 
 CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
 KV_LAYOUTS = ("bhtd", "btd")
+STATE_OUTPUTS = ("full", "new")
 
 
 def cross_projection_weights(seed: int, num_layers: int, encoder_dim: int, model_dim: int) -> dict:
@@ -178,13 +179,17 @@ def _sequence_oracle(w, cfg: _Config, mode):
 
 
 def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode,
-                  out: str | None = None, grouped: bool = False) -> str:
+                  out: str | None = None, grouped: bool = False, state_outputs: str = "full",
+                  fused_qkv: bool = False) -> str:
     """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
     ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
     present-key, present-value) names. ``grouped``: the per-utterance inputs have G rows and the
     N rows are G groups of N / G consecutive rows (cross-attention as one batched product per
-    utterance).
+    utterance). ``state_outputs``: "full" — present = past with the new step appended (a Concat
+    of the whole history per state variable); "new" — present is the new step alone, and the
+    self-attention takes the past and the new step as two parts (no copy of the history).
+    ``fused_qkv``: one [D, 3D] product for the self-attention's query, key and value.
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     masked = g.const(cfg.masked_logit, dtype)
@@ -217,19 +222,53 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         cross_valid = g.op("Less", g.unsqueeze(positions, [0]), g.unsqueeze(size, [1]))
         cross_valid = g.unsqueeze(cross_valid, [1, 2])  # [N, 1, 1, S]
 
+    def attend_past_and_new(q: str, past_keys_t: str, past_values: str, key: str, value: str, valid: str) -> str:
+        """``attend`` over the T past positions and the new one (q, key, value [N, H, 1, Dh]) without
+        concatenating the history: the logits and the weights are split instead."""
+        q = g.op("Mul", q, scale)
+        logits = g.op("Concat", g.op("MatMul", q, past_keys_t),
+                      g.op("ReduceSum", g.op("Mul", q, key), g.const([-1], np.int64), keepdims=1), axis=-1)
+        weights = g.op("Softmax", g.op("Where", valid, logits, masked), axis=-1)  # [N, H, 1, T+1]
+        last = g.const([-1], np.int64)
+        past_weights = g.op("Slice", weights, g.const([0], np.int64), last, g.const([3], np.int64))
+        new_weight = g.op("Slice", weights, last, g.const([np.iinfo(np.int64).max], np.int64), g.const([3], np.int64))
+        att = g.op("Add", g.op("MatMul", past_weights, past_values), g.op("Mul", new_weight, value))
+        return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+
+    dim = heads * head_dim
     for i, (past_k, past_v, present_k, present_v) in enumerate(states):
         h = g.layer_norm(x, w, f"self_ln_{i}")
-        q = split(g.linear(h, w, f"self_q_{i}"), [0, 2, 1, 3])
-        k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
-        if layout == "bhtd":
-            g.op("Concat", past_k, split(k, [0, 2, 1, 3]), axis=2, out=present_k)
-            g.op("Concat", past_v, split(v, [0, 2, 1, 3]), axis=2, out=present_v)
-            keys_t, values = g.op("Transpose", present_k, perm=[0, 1, 3, 2]), present_v
+        if fused_qkv:
+            qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
+            qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
+            qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
+            q, k, v = g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
+            q = split(q, [0, 2, 1, 3])
         else:
-            g.op("Concat", past_k, k, axis=1, out=present_k)
-            g.op("Concat", past_v, v, axis=1, out=present_v)
-            keys_t, values = split(present_k, [0, 2, 3, 1]), split(present_v, [0, 2, 1, 3])
-        x = g.op("Add", x, g.linear(attend(q, keys_t, values, self_valid), w, f"self_o_{i}"))
+            q = split(g.linear(h, w, f"self_q_{i}"), [0, 2, 1, 3])
+            k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
+        if state_outputs == "new":
+            k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
+            if layout == "bhtd":
+                g.op("Identity", k_heads, out=present_k)
+                g.op("Identity", v_heads, out=present_v)
+                past_keys_t, past_values = g.op("Transpose", past_k, perm=[0, 1, 3, 2]), past_v
+            else:
+                g.op("Identity", k, out=present_k)
+                g.op("Identity", v, out=present_v)
+                past_keys_t, past_values = split(past_k, [0, 2, 3, 1]), split(past_v, [0, 2, 1, 3])
+            att = attend_past_and_new(q, past_keys_t, past_values, k_heads, v_heads, self_valid)
+        else:
+            if layout == "bhtd":
+                g.op("Concat", past_k, split(k, [0, 2, 1, 3]), axis=2, out=present_k)
+                g.op("Concat", past_v, split(v, [0, 2, 1, 3]), axis=2, out=present_v)
+                keys_t, values = g.op("Transpose", present_k, perm=[0, 1, 3, 2]), present_v
+            else:
+                g.op("Concat", past_k, k, axis=1, out=present_k)
+                g.op("Concat", past_v, v, axis=1, out=present_v)
+                keys_t, values = split(present_k, [0, 2, 3, 1]), split(present_v, [0, 2, 1, 3])
+            att = attend(q, keys_t, values, self_valid)
+        x = g.op("Add", x, g.linear(att, w, f"self_o_{i}"))
         if mode is not None:
             h = g.layer_norm(x, w, f"cross_ln_{i}")
             q = split(g.linear(h, w, f"cross_query_{i}"), [0, 2, 1, 3])
@@ -260,6 +299,8 @@ def build_transformer_decoder(
     max_positions: int = 256,
     dtype=np.float32,
     utterance_rows: str = "lane",
+    state_outputs: str = "full",
+    fused_qkv: bool = False,
 ) -> ReferenceModel:
     """Transformer decoder step model, RASR convention (pre-LayerNorm, learned positions).
 
@@ -272,9 +313,14 @@ def build_transformer_decoder(
     per-utterance inputs have G rows, one per utterance, for N = G × beam hypothesis rows, utterance
     g's beam in rows g·beam … (g+1)·beam − 1 (metadata ``PER_UTTERANCE_ROWS``); "lane": N rows.
     Outputs: ``scores`` [N,1,V] log-softmax; ``present-key-{i}``, ``present-value-{i}`` = past
-    with the new token appended on the time axis (T+1 positions).
-    The new token sits at position prefix-length[n].
+    with the new token appended on the time axis (T+1 positions), or with ``state_outputs="new"``
+    the new token's alone (1 position; DESIGN §5 lets a model output either).
+    The new token sits at position prefix-length[n]. ``fused_qkv``: the self-attention's three
+    input projections as one product (as ``torch.nn.MultiheadAttention`` exports them); the same
+    function.
     """
+    if state_outputs not in STATE_OUTPUTS:
+        raise ValueError(f"state_outputs: expected one of {STATE_OUTPUTS}, got {state_outputs!r}")
     if cross_attention not in CROSS_ATTENTION_MODES:
         raise ValueError(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
@@ -296,7 +342,7 @@ def build_transformer_decoder(
         state_shape = ["batch", num_heads, "time", cfg.head_dim]
     else:
         state_shape = ["batch", "time", model_dim]
-    present_shape = [d if d != "time" else "present-time" for d in state_shape]
+    present_shape = [d if d != "time" else ("present-time" if state_outputs == "full" else 1) for d in state_shape]
     time_axis = state_shape.index("time")
 
     g = GraphBuilder()
@@ -315,7 +361,8 @@ def build_transformer_decoder(
         (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")
         for i in range(num_layers)
     ]
-    logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped)
+    logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped,
+                           state_outputs=state_outputs, fused_qkv=fused_qkv)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
 
     inputs = [
@@ -369,8 +416,10 @@ def build_transformer_decoder(
         logits, new = _forward(w32, cfg, x, past, self_valid, cross, cross_valid)
         result = {"scores": log_softmax(logits).astype(dtype)}
         for (past_k, past_v, present_k, present_v), (k, v) in zip(names, new):
-            result[present_k] = np.concatenate([feeds[past_k], from_bhtd(k)], time_axis)
-            result[present_v] = np.concatenate([feeds[past_v], from_bhtd(v)], time_axis)
+            for past, present, new_step in ((past_k, present_k, k), (past_v, present_v, v)):
+                result[present] = from_bhtd(new_step)
+                if state_outputs == "full":
+                    result[present] = np.concatenate([feeds[past], result[present]], time_axis)
         return result
 
     return ReferenceModel(

@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 from gpudecode.bench.common import decoder_export, pyplot, save_figure, write_results
-
 from gpudecode.scorers import LabelScorer, UtteranceBatch
 
 BOS, EOS = 0, 1
@@ -70,71 +69,111 @@ def _utterances(cupy, reference, num_utts: int, encoder_length: int, seed: int) 
                           inputs=inputs)
 
 
+class SearchCell:
+    """One cell of the bench: ``utts`` utterances at ``beam`` with state manager ``manager``.
+
+    A warm-up search of the same batch runs at construction (3 labels; with ``graphs``, all labels
+    so every bucket is captured), so compilation, captures and first allocations stay out of the
+    timing. Each :meth:`round` times one search of ``num_labels`` and one half as long (whose host
+    CPU is subtracted: per-search work such as admission and the n-best lists cancels out);
+    :meth:`result` reports the fastest round. Rounds of several cells can be interleaved
+    (:func:`measure_interleaved`), so a slow spell of the host hits every cell alike.
+    """
+
+    def __init__(self, session, reference, manager: str, beam: int, utts: int, *, encoder_length: int,
+                 num_labels: int, graphs=None):
+        from gpudecode.backend import require_cupy, shared_stream
+        from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
+        from gpudecode.session.graphs import GraphOptions
+        from gpudecode.states.options import StateManagerOptions
+
+        cupy = require_cupy()
+        self.stream = shared_stream(0)
+        self.manager, self.beam, self.utts, self.num_labels = manager, beam, utts, num_labels
+        self.reference = reference
+        self.batch = _utterances(cupy, reference, utts, encoder_length, seed=1)
+        self.graphs = graphs or GraphOptions()
+        self.decoder = OnnxDecoderScorer(model=session, vocab_size=reference.vocab_size, start_labels=[BOS],
+                                         state_manager=StateManagerOptions(type=manager, slots_per_chunk=65536),
+                                         graphs=self.graphs)
+        self.rounds: list[tuple[float, float, float, float, float]] = []  # wall, cpu, wait cpu; half: cpu, wait
+        self.nbest = self.search(num_labels if self.graphs.enabled else 3)
+
+    def search(self, labels: int):
+        from gpudecode.backend import require_cupy
+        from gpudecode.search import LabelSyncOptions, label_sync_search
+
+        vocab_size = self.reference.vocab_size
+        scorers = [("decoder", self.decoder, 1.0),
+                   ("length", FixedLengthScorer(vocab_size=vocab_size, num_labels=labels), 1.0)]
+        options = LabelSyncOptions(beam_size=self.beam, sentence_end=EOS, max_labels_per_input=1.0,
+                                   max_labels=labels + 1)
+        return label_sync_search(scorers, self.batch, options, xp=require_cupy())
+
+    def _timed(self, labels: int) -> tuple[float, float, float]:
+        """(wall, thread CPU, thread CPU inside the waits) seconds of one search."""
+        from gpudecode.backend import HOST_WAITS
+
+        self.stream.synchronize()
+        HOST_WAITS.reset()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self.nbest = self.search(labels)
+        self.stream.synchronize()
+        return time.perf_counter() - wall, time.thread_time() - cpu, HOST_WAITS.cpu_s
+
+    def round(self) -> None:
+        wall, cpu, wait = self._timed(self.num_labels)
+        assert all(len(n[0].labels) == self.num_labels for n in self.nbest), "the fixed output length was not kept"
+        half = self._timed(self.num_labels // 2)[1:] if self._extra_step else (0.0, 0.0)
+        self.rounds.append((wall, cpu, wait, *half))
+
+    @property
+    def _extra_step(self) -> bool:
+        return self.manager.endswith("cuda") and self.num_labels // 2 > 0
+
+    def result(self) -> dict:
+        """The fastest round's figures (and, plain CUDA runs, GPU time per phase of one more run)."""
+        wall, cpu, wait_cpu, cpu_half, wait_half = min(self.rounds)
+        num_labels, half = self.num_labels, self.num_labels // 2
+        steps = num_labels + 1
+        measure_phases = self.manager.endswith("cuda") and not self.graphs.enabled  # replays bypass session.run
+        phases = _phase_times(self.decoder, self.stream, lambda: self.search(num_labels)) if measure_phases else {}
+        extra = {}
+        if self._extra_step:
+            extra = {"host_cpu_ms_per_extra_step": 1000 * (cpu - cpu_half) / (num_labels - half),
+                     "host_work_ms_per_extra_step": 1000 * ((cpu - wait_cpu) - (cpu_half - wait_half))
+                     / (num_labels - half)}
+        return {"graphs_captured": self.decoder.captured_graphs, "state_manager": self.manager,
+                "cuda_graphs": self.graphs.enabled, "beam": self.beam, "utterances": self.utts,
+                "hypotheses": self.beam * self.utts, "rounds": len(self.rounds),
+                "seconds": wall, "step_ms": 1000 * wall / steps, "host_cpu_ms_per_step": 1000 * cpu / steps,
+                "host_wait_cpu_ms_per_step": 1000 * wait_cpu / steps, **extra,
+                "utterances_per_s": self.utts / wall,
+                **{f"{name}_ms_per_step": 1000 * seconds / steps for name, seconds in phases.items()}}
+
+    def close(self) -> None:
+        from gpudecode.backend import require_cupy
+
+        self.decoder.close()
+        require_cupy().get_default_memory_pool().free_all_blocks()
+
+
+def measure_interleaved(cells: list[SearchCell], rounds: int) -> list[dict]:
+    """``rounds`` rounds of every cell, one cell after the other in each round; each cell's fastest."""
+    for _ in range(rounds):
+        for cell in cells:
+            cell.round()
+    results = [cell.result() for cell in cells]
+    for cell in cells:
+        cell.close()
+    return results
+
+
 def measure_search(session, reference, manager: str, beam: int, utts: int, *, encoder_length: int,
                    num_labels: int, repeats: int = 1, graphs=None) -> dict:
-    """The fastest of ``repeats`` timed searches of ``utts`` utterances at ``beam`` with ``manager``.
-
-    A warm-up search of the same batch runs first (3 labels; with ``graphs``, all labels so
-    every bucket is captured), so compilation, captures and first allocations stay out of the
-    timing.
-    """
-    from gpudecode.session.graphs import GraphOptions
-
-    from gpudecode.backend import HOST_WAITS, require_cupy, shared_stream
-    from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
-    from gpudecode.search import LabelSyncOptions, label_sync_search
-    from gpudecode.states.options import StateManagerOptions
-
-    cupy, stream = require_cupy(), shared_stream(0)
-    vocab_size = reference.vocab_size
-    batch = _utterances(cupy, reference, utts, encoder_length, seed=1)
-    graphs = graphs or GraphOptions()
-    decoder = OnnxDecoderScorer(model=session, vocab_size=vocab_size, start_labels=[BOS],
-                                state_manager=StateManagerOptions(type=manager, slots_per_chunk=65536),
-                                graphs=graphs)
-
-    def search(labels: int):
-        scorers = [("decoder", decoder, 1.0),
-                   ("length", FixedLengthScorer(vocab_size=vocab_size, num_labels=labels), 1.0)]
-        options = LabelSyncOptions(beam_size=beam, sentence_end=EOS, max_labels_per_input=1.0, max_labels=labels + 1)
-        return label_sync_search(scorers, batch, options, xp=cupy)
-
-    search(num_labels if graphs.enabled else 3)
-
-    def timed(labels: int):
-        """(wall, thread CPU, thread CPU waiting) seconds of the fastest of ``repeats`` searches,
-        and its n-best."""
-        timings, nbest = [], None
-        for _ in range(repeats):
-            stream.synchronize()
-            HOST_WAITS.reset()
-            wall, cpu = time.perf_counter(), time.thread_time()
-            nbest = search(labels)
-            stream.synchronize()
-            timings.append((time.perf_counter() - wall, time.thread_time() - cpu, HOST_WAITS.cpu_s))
-        return min(timings), nbest
-
-    (wall, cpu, wait_cpu), nbest = timed(num_labels)
-    # host CPU of one more step: a search half as long, so per-search work (admission, n-best
-    # lists) cancels out
-    half = num_labels // 2
-    cpu_half = timed(half)[0][1:] if manager.endswith("cuda") and half > 0 else None
-    measure_phases = manager.endswith("cuda") and not graphs.enabled  # replays bypass session.run
-    phases = _phase_times(decoder, stream, lambda: search(num_labels)) if measure_phases else {}
-    steps = num_labels + 1
-    assert all(len(n[0].labels) == num_labels for n in nbest), "the fixed output length was not kept"
-    captured = decoder.captured_graphs
-    decoder.close()
-    cupy.get_default_memory_pool().free_all_blocks()
-    return {"graphs_captured": captured, "state_manager": manager, "cuda_graphs": graphs.enabled, "beam": beam, "utterances": utts,
-            "hypotheses": beam * utts,
-            "seconds": wall, "step_ms": 1000 * wall / steps, "host_cpu_ms_per_step": 1000 * cpu / steps,
-            "host_wait_cpu_ms_per_step": 1000 * wait_cpu / steps,
-            **({"host_cpu_ms_per_extra_step": 1000 * (cpu - cpu_half[0]) / (num_labels - half),
-                "host_work_ms_per_extra_step": 1000 * ((cpu - wait_cpu) - (cpu_half[0] - cpu_half[1]))
-                / (num_labels - half)} if cpu_half is not None else {}),
-            "utterances_per_s": utts / wall,
-            **{f"{name}_ms_per_step": 1000 * seconds / steps for name, seconds in phases.items()}}
+    """The fastest of ``repeats`` timed searches of one cell (see :class:`SearchCell`)."""
+    return measure_interleaved([SearchCell(session, reference, manager, beam, utts, encoder_length=encoder_length,
+                                           num_labels=num_labels, graphs=graphs)], repeats)[0]
 
 
 def _phase_times(decoder, stream, run) -> dict[str, float]:
@@ -172,7 +211,7 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
-                     host_wait: str = "block", export: str = "new-step") -> dict:
+                     host_wait: str = "block", export: str = "new-step", rounds: int = 5) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -189,6 +228,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``host_wait``: "block" (the host sleeps in the driver while it waits for the GPU) or "spin"
     (it polls; results as ``*-spin.json``). Host CPU time is reported with and without the waits
     (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
+
+    ``rounds``: timed rounds of each CUDA-manager cell, interleaved (each cell's fastest counts).
 
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
     as ``*-full-history.json``).
@@ -227,15 +268,14 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
                                                  "host_wait": host_wait,
-                                                 "timing": "fastest of 3 searches (CPU manager: 1)"},
+                                                 "timing": f"fastest of {rounds} interleaved rounds (CPU manager: 1)"},
                "cells": []}
 
-    for beam in beams:
-        results["cells"].append(measure_search(cuda_session, reference, "transformer-cuda", beam, num_utts,
-                                               repeats=3, graphs=graphs, **fixed))
-    results["cells"].append(measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
-    results["cells"].append(measure_search(cuda_session, reference, "transformer-cuda", 8, large_utts, repeats=3,
-                                           graphs=graphs, **fixed))
+    # the CUDA-manager cells in interleaved rounds (a slow spell of the host hits all alike)
+    cuda_cells = [SearchCell(cuda_session, reference, "transformer-cuda", beam, utts, graphs=graphs, **fixed)
+                  for beam, utts in [*((b, num_utts) for b in beams), (8, large_utts)]]
+    results["cells"] = measure_interleaved(cuda_cells, rounds)
+    results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
     HOST_WAITS.spin = False
     cell = {(c["state_manager"], c["beam"], c["utterances"]): c for c in results["cells"]}
     cuda8, cpu8 = cell[("transformer-cuda", 8, num_utts)], cell[("transformer-cpu", 8, num_utts)]

@@ -106,22 +106,33 @@ def to_host_all(*arrays) -> tuple[np.ndarray, ...]:
 
 
 @dataclasses.dataclass
-class HostWaits:
-    """How the host waits for the GPU, and what its waits cost (a benchmark's accounting).
+class HostClock:
+    """Thread CPU and wall seconds of some host work, summed since the last :meth:`reset`, with
+    ``count`` the units it was spent on (a benchmark's accounting)."""
 
-    ``spin``: poll the event or stream until its work is done instead of sleeping in the driver.
-    A sleeping host thread wakes up slower (its core may have left its caches and clock speed);
-    a spinning one keeps a core busy. ``cpu_s`` / ``wall_s``: thread CPU and wall seconds spent
-    inside :func:`wait_for` since the last :meth:`reset`."""
-
-    spin: bool = False
     cpu_s: float = 0.0
     wall_s: float = 0.0
     count: int = 0
 
+    def add(self, cpu_s: float, wall_s: float, count: int = 1) -> None:
+        self.cpu_s += cpu_s
+        self.wall_s += wall_s
+        self.count += count
+
     def reset(self) -> None:
         self.cpu_s = self.wall_s = 0.0
         self.count = 0
+
+
+@dataclasses.dataclass
+class HostWaits(HostClock):
+    """How the host waits for the GPU, and what its waits cost (``count``: waits).
+
+    ``spin``: poll the event or stream until its work is done instead of sleeping in the driver.
+    A sleeping host thread wakes up slower (its core may have left its caches and clock speed);
+    a spinning one keeps a core busy."""
+
+    spin: bool = False
 
 
 #: The process's waiting mode and accounting (every wait of the searches goes through wait_for).
@@ -137,9 +148,7 @@ def wait_for(work) -> None:
             pass
     else:
         work.synchronize()
-    waits.cpu_s += time.thread_time() - cpu
-    waits.wall_s += time.perf_counter() - wall
-    waits.count += 1
+    waits.add(time.thread_time() - cpu, time.perf_counter() - wall)
 
 
 def to_device(array, device_id: int = 0):

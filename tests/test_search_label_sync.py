@@ -384,6 +384,21 @@ def test_stops_when_all_hypotheses_ended():
     assert result[0][0].labels == [] and result[0][0].length == 1
 
 
+def test_step_loop_clock_counts_the_steps_of_each_search(monkeypatch):
+    clock = label_sync.HostClock()
+    monkeypatch.setattr(label_sync, "STEP_LOOP", clock)
+    vocab, eos = 5, 0
+    tables = random_tables(seed=2, num_utts=1, vocab_size=vocab, eos=eos, eos_bias=40.0)
+    for searches in (1, 2):
+        events: list[str] = []
+        run([("t", TrigramTableScorer(vocab, events=events), 1.0)], batch({"table": tables}, [50]),
+            LabelSyncOptions(beam_size=2, sentence_end=eos, max_labels_per_input=1.0))
+        assert clock.count == 2 * searches == searches * events.count("score")
+    assert clock.cpu_s > 0 and clock.wall_s > 0
+    clock.reset()
+    assert (clock.count, clock.cpu_s) == (0, 0.0)
+
+
 # --- tie-break on exact ties ---------------------------------------------------------------------
 @pytest.mark.parametrize("eos, expected", [(3, [[0, 0], [0, 1]]), (0, [[], [1]])])
 def test_exact_ties_go_to_lower_lane_then_lower_label(eos, expected):

@@ -96,7 +96,8 @@ class SearchCell:
         self.decoder = OnnxDecoderScorer(model=session, vocab_size=reference.vocab_size, start_labels=[BOS],
                                          state_manager=StateManagerOptions(type=manager, slots_per_chunk=65536),
                                          graphs=self.graphs)
-        self.rounds: list[tuple[float, float, float, float, float]] = []  # wall, cpu, wait cpu; half: cpu, wait
+        # wall, cpu, wait cpu; the half search's cpu, wait cpu; step-loop cpu per step
+        self.rounds: list[tuple[float, float, float, float, float, float]] = []
         self.nbest = self.search(num_labels if self.graphs.enabled else 3)
 
     def search(self, labels: int):
@@ -110,22 +111,26 @@ class SearchCell:
                                    max_labels=labels + 1)
         return label_sync_search(scorers, self.batch, options, xp=require_cupy())
 
-    def _timed(self, labels: int) -> tuple[float, float, float]:
-        """(wall, thread CPU, thread CPU inside the waits) seconds of one search."""
+    def _timed(self, labels: int) -> tuple[float, float, float, float]:
+        """(wall, thread CPU, thread CPU inside the waits, thread CPU per step of the step loop)
+        seconds of one search."""
         from gpudecode.backend import HOST_WAITS
+        from gpudecode.search.label_sync import STEP_LOOP
 
         self.stream.synchronize()
         HOST_WAITS.reset()
+        STEP_LOOP.reset()
         wall, cpu = time.perf_counter(), time.thread_time()
         self.nbest = self.search(labels)
         self.stream.synchronize()
-        return time.perf_counter() - wall, time.thread_time() - cpu, HOST_WAITS.cpu_s
+        loop_cpu_per_step = STEP_LOOP.cpu_s / max(STEP_LOOP.count, 1)
+        return time.perf_counter() - wall, time.thread_time() - cpu, HOST_WAITS.cpu_s, loop_cpu_per_step
 
     def round(self) -> None:
-        wall, cpu, wait = self._timed(self.num_labels)
+        wall, cpu, wait, loop = self._timed(self.num_labels)
         assert all(len(n[0].labels) == self.num_labels for n in self.nbest), "the fixed output length was not kept"
-        half = self._timed(self.num_labels // 2)[1:] if self._extra_step else (0.0, 0.0)
-        self.rounds.append((wall, cpu, wait, *half))
+        half = self._timed(self.num_labels // 2)[1:3] if self._extra_step else (0.0, 0.0)
+        self.rounds.append((wall, cpu, wait, *half, loop))
 
     @property
     def _extra_step(self) -> bool:
@@ -133,7 +138,8 @@ class SearchCell:
 
     def result(self) -> dict:
         """The fastest round's figures (and, plain CUDA runs, GPU time per phase of one more run)."""
-        wall, cpu, wait_cpu, cpu_half, wait_half = min(self.rounds)
+        wall, cpu, wait_cpu, cpu_half, wait_half, _ = min(self.rounds)
+        step_loop_cpu = min(r[5] for r in self.rounds)
         num_labels, half = self.num_labels, self.num_labels // 2
         steps = num_labels + 1
         measure_phases = self.manager.endswith("cuda") and not self.graphs.enabled  # replays bypass session.run
@@ -148,6 +154,7 @@ class SearchCell:
                 "hypotheses": self.beam * self.utts, "rounds": len(self.rounds),
                 "seconds": wall, "step_ms": 1000 * wall / steps, "host_cpu_ms_per_step": 1000 * cpu / steps,
                 "host_wait_cpu_ms_per_step": 1000 * wait_cpu / steps, **extra,
+                "host_cpu_ms_per_loop_step": 1000 * step_loop_cpu,
                 "utterances_per_s": self.utts / wall,
                 **{f"{name}_ms_per_step": 1000 * seconds / steps for name, seconds in phases.items()}}
 
@@ -288,6 +295,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                  / beam1["host_cpu_ms_per_extra_step"]),
         "host_work_per_extra_step_4096_over_64": (large["host_work_ms_per_extra_step"]
                                                   / beam1["host_work_ms_per_extra_step"]),
+        "host_cpu_per_loop_step_4096_over_64": (large["host_cpu_ms_per_loop_step"]
+                                                / beam1["host_cpu_ms_per_loop_step"]),
     }
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
             + ("-tf32" if tf32 else "") + ("-spin" if host_wait == "spin" else "")
@@ -317,20 +326,22 @@ def plot_decode(results: dict, path) -> str | None:
 
 def format_table(results: dict) -> str:
     lines = ["| state manager | beam | utterances | ms/step | host CPU ms/step | host CPU ms/extra step "
-             "| outside waits | utterances/s | GPU ms/step: model / merge / split / rest (search, idle) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| outside waits | step loop | utterances/s | GPU ms/step: model / merge / split / rest (search, idle) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in results["cells"]:
         split = " / ".join(f"{c[f'{p}_ms_per_step']:.2f}" for p in ("model", "merge", "split", "rest")
                            if f"{p}_ms_per_step" in c) or "–"
         extra = f"{c['host_cpu_ms_per_extra_step']:.2f}" if "host_cpu_ms_per_extra_step" in c else "–"
         work = f"{c['host_work_ms_per_extra_step']:.2f}" if "host_work_ms_per_extra_step" in c else "–"
         lines.append(f"| {c['state_manager']} | {c['beam']} | {c['utterances']} | {c['step_ms']:.2f} | "
-                     f"{c['host_cpu_ms_per_step']:.2f} | {extra} | {work} | {c['utterances_per_s']:.1f} | {split} |")
+                     f"{c['host_cpu_ms_per_step']:.2f} | {extra} | {work} | {c['host_cpu_ms_per_loop_step']:.2f} | "
+                     f"{c['utterances_per_s']:.1f} | {split} |")
     r = results["ratios"]
     lines.append("")
     lines.append(f"CUDA ÷ CPU state manager (beam 8): {r['cuda_over_cpu_manager_beam8']:.3f}; "
                  f"beam 8 ÷ beam 1: {r['beam8_over_beam1']:.3f}; "
                  f"host CPU per step 4,096 ÷ 64 hypotheses: {r['host_cpu_per_step_4096_over_64']:.3f} "
                  f"(per extra step: {r['host_cpu_per_extra_step_4096_over_64']:.3f}; outside waits: "
-                 f"{r['host_work_per_extra_step_4096_over_64']:.3f})")
+                 f"{r['host_work_per_extra_step_4096_over_64']:.3f}; step loop alone: "
+                 f"{r['host_cpu_per_loop_step_4096_over_64']:.3f})")
     return "\n".join(lines)

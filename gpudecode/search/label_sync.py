@@ -19,6 +19,7 @@ stop test). The label sequences are traced back once at the end.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,7 +27,7 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import on_shared_stream, to_host, to_host_all, wait_for
+from gpudecode.backend import HostClock, on_shared_stream, to_host, to_host_all, wait_for
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import coerce_ints, option_error
@@ -107,6 +108,10 @@ def _all_ended(ended) -> bool:
     (flag,) = _to_host(ended.all())
     return bool(flag)
 
+
+#: Host time of the step loops of :func:`label_sync_search` without continuous batching (``count``:
+#: steps), apart from admission before and the n-best lists after (a benchmark's accounting).
+STEP_LOOP = HostClock()
 
 #: Read the stop test one step late (None: on CuPy only). The host then queues step k + 1 before
 #: it waits for step k's flag, so the GPU never drains between steps; the price is one more step
@@ -263,6 +268,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
     max_steps = int(limits.max())
     lagged = LAGGED_STOP_TEST if LAGGED_STOP_TEST is not None else xp is not np
     flags = _LaggedStopFlags(xp) if lagged else None
+    cpu, wall = time.thread_time(), time.perf_counter()
     for step in range(1, max_steps + 1):
         beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options,
                                                   at_limit=lane_limit <= step)
@@ -278,6 +284,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
             break  # every lane had ended before this step, which only carried them
     if flags is not None:
         flags.drain()
+    STEP_LOOP.add(time.thread_time() - cpu, time.perf_counter() - wall, len(steps))
     return beam, steps
 
 

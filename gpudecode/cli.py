@@ -176,19 +176,22 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
               help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
 @click.option("--beams", default="1,4,8,16", show_default=True, help="Comma-separated; must include 1 and 8.")
+@click.option("--control-delay-ms", type=float, default=0.0, show_default=True,
+              help="Add a control cell: beam 1 with this GPU delay per step, so the host waits as at 4,096 "
+                   "hypotheses (0: none).")
 @click.option("--rounds", type=int, default=5, show_default=True,
               help="Timed rounds per CUDA-manager cell, interleaved across the cells; each cell's fastest counts.")
 @click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history"]), default="new-step",
               show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, or the past with "
               "the new step appended (*-full-history.json).")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
-                 cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str, rounds: int,
-                 export: str) -> None:
+                 cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str,
+                 control_delay_ms: float, rounds: int, export: str) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
                num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
                utterance_rows=utterance_rows, tf32=tf32, host_wait=host_wait, beams=_int_list(beams),
-               rounds=rounds, export=export)
+               rounds=rounds, export=export, control_delay_ms=control_delay_ms)
 
 
 @bench.command("graphs")

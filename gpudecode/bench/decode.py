@@ -21,14 +21,23 @@ BOS, EOS = 0, 1
 
 
 class FixedLengthScorer(LabelScorer):
-    """Forbids sentence-end before ``num_labels`` labels and forces it afterwards."""
+    """Forbids sentence-end before ``num_labels`` labels and forces it afterwards.
 
-    def __init__(self, *, vocab_size: int, num_labels: int):
+    ``gpu_delay_ns``: each step also queues a GPU delay of that many nanoseconds (a control: the
+    step becomes GPU-bound, so the host waits as long as it does for a large batch)."""
+
+    def __init__(self, *, vocab_size: int, num_labels: int, gpu_delay_ns: int = 0):
         self.vocab_size, self.num_labels = vocab_size, num_labels
+        self.gpu_delay_ns = gpu_delay_ns
+        self._delay = None
 
     def begin(self, layout):
         super().begin(layout)
         xp = layout.xp
+        if self.gpu_delay_ns:
+            from gpudecode.kernels import load_module
+
+            self._delay = load_module("bench_delay", (), xp.cuda.Device().id).get_function("gpu_delay")
         self._forbid = xp.zeros((layout.num_lanes, self.vocab_size), np.float32)
         self._forbid[:, EOS] = -1e9
         self._force = xp.full((layout.num_lanes, self.vocab_size), -1e9, np.float32)
@@ -38,6 +47,8 @@ class FixedLengthScorer(LabelScorer):
         return 0
 
     def score(self, ctx):
+        if self._delay is not None:  # on the current stream: the search's shared one
+            self._delay((1,), (1,), (np.uint64(self.gpu_delay_ns),))
         return self._force if ctx >= self.num_labels else self._forbid
 
     def extend(self, ctx, parents, labels):
@@ -81,7 +92,7 @@ class SearchCell:
     """
 
     def __init__(self, session, reference, manager: str, beam: int, utts: int, *, encoder_length: int,
-                 num_labels: int, graphs=None):
+                 num_labels: int, graphs=None, gpu_delay_ms: float = 0.0):
         from gpudecode.backend import require_cupy, shared_stream
         from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
         from gpudecode.session.graphs import GraphOptions
@@ -90,7 +101,7 @@ class SearchCell:
         cupy = require_cupy()
         self.stream = shared_stream(0)
         self.manager, self.beam, self.utts, self.num_labels = manager, beam, utts, num_labels
-        self.reference = reference
+        self.reference, self.gpu_delay_ns = reference, int(gpu_delay_ms * 1e6)
         self.batch = _utterances(cupy, reference, utts, encoder_length, seed=1)
         self.graphs = graphs or GraphOptions()
         self.decoder = OnnxDecoderScorer(model=session, vocab_size=reference.vocab_size, start_labels=[BOS],
@@ -106,7 +117,8 @@ class SearchCell:
 
         vocab_size = self.reference.vocab_size
         scorers = [("decoder", self.decoder, 1.0),
-                   ("length", FixedLengthScorer(vocab_size=vocab_size, num_labels=labels), 1.0)]
+                   ("length", FixedLengthScorer(vocab_size=vocab_size, num_labels=labels,
+                                                gpu_delay_ns=self.gpu_delay_ns), 1.0)]
         options = LabelSyncOptions(beam_size=self.beam, sentence_end=EOS, max_labels_per_input=1.0,
                                    max_labels=labels + 1)
         return label_sync_search(scorers, self.batch, options, xp=require_cupy())
@@ -150,6 +162,7 @@ class SearchCell:
                      "host_work_ms_per_extra_step": 1000 * ((cpu - wait_cpu) - (cpu_half - wait_half))
                      / (num_labels - half)}
         return {"graphs_captured": self.decoder.captured_graphs, "state_manager": self.manager,
+                "gpu_delay_ms": self.gpu_delay_ns / 1e6,
                 "cuda_graphs": self.graphs.enabled, "beam": self.beam, "utterances": self.utts,
                 "hypotheses": self.beam * self.utts, "rounds": len(self.rounds),
                 "seconds": wall, "step_ms": 1000 * wall / steps, "host_cpu_ms_per_step": 1000 * cpu / steps,
@@ -218,7 +231,8 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
-                     host_wait: str = "block", export: str = "new-step", rounds: int = 5) -> dict:
+                     host_wait: str = "block", export: str = "new-step", rounds: int = 5,
+                     control_delay_ms: float = 0.0) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -237,6 +251,11 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
 
     ``rounds``: timed rounds of each CUDA-manager cell, interleaved (each cell's fastest counts).
+
+    ``control_delay_ms`` > 0: one more cell, beam 1 × ``num_utts`` with a GPU delay of that many
+    ms queued in every step, so the host waits about as long per step as at 4,096 hypotheses; the
+    ratio ``host_cpu_per_loop_step_4096_over_64_gpu_bound`` compares host CPU per step at equal
+    waiting (what grows with the hypotheses, apart from what waiting does to the host).
 
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
     as ``*-full-history.json``).
@@ -281,9 +300,16 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     # the CUDA-manager cells in interleaved rounds (a slow spell of the host hits all alike)
     cuda_cells = [SearchCell(cuda_session, reference, "transformer-cuda", beam, utts, graphs=graphs, **fixed)
                   for beam, utts in [*((b, num_utts) for b in beams), (8, large_utts)]]
-    results["cells"] = measure_interleaved(cuda_cells, rounds)
+    if control_delay_ms > 0:
+        cuda_cells.append(SearchCell(cuda_session, reference, "transformer-cuda", 1, num_utts, graphs=graphs,
+                                     gpu_delay_ms=control_delay_ms, **fixed))
+    measured = measure_interleaved(cuda_cells, rounds)
+    control = measured.pop() if control_delay_ms > 0 else None
+    results["cells"] = measured
     results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
     HOST_WAITS.spin = False
+    if control is not None:
+        results["control_cell"] = control
     cell = {(c["state_manager"], c["beam"], c["utterances"]): c for c in results["cells"]}
     cuda8, cpu8 = cell[("transformer-cuda", 8, num_utts)], cell[("transformer-cpu", 8, num_utts)]
     beam1, large = cell[("transformer-cuda", 1, num_utts)], cell[("transformer-cuda", 8, large_utts)]
@@ -298,6 +324,9 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         "host_cpu_per_loop_step_4096_over_64": (large["host_cpu_ms_per_loop_step"]
                                                 / beam1["host_cpu_ms_per_loop_step"]),
     }
+    if control is not None:
+        results["ratios"]["host_cpu_per_loop_step_4096_over_64_gpu_bound"] = (
+            large["host_cpu_ms_per_loop_step"] / control["host_cpu_ms_per_loop_step"])
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
             + ("-tf32" if tf32 else "") + ("-spin" if host_wait == "spin" else "")
             + ("" if export == "new-step" else f"-{export}"))
@@ -344,4 +373,9 @@ def format_table(results: dict) -> str:
                  f"(per extra step: {r['host_cpu_per_extra_step_4096_over_64']:.3f}; outside waits: "
                  f"{r['host_work_per_extra_step_4096_over_64']:.3f}; step loop alone: "
                  f"{r['host_cpu_per_loop_step_4096_over_64']:.3f})")
+    if "control_cell" in results:
+        c = results["control_cell"]
+        lines.append(f"Control: beam 1 × {c['utterances']} with a {c['gpu_delay_ms']:.1f} ms GPU delay per step: "
+                     f"{c['step_ms']:.2f} ms/step, step loop {c['host_cpu_ms_per_loop_step']:.2f} ms host CPU; "
+                     f"4,096 ÷ 64 at equal waiting: {r['host_cpu_per_loop_step_4096_over_64_gpu_bound']:.3f}")
     return "\n".join(lines)

@@ -27,9 +27,20 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import HostClock, on_shared_stream, to_host, to_host_all, wait_for
+from gpudecode.backend import (
+    HostClock,
+    on_shared_stream,
+    to_host,
+    to_host_all,
+    wait_for,
+)
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
-from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
+from gpudecode.scorers.combine import (
+    ScorerEntry,
+    check_scorers,
+    checked_scores,
+    combine_scores,
+)
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
 from gpudecode.search.topk import top_k_indices

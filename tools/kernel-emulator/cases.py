@@ -28,6 +28,7 @@ from gpudecode.kernels import kernel_source
 from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
 from gpudecode.search import ctc_frame
+from tests.test_ctc_frame import PREFILTER_CASES
 
 TOL = 1e-4
 SMALL_LENGTHS = np.array([14, 9, 1, 12, 0])
@@ -111,14 +112,7 @@ EXTRA = [  # not in the brief: the other kernel paths and list lengths
     ("huge", dict(beam_size=17), 4),                         # V = 12,000, full scan: row read from global memory
 ]
 TIES = [  # (options, inputs): the kernel with the prefilter must equal the kernel without it bit for bit
-    *[(case, ("test",)) for case in [
-        dict(beam_size=1),
-        dict(beam_size=3),
-        dict(beam_size=4, score_threshold=2.0),
-        dict(beam_size=4, hash_modulus=5),
-        dict(beam_size=2, blank_skip_threshold_logp=-0.05),
-        dict(beam_size=4, blank=3),
-    ]],
+    *[(case, ("test",)) for case in PREFILTER_CASES],
     # more tie inputs (in the numpy reference most of these give another n-best without the fallback)
     *[(dict(beam_size=beam, blank=blank), ("gen", seed, levels, spacing, 12))
       for beam in (2, 3, 4) for blank in (0, 3) for seed in (0, 1) for levels, spacing in ((2, 1e-7), (3, 2e-7))],

@@ -198,10 +198,13 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     def split(t: str, perm) -> str:
         return g.op("Transpose", g.reshape(t, [0, 0, heads, head_dim]), perm=perm)
 
+    def merged_heads(att: str) -> str:
+        """[N, H, T, Dh] -> [N, T, H·Dh]."""
+        return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+
     def attend(q: str, keys_t: str, values: str, valid: str) -> str:
         logits = g.op("Where", valid, g.op("MatMul", g.op("Mul", q, scale), keys_t), masked)
-        att = g.op("MatMul", g.op("Softmax", logits, axis=-1), values)
-        return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+        return merged_heads(g.op("MatMul", g.op("Softmax", logits, axis=-1), values))
 
     def attend_grouped(q: str, keys_t: str, values: str, valid: str) -> str:
         """q [N, H, 1, Dh] as [G, H, N/G, Dh] against one utterance's keys [G, H, Dh, S]."""
@@ -232,8 +235,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         last = g.const([-1], np.int64)
         past_weights = g.op("Slice", weights, g.const([0], np.int64), last, g.const([3], np.int64))
         new_weight = g.op("Slice", weights, last, g.const([np.iinfo(np.int64).max], np.int64), g.const([3], np.int64))
-        att = g.op("Add", g.op("MatMul", past_weights, past_values), g.op("Mul", new_weight, value))
-        return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+        return merged_heads(g.op("Add", g.op("MatMul", past_weights, past_values), g.op("Mul", new_weight, value)))
 
     dim = heads * head_dim
     for i, (past_k, past_v, present_k, present_v) in enumerate(states):

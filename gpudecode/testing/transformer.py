@@ -251,13 +251,11 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
         if state_outputs == "new":
             k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
+            g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
+            g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
             if layout == "bhtd":
-                g.op("Identity", k_heads, out=present_k)
-                g.op("Identity", v_heads, out=present_v)
                 past_keys_t, past_values = g.op("Transpose", past_k, perm=[0, 1, 3, 2]), past_v
             else:
-                g.op("Identity", k, out=present_k)
-                g.op("Identity", v, out=present_v)
                 past_keys_t, past_values = split(past_k, [0, 2, 3, 1]), split(past_v, [0, 2, 1, 3])
             att = attend_past_and_new(q, past_keys_t, past_values, k_heads, v_heads, self_valid)
         else:

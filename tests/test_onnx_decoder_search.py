@@ -27,7 +27,8 @@ class Setup:
         self.device = device
         self.encoder = build_encoder(seed, num_decoder_layers=2, num_heads=2)
         self.decoder = build_transformer_decoder(seed, vocab_size=vocab_size, kv_layout=kv_layout,
-                                                 state_outputs=export[0], fused_qkv=export[1])
+                                                 state_outputs=export[0], fused_qkv=export[1],
+                                                 attention=export[2] if len(export) > 2 else "dense")
         rng = np.random.default_rng(seed)
         lengths = np.array(frames[:num_utts], np.int32)
         features = rng.standard_normal((num_utts, lengths.max(), 16)).astype(np.float32)
@@ -123,6 +124,35 @@ def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, ex
             checked += 1
     assert checked == 12
     assert scorer.states.statistics().live_slots == 0  # released after the run
+
+
+@pytest.mark.parametrize("max_history, keep_first", [(None, False), (2, False), (3, True)])
+def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_history, keep_first):
+    """A decoder whose attention reads each row's own history length (ONNX Attention opset 24,
+    metadata HISTORY_ALIGNMENT=left): the CPU manager merges histories left-aligned, and the
+    n-best equals the right-aligned decoder's and the oracle's (CUDA merge: not yet)."""
+    frames = (14, 9, 11, 6, 12)
+    ragged = Setup(5, num_utts=5, frames=frames, export=("new", True, "ragged"))
+    dense = Setup(5, num_utts=5, frames=frames, export=("new", True))
+    options = {} if max_history is None else {"max_history": max_history, "always_include_first_token_state": keep_first}
+    scorer = ragged.scorer(**options)
+    assert scorer.states.options.history_alignment == "left"
+
+    def continuous(setup, decoder):  # 2 utterances in flight: each call mixes history lengths
+        options = LabelSyncOptions(beam_size=4, sentence_end=EOS, max_labels_per_input=1.0)
+        return label_sync_search([("decoder", decoder, 1.0)], setup.batch(), options, max_active_utterances=2)
+
+    got = continuous(ragged, scorer)
+    expected = continuous(dense, dense.scorer(**options))
+    for a, b in zip(expected, got):
+        assert [h.labels for h in a] == [h.labels for h in b]
+        np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=1e-4)
+    if max_history is None:
+        for u, hyps in enumerate(got):
+            for hyp in hyps:
+                assert hyp.score == pytest.approx(ragged.oracle_score(ragged.decoder, u, hyp.labels, terminated(hyp)),
+                                                  abs=1e-4)
+    assert scorer.states.statistics().live_slots == 0
 
 
 def test_beam_one_equals_greedy_decoding_with_the_oracle():

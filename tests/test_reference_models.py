@@ -55,10 +55,13 @@ def _padded(valid: np.ndarray, rng, garbage: bool) -> np.ndarray:
     return np.where(valid, values, filler if garbage else 0.0)
 
 
-def _past_states(ref: ReferenceModel, prefix_length, past_time: int, rng, garbage=False) -> dict:
-    """Right-aligned past states: row n is valid in its last prefix_length[n] time positions."""
+def _past_states(ref: ReferenceModel, prefix_length, past_time: int, rng, garbage=False, left=False) -> dict:
+    """Right-aligned past states: row n is valid in its last prefix_length[n] time positions
+    (``left``: in its first)."""
     first_valid = past_time - np.asarray(prefix_length)[:, None]
     valid_time = np.arange(past_time)[None, :] >= first_valid  # [N, T]
+    if left:
+        valid_time = np.arange(past_time)[None, :] < np.asarray(prefix_length)[:, None]
     num = len(prefix_length)
     feeds = {}
     for name in ref.states:
@@ -99,11 +102,11 @@ def _step_feeds(tokens, prefix_length) -> dict:
     }
 
 
-def _decoder_feeds(ref, mode, prefix_length, past_time, sizes, num_s, seed, garbage=False) -> dict:
+def _decoder_feeds(ref, mode, prefix_length, past_time, sizes, num_s, seed, garbage=False, left=False) -> dict:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, ref.vocab_size, size=len(prefix_length))
     feeds = _step_feeds(tokens, prefix_length)
-    feeds.update(_past_states(ref, prefix_length, past_time, rng, garbage))
+    feeds.update(_past_states(ref, prefix_length, past_time, rng, garbage, left))
     feeds.update(_utterance_inputs(ref, mode, sizes, num_s, rng, garbage))
     return feeds
 
@@ -179,6 +182,22 @@ def test_decoder_step_matches_oracle(mode, kv_layout, dtype, state_outputs, fuse
             assert got[present].shape[ref.time_axis] == past_time + 1
             np.testing.assert_array_equal(
                 np.take(got[present], range(past_time), axis=ref.time_axis), feeds[past])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode):
+    """ONNX Attention (opset 24) over each row's first prefix-length + 1 positions: padding after
+    them (garbage here) is never read, and the new step's own slot is written by the model."""
+    ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention="ragged")
+    assert onnx.load_from_string(ref.serialized()).metadata_props[-1].value == "left"
+    for prefix_length, past_time in [([0, 3, 5, 1], 5), ([0, 0], 0), ([2, 2], 6)]:
+        sizes = [7, 4, 1, 2][: len(prefix_length)]
+        feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True,
+                               left=True)
+        got = _run(ref, feeds)
+        _assert_outputs_close(got, ref.oracle(feeds), np.float32)
+        clean = _run(ref, _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, left=True))
+        np.testing.assert_allclose(got["scores"], clean["scores"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("state_outputs, fused_qkv", EXPORTS)

@@ -122,7 +122,8 @@ class OnnxDecoderScorer(LabelScorer):
         self.max_batch_size = max_batch_size
         self.io_map = dict(io_map or {})
         self.states = create_state_manager(
-            state_manager, self.spec.state_variables, execution_provider=self.session.provider
+            replace(state_manager, history_alignment=self.spec.history_alignment), self.spec.state_variables,
+            execution_provider=self.session.provider,
         )
         self._label_dtype = self.session.tensors.input(self.spec.hypothesis_inputs[
             "token" if self.spec.convention == "rasr" else "input_ids"]).dtype

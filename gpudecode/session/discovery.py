@@ -19,6 +19,7 @@ STATE_PREFIX = "STATE_"
 UTTERANCE_PREFIX = "UTTERANCE_"
 #: Metadata key: the per-utterance inputs have one row per ``lane`` (default) or per ``utterance``.
 UTTERANCE_ROWS_KEY = "PER_UTTERANCE_ROWS"
+HISTORY_ALIGNMENT_KEY = "HISTORY_ALIGNMENT"  # "right" (RASR, the default) or "left"
 UTTERANCE_ROWS = ("lane", "utterance")
 
 # (input regex, output template): the Hugging Face / Optimum decoder-with-past names.
@@ -74,6 +75,9 @@ class ModelSpec:
     #: "utterance": one row per utterance, and the N hypothesis rows are that many equal groups
     #: of consecutive rows (the model attends each group to its utterance's row).
     utterance_rows: str = "lane"
+    #: "right": each row's history ends at the last time position (RASR); "left": it starts at the
+    #: first, and the model reads only prefix-length positions (metadata HISTORY_ALIGNMENT).
+    history_alignment: str = "right"
 
     @property
     def vocab_size(self) -> int | None:
@@ -288,9 +292,16 @@ def discover_step_model(
             tensors,
             f"metadata {UTTERANCE_ROWS_KEY}={utterance_rows!r}: expected one of {', '.join(UTTERANCE_ROWS)}",
         )
+    history_alignment = tensors.metadata.get(HISTORY_ALIGNMENT_KEY, "right")
+    if history_alignment not in ("right", "left"):
+        raise _fail(tensors, f"metadata {HISTORY_ALIGNMENT_KEY}={history_alignment!r}: expected 'right' or 'left'")
+    if history_alignment == "left" and convention != "rasr":
+        raise _fail(tensors, f"metadata {HISTORY_ALIGNMENT_KEY}=left needs the RASR convention (prefix-length), "
+                             f"not {convention!r}, whose attention mask is built right-aligned")
     spec = ModelSpec(
         source=tensors.source,
         utterance_rows=utterance_rows,
+        history_alignment=history_alignment,
         convention=convention,
         tensors=tensors,
         hypothesis_inputs=hypothesis_inputs,

@@ -141,7 +141,11 @@ class CudaStateCopy:
         keep_first: bool,
         outputs,
         prefix_lengths,
+        left_aligned: bool = False,
     ) -> None:
+        if left_aligned:
+            raise NotImplementedError("history_alignment 'left': the CUDA merge kernel writes right-aligned "
+                                      "histories only (use transformer-cpu for left-aligned models)")
         pool = self.pool
         grid = self._grid("merge", out_rows * time_size, min_blocks=min(-(-out_rows // THREADS_PER_BLOCK),
                                                                          self._full_grid["merge"]))

@@ -80,8 +80,9 @@ def kept_lengths(lengths, width: int, max_history: int):
     return xp.minimum(clipped, max_history).astype(np.int32)
 
 
-def window_table(histories: StateHistory, time_size: int, max_history: int, keep_first: bool):
-    """``[N, time_size]`` slot ids of each row's window, right-aligned, -1 on the left padding.
+def window_table(histories: StateHistory, time_size: int, max_history: int, keep_first: bool, left: bool = False):
+    """``[N, time_size]`` slot ids of each row's window, right-aligned, -1 on the left padding
+    (``left``: left-aligned, -1 on the right).
 
     ``max_history`` must already be effective (see :func:`effective_max_history`).
     Returns ``(slots, kept)`` with ``kept [N]`` the number of valid entries per row.
@@ -92,12 +93,12 @@ def window_table(histories: StateHistory, time_size: int, max_history: int, keep
     length = xp.clip(lengths, 0, width).astype(np.int32)
     kept = xp.minimum(length, max_history).astype(np.int32)
     t = xp.arange(time_size, dtype=np.int32)[None, :]
-    pad = (time_size - kept)[:, None]
+    pad = xp.zeros_like(kept)[:, None] if left else (time_size - kept)[:, None]
     j = t - pad
     position = length[:, None] - kept[:, None] + j
     if keep_first:
         position = xp.where(j == 0, 0, position)
-    valid = j >= 0
+    valid = (j >= 0) & (j < kept[:, None])
     if width == 0:
         return xp.full((num_rows, time_size), NO_SLOT, dtype=np.int32), kept
     gathered = xp.take_along_axis(table, xp.clip(position, 0, width - 1), axis=1)

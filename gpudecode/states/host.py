@@ -52,11 +52,13 @@ class HostStateCopy:
         keep_first: bool,
         outputs: Sequence[np.ndarray],
         prefix_lengths: np.ndarray | None,
+        left_aligned: bool = False,
     ) -> None:
         """Writes every variable's batched input into ``outputs`` (shaped ``tensor_shape(out_rows,
-        time_size)``) and the kept lengths into ``prefix_lengths`` (``[out_rows]``)."""
+        time_size)``) and the kept lengths into ``prefix_lengths`` (``[out_rows]``); ``left_aligned``:
+        each row's history first, zeros after it."""
         num_rows = histories.num_rows
-        slots, kept = window_table(histories, time_size, max_history, keep_first)
+        slots, kept = window_table(histories, time_size, max_history, keep_first, left=left_aligned)
         if prefix_lengths is not None:
             prefix_lengths[:num_rows] = kept
             prefix_lengths[num_rows:] = 0

@@ -206,6 +206,7 @@ class StateManager:
             keep_first=self._keep_first,
             outputs=outputs,
             prefix_lengths=prefix_lengths,
+            left_aligned=self.options.history_alignment == "left",
         )
         inputs = {layout.name: array for layout, array in zip(self.layouts, outputs)}
         return MergedStates(inputs=inputs, prefix_lengths=prefix_lengths, time_size=time_size)

@@ -51,6 +51,9 @@ class StateManagerOptions:
       clipped to ``state_compression_bits`` = 8 or 16 bit integers, ``state_compression_scale``
       required). Ignored with one logged warning by GPU managers.
     - ``device_id``: CUDA device of the GPU managers.
+    - ``history_alignment``: ``right`` (RASR: padding on the left) or ``left`` (each row's history
+      first, for models whose attention reads only each row's own length); set from the model's
+      ``HISTORY_ALIGNMENT`` metadata by the scorers. Transformer CPU managers only, for now.
     """
 
     type: str = DEFAULT_TYPE
@@ -62,8 +65,12 @@ class StateManagerOptions:
     state_compression_bits: int = 8
     state_compression_scale: float | None = None
     device_id: int = 0
+    history_alignment: str = "right"
 
     def __post_init__(self) -> None:
+        if self.history_alignment not in ("right", "left"):
+            raise StateManagerConfigError(
+                f"state_manager.history_alignment: expected 'right' or 'left', got {self.history_alignment!r}")
         if self.type not in STATE_MANAGER_TYPES:
             raise StateManagerConfigError(
                 f"state_manager.type: unknown type {self.type!r}; valid: {', '.join(STATE_MANAGER_TYPES)}"

@@ -102,6 +102,7 @@ class GraphBuilder:
         outputs: Sequence[tuple[str, np.dtype, Sequence[Dim]]],
         name: str,
         metadata: dict[str, str] | None = None,
+        opset: int = OPSET,
     ) -> onnx.ModelProto:
         graph = helper.make_graph(
             self.nodes,
@@ -112,8 +113,8 @@ class GraphBuilder:
         )
         model = helper.make_model(
             graph,
-            opset_imports=[helper.make_opsetid("", OPSET)],
-            ir_version=IR_VERSION,
+            opset_imports=[helper.make_opsetid("", opset)],
+            ir_version=IR_VERSION if opset == OPSET else helper.find_min_ir_version_for([helper.make_opsetid("", opset)]),
             producer_name="gpudecode.testing",
         )
         if metadata:

@@ -9,6 +9,7 @@ import onnx
 from onnx import helper
 
 from gpudecode.testing._graph import (
+    OPSET,
     GraphBuilder,
     cast_all,
     layer_norm,
@@ -23,6 +24,8 @@ from gpudecode.testing.reference import Feeds, ReferenceModel
 CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
 KV_LAYOUTS = ("bhtd", "btd")
 STATE_OUTPUTS = ("full", "new")
+HISTORY_ALIGNMENT_KEY = "HISTORY_ALIGNMENT"  # metadata: "left" = each row's history first
+ATTENTIONS = ("dense", "ragged")
 
 
 def cross_projection_weights(seed: int, num_layers: int, encoder_dim: int, model_dim: int) -> dict:
@@ -180,7 +183,7 @@ def _sequence_oracle(w, cfg: _Config, mode):
 
 def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode,
                   out: str | None = None, grouped: bool = False, state_outputs: str = "full",
-                  fused_qkv: bool = False) -> str:
+                  fused_qkv: bool = False, ragged: tuple[str, str] | None = None) -> str:
     """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
     ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
@@ -190,6 +193,10 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     of the whole history per state variable); "new" — present is the new step alone, and the
     self-attention takes the past and the new step as two parts (no copy of the history).
     ``fused_qkv``: one [D, 3D] product for the self-attention's query, key and value.
+    ``ragged`` = (write index [N] int64, valid length [N] int64): the past is left-aligned (each
+    row's history first, then padding that is never read); the new step is written into its row's
+    slot at the write index (``TensorScatter``) and ONNX ``Attention`` (opset 24) attends over the
+    first valid-length positions of each row (``nonpad_kv_seqlen``). Needs state_outputs "new".
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     masked = g.const(cfg.masked_logit, dtype)
@@ -249,7 +256,16 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         else:
             q = split(g.linear(h, w, f"self_q_{i}"), [0, 2, 1, 3])
             k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
-        if state_outputs == "new":
+        if ragged is not None:
+            write_index, valid_length = ragged
+            k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
+            g.op("Identity", k_heads, out=present_k)
+            g.op("Identity", v_heads, out=present_v)
+            caches = [g.op("TensorScatter", g.op("Concat", past, new, axis=2), new, write_index, axis=2)
+                      for past, new in ((past_k, k_heads), (past_v, v_heads))]
+            att = g.op("Attention", q, *caches, "", "", "", valid_length)  # [N, H, 1, Dh]
+            att = g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+        elif state_outputs == "new":
             k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
             g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
             g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
@@ -301,6 +317,7 @@ def build_transformer_decoder(
     utterance_rows: str = "lane",
     state_outputs: str = "full",
     fused_qkv: bool = False,
+    attention: str = "dense",
 ) -> ReferenceModel:
     """Transformer decoder step model, RASR convention (pre-LayerNorm, learned positions).
 
@@ -321,6 +338,11 @@ def build_transformer_decoder(
     """
     if state_outputs not in STATE_OUTPUTS:
         raise ValueError(f"state_outputs: expected one of {STATE_OUTPUTS}, got {state_outputs!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
+    ragged = attention == "ragged"
+    if ragged and (state_outputs != "new" or kv_layout != "bhtd"):
+        raise ValueError("attention='ragged' needs state_outputs='new' and kv_layout='bhtd'")
     if cross_attention not in CROSS_ATTENTION_MODES:
         raise ValueError(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
@@ -361,8 +383,12 @@ def build_transformer_decoder(
         (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")
         for i in range(num_layers)
     ]
+    ragged_inputs = None
+    if ragged:  # the new step's slot and each row's valid length (history + new step)
+        write_index = g.op("Cast", "prefix-length", to=onnx_type(np.int64))
+        ragged_inputs = (write_index, g.op("Add", write_index, g.const([1], np.int64)))
     logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped,
-                           state_outputs=state_outputs, fused_qkv=fused_qkv)
+                           state_outputs=state_outputs, fused_qkv=fused_qkv, ragged=ragged_inputs)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
 
     inputs = [
@@ -391,7 +417,10 @@ def build_transformer_decoder(
         inputs = [(n, t, ["utterances", *shape[1:]]) if n.startswith(("cross-", "encoder-")) else (n, t, shape)
                   for n, t, shape in inputs]
         metadata["PER_UTTERANCE_ROWS"] = "utterance"
-    model = g.build(inputs, outputs, name="reference-transformer-decoder", metadata=metadata)
+    if ragged:
+        metadata[HISTORY_ALIGNMENT_KEY] = "left"
+    model = g.build(inputs, outputs, name="reference-transformer-decoder", metadata=metadata,
+                    opset=24 if ragged else OPSET)
 
     w32 = cast_all(w, np.float32)
 
@@ -407,7 +436,11 @@ def build_transformer_decoder(
         x = (w32["tok_emb"][token] + w32["pos_emb"][prefix])[:, None]
         past = [(to_bhtd(feeds[k]), to_bhtd(feeds[v])) for k, v, _, _ in names]
         num_t = past[0][0].shape[2]
-        self_valid = (np.arange(num_t + 1)[None, :] >= (num_t - prefix)[:, None])[:, None]
+        t = np.arange(num_t + 1)[None, :]
+        if ragged:  # left-aligned: the history first; the new step is appended last here
+            self_valid = ((t < prefix[:, None]) | (t == num_t))[:, None]
+        else:
+            self_valid = (t >= (num_t - prefix)[:, None])[:, None]
         if grouped:  # each utterance's row for each of its N / G hypothesis rows
             beam = token.shape[0] // feeds["encoder-states-size"].shape[0]
             feeds = {k: np.repeat(v, beam, axis=0) if k.startswith(("cross-", "encoder-")) else v

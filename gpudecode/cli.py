@@ -181,9 +181,10 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
                    "hypotheses (0: none).")
 @click.option("--rounds", type=int, default=5, show_default=True,
               help="Timed rounds per CUDA-manager cell, interleaved across the cells; each cell's fastest counts.")
-@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history"]), default="new-step",
-              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, or the past with "
-              "the new step appended (*-full-history.json).")
+@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged"]), default="new-step",
+              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, the past with "
+              "the new step appended (*-full-history.json), or new-step with attention over each row's own "
+              "history (*-ragged.json).")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
                  cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str,
                  control_delay_ms: float, rounds: int, export: str) -> None:
@@ -222,9 +223,10 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
                    "batching-calls<N>.json); default: all lanes.")
 @click.option("--utterance-rows", type=click.Choice(["utterance", "lane"]), default="utterance", show_default=True,
               help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
-@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history"]), default="new-step",
-              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, or the past with "
-              "the new step appended (*-full-history.json).")
+@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged"]), default="new-step",
+              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, the past with "
+              "the new step appended (*-full-history.json), or new-step with attention over each row's own "
+              "history (*-ragged.json).")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,
                    max_batch_size: int | None, utterance_rows: str, export: str) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""

@@ -28,7 +28,9 @@
 // Merge semantics (RASR): histories are [num_rows, history_width] int32 slot tables with lengths;
 // kept = min(length, max_history); the kept token states are right-aligned in time (zero padding
 // on the left), and with keep_first the first token state sits in position 0 followed by the last
-// kept - 1 ones.  Rows >= num_rows of a larger output buffer are all zero.  prefix_lengths[b] =
+// kept - 1 ones.  With left_aligned the kept token states come first instead (zero padding on the
+// right), for models that read only each row's prefix_lengths[b] positions.  Rows >= num_rows of
+// a larger output buffer are all zero.  prefix_lengths[b] =
 // kept (0 for padding rows).  Slot ids < 0 or >= capacity read as zero states.
 //
 // Split semantics: new token p of row b is read at time index src_time - num_new + p and written to
@@ -572,7 +574,7 @@ merge_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
              int capacity, StatePointers outputs,
              const int* __restrict__ history, int history_width, const int* __restrict__ lengths,
-             int num_rows, int out_rows, int out_time, int max_history, int keep_first,
+             int num_rows, int out_rows, int out_time, int max_history, int keep_first, int left_aligned,
              int* __restrict__ prefix_lengths, int num_variables) {
     const int lane = threadIdx.x & 31;
     if (prefix_lengths != nullptr) {
@@ -614,8 +616,8 @@ merge_states(const long long* __restrict__ geometry,
                 if (b < num_rows) {
                     const int length = min(max(lengths[b], 0), history_width);
                     const int kept = min(length, max_history);
-                    const int pad = out_time - kept;
-                    if (t >= pad) {
+                    const int pad = left_aligned ? 0 : out_time - kept;
+                    if (t >= pad && t - pad < kept) {
                         const int j = t - pad;
                         const int position = (keep_first && j == 0) ? 0 : length - kept + j;
                         const int slot = history[(long long)b * history_width + position];

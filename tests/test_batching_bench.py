@@ -2,13 +2,16 @@
 lengths, and the history-token counts agree with what the searches do."""
 
 import numpy as np
+import pytest
 
 from gpudecode.bench.batching import format_table, make_lengths, run_batching_bench
 
 
-def test_batching_bench_counts_steps_and_history_tokens():
+@pytest.mark.parametrize("export", ["new-step", "ragged"])
+def test_batching_bench_counts_steps_and_history_tokens(export):
     results = run_batching_bench(num_utts=12, max_active=4, beam=2, min_labels=2, max_labels=12, device="cpu",
-                                 quick=True)
+                                 quick=True, export=export)
+    assert results["config"]["decoder_export"] == export
     static, continuous = results["cells"]["static"], results["cells"]["continuous"]
     assert continuous["steps"] < static["steps"]  # refilled lanes: fewer steps for the same labels
     _, targets = make_lengths(12, 2, 12)

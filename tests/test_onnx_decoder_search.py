@@ -126,13 +126,14 @@ def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, ex
     assert scorer.states.statistics().live_slots == 0  # released after the run
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_history, keep_first", [(None, False), (2, False), (3, True)])
-def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_history, keep_first):
+def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_history, keep_first, device):
     """A decoder whose attention reads each row's own history length (ONNX Attention opset 24,
-    metadata HISTORY_ALIGNMENT=left): the CPU manager merges histories left-aligned, and the
-    n-best equals the right-aligned decoder's and the oracle's (CUDA merge: not yet)."""
+    metadata HISTORY_ALIGNMENT=left): the manager merges histories left-aligned, and the n-best
+    under continuous batching equals the right-aligned decoder's (on the CPU) and the oracle's."""
     frames = (14, 9, 11, 6, 12)
-    ragged = Setup(5, num_utts=5, frames=frames, export=("new", True, "ragged"))
+    ragged = Setup(5, num_utts=5, frames=frames, export=("new", True, "ragged"), device=device)
     dense = Setup(5, num_utts=5, frames=frames, export=("new", True))
     options = {} if max_history is None else {"max_history": max_history, "always_include_first_token_state": keep_first}
     scorer = ragged.scorer(**options)
@@ -140,7 +141,9 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
 
     def continuous(setup, decoder):  # 2 utterances in flight: each call mixes history lengths
         options = LabelSyncOptions(beam_size=4, sentence_end=EOS, max_labels_per_input=1.0)
-        return label_sync_search([("decoder", decoder, 1.0)], setup.batch(), options, max_active_utterances=2)
+        xp = xp_of(setup.device)
+        return label_sync_search([("decoder", decoder, 1.0)], setup.batch(xp=xp), options, xp=xp,
+                                 max_active_utterances=2)
 
     got = continuous(ragged, scorer)
     expected = continuous(dense, dense.scorer(**options))

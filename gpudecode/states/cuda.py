@@ -143,9 +143,6 @@ class CudaStateCopy:
         prefix_lengths,
         left_aligned: bool = False,
     ) -> None:
-        if left_aligned:
-            raise NotImplementedError("history_alignment 'left': the CUDA merge kernel writes right-aligned "
-                                      "histories only (use transformer-cpu for left-aligned models)")
         pool = self.pool
         grid = self._grid("merge", out_rows * time_size, min_blocks=min(-(-out_rows // THREADS_PER_BLOCK),
                                                                          self._full_grid["merge"]))
@@ -157,7 +154,7 @@ class CudaStateCopy:
                     np.int32(pool.capacity), self._pointer_struct(outputs),
                     histories.table, np.int32(histories.width), histories.lengths,
                     np.int32(histories.num_rows), np.int32(out_rows), np.int32(time_size),
-                    np.int32(max_history), np.int32(bool(keep_first)), prefix_lengths,
+                    np.int32(max_history), np.int32(bool(keep_first)), np.int32(bool(left_aligned)), prefix_lengths,
                     np.int32(len(self.layouts)),
                 ),
             )

@@ -53,7 +53,7 @@ class StateManagerOptions:
     - ``device_id``: CUDA device of the GPU managers.
     - ``history_alignment``: ``right`` (RASR: padding on the left) or ``left`` (each row's history
       first, for models whose attention reads only each row's own length); set from the model's
-      ``HISTORY_ALIGNMENT`` metadata by the scorers. Transformer CPU managers only, for now.
+      ``HISTORY_ALIGNMENT`` metadata by the scorers.
     """
 
     type: str = DEFAULT_TYPE

@@ -152,7 +152,7 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_layout, export", [("bhtd", ("full", False)), ("btd", ("full", False)),
-                                               ("bhtd", ("new", True))])
+                                               ("bhtd", ("new", True)), ("bhtd", ("new", True, "ragged"))])
 def test_bucketed_decoder_equals_the_oracle_and_the_unbucketed_run(device, kv_layout, export):
     """(export: state outputs of the whole history or of the new step alone, DESIGN §5.)"""
     xp = xp_of(device)

@@ -80,6 +80,10 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 axis = "none (one state per hypothesis)" if v.time_axis is None else str(v.time_axis)
                 rows.append((f"{v.input_name} -> {v.output_name}", f"{info.describe()}  batch axis {v.batch_axis}  time axis {axis}"))
             lines += _table(rows)
+            if any(v.time_axis is not None for v in spec.state_variables):
+                lines.append("history alignment: " + ("left (each row's history first; the model reads prefix-length "
+                                                      "positions)" if spec.history_alignment == "left"
+                                                      else "right (RASR: padding first)"))
             rows_of = "one row per utterance" if spec.utterance_rows == "utterance" else "one row per hypothesis"
             lines.append(f"per-utterance inputs ({len(spec.utterance_inputs)}"
                          + (f", {rows_of}" if spec.utterance_inputs else "") + "):")

@@ -80,3 +80,10 @@ def test_inspect_says_how_the_per_utterance_inputs_are_laid_out(tmp_path, uttera
     path = build_transformer_decoder(seed=1, utterance_rows=utterance_rows).save(tmp_path / "decoder.onnx")
     out = CliRunner().invoke(main, ["inspect", str(path)]).output
     assert f"per-utterance inputs (5, {said}):" in out, out
+
+
+@pytest.mark.parametrize("attention, said", [("dense", "history alignment: right"), ("ragged", "history alignment: left")])
+def test_inspect_says_how_histories_are_aligned(tmp_path, attention, said):
+    path = build_transformer_decoder(seed=1, state_outputs="new", attention=attention).save(tmp_path / "decoder.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(path)]).output
+    assert said in out, out

@@ -170,6 +170,13 @@ class StatePool:
         self._refresh_bound()
         if self._live_bound + num_slots <= self.capacity:
             return
+        if self._snapshot is not None:  # the last sweep's counters are on their way: wait for them
+            from gpudecode.backend import wait_for  # (one step back), not for all the work queued since
+
+            wait_for(self._snapshot[0])
+            self._refresh_bound()
+            if self._live_bound + num_slots <= self.capacity:
+                return
         live = self.live_slots()
         missing = live + num_slots - self.capacity
         if missing > 0:

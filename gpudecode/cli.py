@@ -227,12 +227,14 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
               show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, the past with "
               "the new step appended (*-full-history.json), or new-step with attention over each row's own "
               "history (*-ragged.json).")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+              help="The decoder's float type (*-float16.json).")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,
-                   max_batch_size: int | None, utterance_rows: str, export: str) -> None:
+                   max_batch_size: int | None, utterance_rows: str, export: str, dtype: str) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""
     _run_bench("batching", "run_batching_bench", num_utts=utterances, max_active=max_active,
                beam=beam, quick=quick, output_dir=output, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,
-               utterance_rows=utterance_rows, export=export)
+               utterance_rows=utterance_rows, export=export, dtype=dtype)
 
 
 @bench.command("ctc")

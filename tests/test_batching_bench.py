@@ -7,11 +7,11 @@ import pytest
 from gpudecode.bench.batching import format_table, make_lengths, run_batching_bench
 
 
-@pytest.mark.parametrize("export", ["new-step", "ragged"])
-def test_batching_bench_counts_steps_and_history_tokens(export):
+@pytest.mark.parametrize("export, dtype", [("new-step", "float32"), ("ragged", "float32"), ("ragged", "float16")])
+def test_batching_bench_counts_steps_and_history_tokens(export, dtype):
     results = run_batching_bench(num_utts=12, max_active=4, beam=2, min_labels=2, max_labels=12, device="cpu",
-                                 quick=True, export=export)
-    assert results["config"]["decoder_export"] == export
+                                 quick=True, export=export, dtype=dtype)
+    assert (results["config"]["decoder_export"], results["config"]["dtype"]) == (export, dtype)
     static, continuous = results["cells"]["static"], results["cells"]["continuous"]
     assert continuous["steps"] < static["steps"]  # refilled lanes: fewer steps for the same labels
     _, targets = make_lengths(12, 2, 12)

@@ -84,7 +84,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                        max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
                        quick: bool = False, output_dir=None, cuda_graphs: bool = False,
                        max_batch_size: int | None = None, utterance_rows: str = "utterance",
-                       export: str = "new-step") -> dict:
+                       export: str = "new-step", dtype: str = "float32") -> dict:
     """Runs both modes in one process, each once untimed first (compilation, allocations, every
     CUDA-graph capture; ``quick``: a short warm-up); returns (and writes) the results.
     ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
@@ -92,7 +92,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
     ``max_batch_size``: lanes per decoder call (the scorer's chunks; default all lanes).
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
-    as ``batching[...]-full-history.json``)."""
+    as ``batching[...]-full-history.json``). ``dtype``: the decoder's float type (``float16``:
+    results as ``batching[...]-float16.json``)."""
     from gpudecode.backend import array_module, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
@@ -109,7 +110,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     if quick:
         dims = dict(vocab_size=500, model_dim=64, num_layers=2, num_heads=4, ffn_dim=128)
     reference = build_transformer_decoder(0, max_positions=max_labels + 8, utterance_rows=utterance_rows, **dims,
-                                          **decoder_export(export))
+                                          dtype=np.dtype(dtype), **decoder_export(export))
     session = OnnxSession(reference.serialized(), SessionOptions(device=device, use_tf32=False,
                                                                  cuda_graphs=cuda_graphs))
     if cuda_graphs and not session.cuda_graphs:
@@ -117,7 +118,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     inputs, targets = make_lengths(num_utts, min_labels, max_labels)
     rng = np.random.default_rng(1)
     shape = (num_utts, reference.num_heads, encoder_length, reference.head_dim)
-    cross = {f"cross-{kind}-{layer}": xp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    cross = {f"cross-{kind}-{layer}": xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
              for layer in range(reference.num_layers) for kind in ("key", "value")}
     batch = UtteranceBatch(ids=[str(u) for u in range(num_utts)], input_lengths=inputs,
                            inputs={**cross, "num-labels": targets},
@@ -202,7 +203,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     results = {
         "benchmark": "batching",
         "config": {**dims, "device": device, "cuda_graphs": cuda_graphs, "max_batch_size": max_batch_size,
-                   "utterance_rows": utterance_rows, "decoder_export": export,
+                   "utterance_rows": utterance_rows, "decoder_export": export, "dtype": dtype,
                    "utterances": num_utts, "max_active_utterances": max_active,
                    "beam": beam, "output_labels": [min_labels, max_labels], "encoder_length": encoder_length,
                    "order": "longest-first by input length (both runs)",
@@ -213,6 +214,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     }
     name = "batching" + ("-graphs" if cuda_graphs else "") + (f"-calls{max_batch_size}" if max_batch_size else "")
     name += ("-lane" if utterance_rows == "lane" else "") + ("" if export == "new-step" else f"-{export}")
+    name += "" if dtype == "float32" else f"-{dtype}"
     return write_results(results, output_dir, name, plot_batching)
 
 

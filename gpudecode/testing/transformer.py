@@ -263,8 +263,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             g.op("Identity", v_heads, out=present_v)
             caches = [g.op("TensorScatter", g.op("Concat", past, new, axis=2), new, write_index, axis=2)
                       for past, new in ((past_k, k_heads), (past_v, v_heads))]
-            att = g.op("Attention", q, *caches, "", "", "", valid_length)  # [N, H, 1, Dh]
-            att = g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
+            att = merged_heads(g.op("Attention", q, *caches, "", "", "", valid_length))  # from [N, H, 1, Dh]
         elif state_outputs == "new":
             k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
             g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)

@@ -256,23 +256,21 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         else:
             q = split(g.linear(h, w, f"self_q_{i}"), [0, 2, 1, 3])
             k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
-        if ragged is not None:
-            write_index, valid_length = ragged
-            k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
-            g.op("Identity", k_heads, out=present_k)
-            g.op("Identity", v_heads, out=present_v)
-            caches = [g.op("TensorScatter", g.op("Concat", past, new, axis=2), new, write_index, axis=2)
-                      for past, new in ((past_k, k_heads), (past_v, v_heads))]
-            att = merged_heads(g.op("Attention", q, *caches, "", "", "", valid_length))  # from [N, H, 1, Dh]
-        elif state_outputs == "new":
+        if state_outputs == "new":
             k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
             g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
             g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
-            if layout == "bhtd":
-                past_keys_t, past_values = g.op("Transpose", past_k, perm=[0, 1, 3, 2]), past_v
+            if ragged is not None:  # (bhtd only)
+                write_index, valid_length = ragged
+                caches = [g.op("TensorScatter", g.op("Concat", past, new, axis=2), new, write_index, axis=2)
+                          for past, new in ((past_k, k_heads), (past_v, v_heads))]
+                att = merged_heads(g.op("Attention", q, *caches, "", "", "", valid_length))  # from [N, H, 1, Dh]
             else:
-                past_keys_t, past_values = split(past_k, [0, 2, 3, 1]), split(past_v, [0, 2, 1, 3])
-            att = attend_past_and_new(q, past_keys_t, past_values, k_heads, v_heads, self_valid)
+                if layout == "bhtd":
+                    past_keys_t, past_values = g.op("Transpose", past_k, perm=[0, 1, 3, 2]), past_v
+                else:
+                    past_keys_t, past_values = split(past_k, [0, 2, 3, 1]), split(past_v, [0, 2, 1, 3])
+                att = attend_past_and_new(q, past_keys_t, past_values, k_heads, v_heads, self_valid)
         else:
             if layout == "bhtd":
                 g.op("Concat", past_k, split(k, [0, 2, 1, 3]), axis=2, out=present_k)

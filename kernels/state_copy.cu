@@ -28,9 +28,11 @@
 // Merge semantics (RASR): histories are [num_rows, history_width] int32 slot tables with lengths;
 // kept = min(length, max_history); the kept token states are right-aligned in time (zero padding
 // on the left), and with keep_first the first token state sits in position 0 followed by the last
-// kept - 1 ones.  With left_aligned the kept token states come first instead (zero padding on the
-// right), for models that read only each row's prefix_lengths[b] positions.  Rows >= num_rows of
-// a larger output buffer are all zero.  prefix_lengths[b] =
+// kept - 1 ones.  With left_aligned the kept token states come first instead, for models that read
+// only each row's prefix_lengths[b] positions: the positions after them (and rows >= num_rows) are
+// not written at all, so a step's merge copies the kept tokens and never the padding (the caller
+// zeroes the buffers once, so they hold only finite values).  Otherwise rows >= num_rows of a
+// larger output buffer are all zero.  prefix_lengths[b] =
 // kept (0 for padding rows).  Slot ids < 0 or >= capacity read as zero states.
 //
 // Split semantics: new token p of row b is read at time index src_time - num_new + p and written to
@@ -508,6 +510,7 @@ __device__ __forceinline__ void zero_slow(const long long* geo, unsigned long lo
 #define KIND_NONE 0   // merge: zeros; split: skipped
 #define KIND_FAST 1
 #define KIND_SLOW 2
+#define KIND_SKIP 3   // merge, left-aligned padding: left as it is
 
 // The warp's tokens of one batch: lane j resolved token j (kind, token address, tensor index).  Two
 // passes keep the generic path's registers out of the fast loop: SLOW = false copies the fast
@@ -613,11 +616,13 @@ merge_states(const long long* __restrict__ geometry,
                 const int b = (int)(r / out_time);
                 const int t = (int)(r - (long long)b * out_time);
                 index = (long long)b * p.w.mid * out_time + t;
+                if (left_aligned) kind = KIND_SKIP;
                 if (b < num_rows) {
                     const int length = min(max(lengths[b], 0), history_width);
                     const int kept = min(length, max_history);
                     const int pad = left_aligned ? 0 : out_time - kept;
                     if (t >= pad && t - pad < kept) {
+                        kind = KIND_NONE;  // a slot outside the pool reads as a zero state
                         const int j = t - pad;
                         const int position = (keep_first && j == 0) ? 0 : length - kept + j;
                         const int slot = history[(long long)b * history_width + position];

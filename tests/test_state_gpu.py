@@ -24,6 +24,7 @@ from tests.test_state_managers import (
     assert_pool_consistent,
     bits,
     kv_variables,
+    left_aligned_merge_keeps_the_padding,
     lstm_variables,
     random_outputs,
 )
@@ -320,3 +321,9 @@ def test_extend_histories_kernel_equals_the_host_version(max_history, with_appen
                                   append=None if append is None else cupy.asarray(append), max_history=max_history)
         np.testing.assert_array_equal(cupy.asnumpy(device.lengths), host.lengths)
         np.testing.assert_array_equal(cupy.asnumpy(device.table), host.table)
+
+
+def test_cuda_left_aligned_merge_keeps_the_padding():
+    import cupy
+
+    left_aligned_merge_keeps_the_padding("transformer-cuda", "cuda", cupy)

@@ -356,6 +356,39 @@ def test_merge_default_time_size_is_longest_kept_history():
     assert not merged.inputs["past_key_0"][1, :, :2].any() and merged.inputs["past_key_0"][1, :, 2].any()
 
 
+def left_aligned_merge_keeps_the_padding(manager_type: str, execution_provider: str, xp) -> None:
+    """A left-aligned merge writes each row's kept states first, exactly the right-aligned ones,
+    and leaves every position after them, and the rows past N, as the buffer held them."""
+    variables = kv_variables(1, np.float32, "heads")
+    managers = {alignment: create_state_manager(
+        StateManagerOptions(type=manager_type, max_history=4, history_alignment=alignment), variables,
+        execution_provider=execution_provider) for alignment in ("right", "left")}
+    merged = {}
+    for alignment, manager in managers.items():
+        rng = np.random.default_rng(3)
+        histories = manager.initial_histories(3)
+        for step in range(6):
+            slots = manager.split(random_outputs(rng, variables, 3, 1))
+            histories = manager.extend(histories, slots, np.array([0, 1, 2]),
+                                       append=np.array([True, step < 2, step < 5]))
+        out = {"past_key_0": xp.full((5, 2, 6, 3), 7.0, np.float32),
+               "past_value_0": xp.full((5, 2, 6, 3), 7.0, np.float32)}
+        merged[alignment] = manager.merge(histories, out=out)
+    right, left = (to_host(merged[a].inputs["past_key_0"]) for a in ("right", "left"))
+    kept = to_host(merged["left"].prefix_lengths).tolist()
+    assert kept == [4, 2, 4, 0, 0] == to_host(merged["right"].prefix_lengths).tolist()
+    for row in range(3):
+        k = kept[row]
+        assert np.array_equal(left[row, :, :k], right[row, :, 6 - k:])
+        assert (left[row, :, k:] == 7.0).all(), f"row {row}: the padding was written"
+        assert not right[row, :, :6 - k].any()
+    assert (left[3:] == 7.0).all() and not right[3:].any()
+
+
+def test_left_aligned_merge_keeps_the_padding():
+    left_aligned_merge_keeps_the_padding("transformer-cpu", "cpu", np)
+
+
 def test_merge_into_smaller_time_truncates_like_max_history():
     variables = kv_variables(1, np.float32, "flat")
     manager = create_state_manager(StateManagerOptions(type="transformer-cpu"), variables, execution_provider="cpu")

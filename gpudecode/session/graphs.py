@@ -136,11 +136,14 @@ class GraphBuffers:
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
     def _allocate(self, nbytes: int):
+        # zeroed: a left-aligned merge leaves the padding as it finds it (finite, never read)
         if self.device == "cpu":
-            return np.empty(nbytes, dtype=np.uint8)
+            return np.zeros(nbytes, dtype=np.uint8)
         cupy = backend.require_cupy()
         with cupy.cuda.Device(self.device_id):
-            return cupy.cuda.Memory(nbytes)
+            memory = cupy.cuda.Memory(nbytes)
+            cupy.cuda.MemoryPointer(memory, 0).memset_async(0, nbytes, backend.shared_stream(self.device_id))
+            return memory
 
     @property
     def nbytes(self) -> int:

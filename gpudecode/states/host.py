@@ -56,7 +56,7 @@ class HostStateCopy:
     ) -> None:
         """Writes every variable's batched input into ``outputs`` (shaped ``tensor_shape(out_rows,
         time_size)``) and the kept lengths into ``prefix_lengths`` (``[out_rows]``); ``left_aligned``:
-        each row's history first, zeros after it."""
+        each row's history first, the positions after it (and rows >= N) left as they are."""
         num_rows = histories.num_rows
         slots, kept = window_table(histories, time_size, max_history, keep_first, left=left_aligned)
         if prefix_lengths is not None:
@@ -76,9 +76,12 @@ class HostStateCopy:
                     slab = self.pool.slabs[v][c].reshape(self.pool.slots_per_chunk, -1)
                     tokens[where] = self._decode(layout, slab[row[where]])
             view = out.reshape(layout.pre, out_rows, layout.mid, time_size, layout.inner)
-            view[...] = tokens.reshape(out_rows, time_size, layout.pre, layout.mid, layout.inner).transpose(
-                2, 0, 3, 1, 4
-            )
+            merged = tokens.reshape(out_rows, time_size, layout.pre, layout.mid, layout.inner).transpose(2, 0, 3, 1, 4)
+            if left_aligned:
+                inside = np.zeros((out_rows, time_size), dtype=bool)
+                inside[:num_rows] = np.arange(time_size)[None, :] < kept[:, None]
+                merged = np.where(inside[None, :, None, :, None], merged, view)
+            view[...] = merged
 
     # ---- split ------------------------------------------------------------------------------------
     def split(self, sources: Sequence[np.ndarray], *, num_rows: int, source_time: int, new_slots: np.ndarray) -> None:

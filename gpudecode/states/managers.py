@@ -163,7 +163,9 @@ class StateManager:
         the longest kept history when the table is as wide as the longest history. A smaller T
         truncates like ``max_history``. ``out``: the caller's buffers by input name, all shaped
         for the same (N_buf >= N, T_buf); rows >= N and the left padding are written as zeros, and
-        T = T_buf. ``prefix_lengths_out``: ``[N_buf]`` int32 buffer for the prefix lengths.
+        T = T_buf. With left-aligned histories (``history_alignment="left"``: the model reads only
+        each row's prefix) the positions after each history and the rows >= N are not written at
+        all; the buffers this manager allocates start zeroed, so they only ever hold finite states. ``prefix_lengths_out``: ``[N_buf]`` int32 buffer for the prefix lengths.
         """
         histories = self._as_histories(histories)
         num_rows = histories.num_rows
@@ -253,7 +255,7 @@ class StateManager:
                 if buffer is None or buffer.size < size:
                     # capacity rounded up to a power of two: few reallocations, never per step
                     capacity = 1 << max(size - 1, 0).bit_length()
-                    buffer = xp.empty(capacity, dtype=layout.model_dtype)
+                    buffer = xp.zeros(capacity, dtype=layout.model_dtype)
                     self._buffers[layout.name] = buffer
                 arrays.append(buffer[:size].reshape(shape))
         return arrays

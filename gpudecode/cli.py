@@ -181,10 +181,11 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
                    "hypotheses (0: none).")
 @click.option("--rounds", type=int, default=5, show_default=True,
               help="Timed rounds per CUDA-manager cell, interleaved across the cells; each cell's fastest counts.")
-@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged"]), default="new-step",
+@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged", "gqa"]), default="new-step",
               show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, the past with "
               "the new step appended (*-full-history.json), or new-step with attention over each row's own "
-              "history (*-ragged.json).")
+              "history: ONNX Attention (*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA "
+              "(*-gqa.json).")
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
                  cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str,
                  control_delay_ms: float, rounds: int, export: str) -> None:
@@ -223,10 +224,11 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
                    "batching-calls<N>.json); default: all lanes.")
 @click.option("--utterance-rows", type=click.Choice(["utterance", "lane"]), default="utterance", show_default=True,
               help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
-@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged"]), default="new-step",
+@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged", "gqa"]), default="new-step",
               show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, the past with "
               "the new step appended (*-full-history.json), or new-step with attention over each row's own "
-              "history (*-ragged.json).")
+              "history: ONNX Attention (*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA "
+              "(*-gqa.json).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="The decoder's float type (*-float16.json).")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,

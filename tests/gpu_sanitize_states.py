@@ -23,7 +23,13 @@ cupy.cuda.set_pinned_memory_allocator(None)
 
 from gpudecode.spec import StateVariable  # noqa: E402
 from gpudecode.states import StateManagerOptions, create_state_manager  # noqa: E402
-from tests.test_state_managers import Reference, Scenario, kv_variables, lstm_variables  # noqa: E402
+from tests.test_state_managers import (  # noqa: E402
+    Reference,
+    Scenario,
+    kv_variables,
+    left_aligned_merge_keeps_the_padding,
+    lstm_variables,
+)
 
 
 def run(state_type, variables, reference, *, steps, full_time_axis=True, **options):
@@ -64,6 +70,7 @@ def main() -> int:
         for limit in (None, 2):
             run("transformer", aligned, Reference(aligned, max_history=limit), steps=6, max_history=limit,
                 slots_per_chunk=8)
+        left_aligned_merge_keeps_the_padding("transformer-cuda", "cuda", cupy)  # padding left unwritten
         for layered in (False, True):
             variables = lstm_variables(np.float32, layered)
             run("lstm", variables, Reference(variables, lstm=True), steps=6, slots_per_chunk=4)

@@ -126,14 +126,16 @@ def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, ex
     assert scorer.states.statistics().live_slots == 0  # released after the run
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, attention", [("cpu", "ragged"), ("cpu", "gqa"),
+                                               pytest.param("cuda", "ragged", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("max_history, keep_first", [(None, False), (2, False), (3, True)])
-def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_history, keep_first, device):
-    """A decoder whose attention reads each row's own history length (ONNX Attention opset 24,
-    metadata HISTORY_ALIGNMENT=left): the manager merges histories left-aligned, and the n-best
-    under continuous batching equals the right-aligned decoder's (on the CPU) and the oracle's."""
+def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_history, keep_first, device, attention):
+    """A decoder whose attention reads each row's own history length (ONNX Attention opset 24 or
+    ONNX Runtime's GroupQueryAttention, metadata HISTORY_ALIGNMENT=left): the manager merges
+    histories left-aligned, and the n-best under continuous batching equals the right-aligned
+    decoder's (on the CPU) and the oracle's. (GroupQueryAttention runs on CUDA in float16 only.)"""
     frames = (14, 9, 11, 6, 12)
-    ragged = Setup(5, num_utts=5, frames=frames, export=("new", True, "ragged"), device=device)
+    ragged = Setup(5, num_utts=5, frames=frames, export=("new", True, attention), device=device)
     dense = Setup(5, num_utts=5, frames=frames, export=("new", True))
     options = {} if max_history is None else {"max_history": max_history, "always_include_first_token_state": keep_first}
     scorer = ragged.scorer(**options)

@@ -33,8 +33,8 @@ def _tolerance(dtype) -> dict:
     return dict(atol=2e-2, rtol=1e-2) if np.dtype(dtype) == np.float16 else dict(atol=1e-5, rtol=1e-6)
 
 
-def _run(ref: ReferenceModel, feeds: dict) -> dict[str, np.ndarray]:
-    session = ort.InferenceSession(ref.serialized(), providers=["CPUExecutionProvider"])
+def _run(ref: ReferenceModel, feeds: dict, provider: str = "CPUExecutionProvider") -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(ref.serialized(), providers=[provider])
     return dict(zip(ref.output_names, session.run(None, feeds)))
 
 
@@ -184,11 +184,13 @@ def test_decoder_step_matches_oracle(mode, kv_layout, dtype, state_outputs, fuse
                 np.take(got[present], range(past_time), axis=ref.time_axis), feeds[past])
 
 
+@pytest.mark.parametrize("attention", ["ragged", "gqa"])
 @pytest.mark.parametrize("mode", MODES)
-def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode):
-    """ONNX Attention (opset 24) over each row's first prefix-length + 1 positions: padding after
-    them (garbage here) is never read, and the new step's own slot is written by the model."""
-    ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention="ragged")
+def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode, attention):
+    """ONNX Attention (opset 24) or ONNX Runtime's GroupQueryAttention over each row's first
+    prefix-length + 1 positions: padding after them (garbage here) is never read, and the new
+    step's own slot is written by the model."""
+    ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention=attention)
     assert onnx.load_from_string(ref.serialized()).metadata_props[-1].value == "left"
     for prefix_length, past_time in [([0, 3, 5, 1], 5), ([0, 0], 0), ([2, 2], 6)]:
         sizes = [7, 4, 1, 2][: len(prefix_length)]
@@ -198,6 +200,21 @@ def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode):
         _assert_outputs_close(got, ref.oracle(feeds), np.float32)
         clean = _run(ref, _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, left=True))
         np.testing.assert_allclose(got["scores"], clean["scores"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gqa_decoder_on_cuda_matches_oracle_in_float16(mode):
+    """GroupQueryAttention runs on ONNX Runtime's CUDA provider in float16 only: there too it
+    reads each row's own positions and never the (garbage) padding."""
+    ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention="gqa",
+                                    dtype=np.float16)
+    for prefix_length, past_time in [([0, 3, 5, 1], 5), ([2, 2], 6)]:
+        sizes = [7, 4, 1, 2][: len(prefix_length)]
+        feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True,
+                               left=True)
+        got = _run(ref, feeds, "CUDAExecutionProvider")
+        _assert_outputs_close(got, ref.oracle(feeds), np.float16)
 
 
 @pytest.mark.parametrize("state_outputs, fused_qkv", EXPORTS)

@@ -67,10 +67,12 @@ def save_figure(plt, fig, path) -> str:
 #: the model) and the self-attention's query/key/value are one fused product; "full-history": each
 #: state output is the past with the new step appended (a Concat per state variable and step), and
 #: three separate products; "ragged": new-step, with ONNX Attention (opset 24) over each row's own
-#: history length, left-aligned (metadata HISTORY_ALIGNMENT=left). The same function every way.
+#: history length, left-aligned (metadata HISTORY_ALIGNMENT=left); "gqa": the same with ONNX Runtime's
+#: GroupQueryAttention (CUDA: float16 only). The same function every way.
 DECODER_EXPORTS = {"new-step": dict(state_outputs="new", fused_qkv=True),
                    "full-history": dict(state_outputs="full", fused_qkv=False),
-                   "ragged": dict(state_outputs="new", fused_qkv=True, attention="ragged")}
+                   "ragged": dict(state_outputs="new", fused_qkv=True, attention="ragged"),
+                   "gqa": dict(state_outputs="new", fused_qkv=True, attention="gqa")}
 
 
 def decoder_export(name: str) -> dict:

@@ -111,9 +111,10 @@ class GraphBuilder:
             [_value_info(*spec) for spec in outputs],
             initializer=self.initializers,
         )
+        contrib = [helper.make_opsetid("com.microsoft", 1)] if any(n.domain == "com.microsoft" for n in self.nodes) else []
         model = helper.make_model(
             graph,
-            opset_imports=[helper.make_opsetid("", opset)],
+            opset_imports=[helper.make_opsetid("", opset), *contrib],
             ir_version=IR_VERSION if opset == OPSET else helper.find_min_ir_version_for([helper.make_opsetid("", opset)]),
             producer_name="gpudecode.testing",
         )

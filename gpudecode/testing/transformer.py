@@ -25,7 +25,7 @@ CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
 KV_LAYOUTS = ("bhtd", "btd")
 STATE_OUTPUTS = ("full", "new")
 HISTORY_ALIGNMENT_KEY = "HISTORY_ALIGNMENT"  # metadata: "left" = each row's history first
-ATTENTIONS = ("dense", "ragged")
+ATTENTIONS = ("dense", "ragged", "gqa")
 
 
 def cross_projection_weights(seed: int, num_layers: int, encoder_dim: int, model_dim: int) -> dict:
@@ -183,7 +183,8 @@ def _sequence_oracle(w, cfg: _Config, mode):
 
 def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode,
                   out: str | None = None, grouped: bool = False, state_outputs: str = "full",
-                  fused_qkv: bool = False, ragged: tuple[str, str] | None = None) -> str:
+                  fused_qkv: bool = False, ragged: tuple[str, str] | None = None,
+                  gqa: tuple[str, str] | None = None) -> str:
     """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
     ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
@@ -197,6 +198,9 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     row's history first, then padding that is never read); the new step is written into its row's
     slot at the write index (``TensorScatter``) and ONNX ``Attention`` (opset 24) attends over the
     first valid-length positions of each row (``nonpad_kv_seqlen``). Needs state_outputs "new".
+    ``gqa`` = (history lengths [N] int32, T + 1 as a scalar int32): the same left-aligned past read
+    by ONNX Runtime's ``GroupQueryAttention`` (com.microsoft; ``seqlens_k`` = the history length,
+    where the op writes the new step), which reads only each row's own positions.
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     masked = g.const(cfg.masked_logit, dtype)
@@ -252,15 +256,20 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
             qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
             q, k, v = g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
-            q = split(q, [0, 2, 1, 3])
+            q_flat, q = q, split(q, [0, 2, 1, 3])
         else:
-            q = split(g.linear(h, w, f"self_q_{i}"), [0, 2, 1, 3])
+            q_flat = g.linear(h, w, f"self_q_{i}")
+            q = split(q_flat, [0, 2, 1, 3])
             k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
         if state_outputs == "new":
             k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
             g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
             g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
-            if ragged is not None:  # (bhtd only)
+            if gqa is not None:  # (bhtd only)
+                seqlens, total = gqa
+                att = g.ops("GroupQueryAttention", [q_flat, k, v, past_k, past_v, seqlens, total], 3,
+                            domain="com.microsoft", num_heads=heads, kv_num_heads=heads)[0]
+            elif ragged is not None:  # (bhtd only)
                 write_index, valid_length = ragged
                 caches = [g.op("TensorScatter", g.op("Concat", past, new, axis=2), new, write_index, axis=2)
                           for past, new in ((past_k, k_heads), (past_v, v_heads))]
@@ -331,15 +340,18 @@ def build_transformer_decoder(
     the new token's alone (1 position; DESIGN §5 lets a model output either).
     The new token sits at position prefix-length[n]. ``fused_qkv``: the self-attention's three
     input projections as one product (as ``torch.nn.MultiheadAttention`` exports them); the same
-    function.
+    function. ``attention``: "dense" (the above), or the past left-aligned (metadata
+    ``HISTORY_ALIGNMENT=left``: the first prefix-length[n] positions are valid, the rest is never
+    read) through ONNX ``Attention`` (opset 24, "ragged") or ONNX Runtime's ``GroupQueryAttention``
+    ("gqa": on CUDA float16/bfloat16 only; head size a multiple of 8).
     """
     if state_outputs not in STATE_OUTPUTS:
         raise ValueError(f"state_outputs: expected one of {STATE_OUTPUTS}, got {state_outputs!r}")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
-    ragged = attention == "ragged"
-    if ragged and (state_outputs != "new" or kv_layout != "bhtd"):
-        raise ValueError("attention='ragged' needs state_outputs='new' and kv_layout='bhtd'")
+    left_aligned = attention in ("ragged", "gqa")
+    if left_aligned and (state_outputs != "new" or kv_layout != "bhtd"):
+        raise ValueError(f"attention={attention!r} needs state_outputs='new' and kv_layout='bhtd'")
     if cross_attention not in CROSS_ATTENTION_MODES:
         raise ValueError(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
@@ -380,12 +392,14 @@ def build_transformer_decoder(
         (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")
         for i in range(num_layers)
     ]
-    ragged_inputs = None
-    if ragged:  # the new step's slot and each row's valid length (history + new step)
+    ragged_inputs = gqa_inputs = None
+    if attention == "ragged":  # the new step's slot and each row's valid length (history + new step)
         write_index = g.op("Cast", "prefix-length", to=onnx_type(np.int64))
         ragged_inputs = (write_index, g.op("Add", write_index, g.const([1], np.int64)))
+    elif attention == "gqa":  # total_sequence_length T + 1, a shape value (host memory for the op)
+        gqa_inputs = ("prefix-length", g.op("Squeeze", g.op("Cast", num_t1, to=onnx_type(np.int32))))
     logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped,
-                           state_outputs=state_outputs, fused_qkv=fused_qkv, ragged=ragged_inputs)
+                           state_outputs=state_outputs, fused_qkv=fused_qkv, ragged=ragged_inputs, gqa=gqa_inputs)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
 
     inputs = [
@@ -414,10 +428,10 @@ def build_transformer_decoder(
         inputs = [(n, t, ["utterances", *shape[1:]]) if n.startswith(("cross-", "encoder-")) else (n, t, shape)
                   for n, t, shape in inputs]
         metadata["PER_UTTERANCE_ROWS"] = "utterance"
-    if ragged:
+    if left_aligned:
         metadata[HISTORY_ALIGNMENT_KEY] = "left"
     model = g.build(inputs, outputs, name="reference-transformer-decoder", metadata=metadata,
-                    opset=24 if ragged else OPSET)
+                    opset=24 if attention == "ragged" else OPSET)
 
     w32 = cast_all(w, np.float32)
 
@@ -434,7 +448,7 @@ def build_transformer_decoder(
         past = [(to_bhtd(feeds[k]), to_bhtd(feeds[v])) for k, v, _, _ in names]
         num_t = past[0][0].shape[2]
         t = np.arange(num_t + 1)[None, :]
-        if ragged:  # left-aligned: the history first; the new step is appended last here
+        if left_aligned:  # the history first; the new step is appended last here
             self_valid = ((t < prefix[:, None]) | (t == num_t))[:, None]
         else:
             self_valid = (t >= (num_t - prefix)[:, None])[:, None]

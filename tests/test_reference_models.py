@@ -191,15 +191,34 @@ def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode, attention
     prefix-length + 1 positions: padding after them (garbage here) is never read, and the new
     step's own slot is written by the model."""
     ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention=attention)
-    assert onnx.load_from_string(ref.serialized()).metadata_props[-1].value == "left"
+    metadata = {p.key: p.value for p in onnx.load_from_string(ref.serialized()).metadata_props}
+    assert metadata["HISTORY_ALIGNMENT"] == "left"
+    room = attention == "gqa"  # GroupQueryAttention writes the new step into the past: T > history
     for prefix_length, past_time in [([0, 3, 5, 1], 5), ([0, 0], 0), ([2, 2], 6)]:
+        past_time += room
         sizes = [7, 4, 1, 2][: len(prefix_length)]
         feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True,
                                left=True)
         got = _run(ref, feeds)
-        _assert_outputs_close(got, ref.oracle(feeds), np.float32)
+        expected = ref.oracle(feeds)
+        _assert_outputs_close({k: got[k] for k in expected}, expected, np.float32)
+        assert_in_place_caches(ref, got, feeds, prefix_length)
         clean = _run(ref, _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, left=True))
         np.testing.assert_allclose(got["scores"], clean["scores"], atol=1e-6, rtol=0)
+
+
+def assert_in_place_caches(ref: ReferenceModel, got: dict, feeds: dict, prefix_length, dtype=np.float32) -> None:
+    """The ``IN_PLACE_`` outputs (GroupQueryAttention's present) hold each row's history and then
+    the new step at position prefix-length; what lies after is not specified."""
+    in_place = {p.key[len("IN_PLACE_"):]: p.value for p in onnx.load_from_string(ref.serialized()).metadata_props
+                if p.key.startswith("IN_PLACE_")}
+    assert set(in_place) == {name for name in got if name.startswith("kv-cache-")}
+    for cache, past in in_place.items():
+        new = got[ref.states[past]]
+        for row, length in enumerate(prefix_length):
+            np.testing.assert_array_equal(got[cache][row, :, :length], feeds[past][row, :, :length])
+            np.testing.assert_allclose(got[cache][row, :, length].astype(np.float32), new[row, :, 0].astype(np.float32),
+                                       **_tolerance(dtype))
 
 
 @pytest.mark.gpu
@@ -209,12 +228,14 @@ def test_gqa_decoder_on_cuda_matches_oracle_in_float16(mode):
     reads each row's own positions and never the (garbage) padding."""
     ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention="gqa",
                                     dtype=np.float16)
-    for prefix_length, past_time in [([0, 3, 5, 1], 5), ([2, 2], 6)]:
+    for prefix_length, past_time in [([0, 3, 5, 1], 6), ([2, 2], 6)]:
         sizes = [7, 4, 1, 2][: len(prefix_length)]
         feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True,
                                left=True)
         got = _run(ref, feeds, "CUDAExecutionProvider")
-        _assert_outputs_close(got, ref.oracle(feeds), np.float16)
+        expected = ref.oracle(feeds)
+        _assert_outputs_close({k: got[k] for k in expected}, expected, np.float16)
+        assert_in_place_caches(ref, got, feeds, prefix_length, np.float16)
 
 
 @pytest.mark.parametrize("state_outputs, fused_qkv", EXPORTS)

@@ -357,6 +357,8 @@ class OnnxDecoderScorer(LabelScorer):
         histories = ctx.histories
         if rows != slice(0, self.layout.num_lanes):
             histories = StateHistory(table=histories.table[rows], lengths=histories.lengths[rows])
+        if self.spec.in_place_outputs:
+            time_size = self._natural_time(histories, time_size)
         merged = self.states.merge(histories, time_size=time_size)
         labels = ctx.next_labels[rows].astype(self._label_dtype)[:, None]
         feeds = dict(merged.inputs)
@@ -377,7 +379,8 @@ class OnnxDecoderScorer(LabelScorer):
         for name, buffer in self._lane_inputs.items():
             feeds[name] = buffer[self._input_rows(rows)]
         state_outputs = [v.output_name for v in spec.state_variables]
-        outputs = self.session.run(feeds, [spec.scores_output, *state_outputs])
+        in_place = self._in_place(merged.inputs)
+        outputs = self.session.run(feeds, [spec.scores_output, *state_outputs, *in_place], outputs=in_place)
         new_slots = self.states.split({k: outputs[k] for k in state_outputs})
         return self._log_probs(outputs[spec.scores_output]), new_slots
 
@@ -399,7 +402,7 @@ class OnnxDecoderScorer(LabelScorer):
         if self.states.family != "transformer":
             padded_time = 1
         else:
-            natural = min(histories.width, self.states._max_history) if time_size is None else time_size
+            natural = self._natural_time(histories, time_size)
             padded_time = bucket_time(natural, self.graph_options.time_step) if self._pad_time else natural
         bucket = (rows.start, padded_rows, padded_time)
         static = self._static_io(bucket)
@@ -415,8 +418,10 @@ class OnnxDecoderScorer(LabelScorer):
                 if name is not None:
                     feeds[name][...] = value
         state_outputs = [v.output_name for v in spec.state_variables]
-        outputs = graphs.run(static.key, feeds, [spec.scores_output, *state_outputs],
-                             lambda name, dtype, shape: buffers.view(name, dtype, shape, bucket))
+        in_place = self._in_place(static.states)
+        outputs = graphs.run(static.key, feeds, [spec.scores_output, *state_outputs, *in_place],
+                             lambda name, dtype, shape: in_place[name] if name in in_place
+                             else buffers.view(name, dtype, shape, bucket))
         states_out = {k: outputs[k] for k in state_outputs}
         if self._rows_outermost:
             states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
@@ -425,6 +430,19 @@ class OnnxDecoderScorer(LabelScorer):
         else:
             new_slots = self.states.split(states_out)[:num_rows]
         return self._log_probs(outputs[spec.scores_output][:num_rows]), new_slots
+
+    def _natural_time(self, histories: StateHistory, time_size: int | None) -> int:
+        """T of a call: the longest kept history (or ``time_size``), plus the position an in-place
+        model (``spec.in_place_outputs``) writes the new step into."""
+        natural = min(histories.width, self.states._max_history) if time_size is None else time_size
+        return natural + bool(self.spec.in_place_outputs)
+
+    def _in_place(self, state_inputs: dict) -> dict:
+        """The in-place outputs bound to their state inputs' buffers (CUDA; on the CPU provider they
+        are neither requested nor bound)."""
+        if self.session.provider != "cuda":
+            return {}
+        return {output: state_inputs[name] for output, name in self.spec.in_place_outputs.items()}
 
     def _static_io(self, bucket) -> "_StaticInputs":
         """The static inputs of ``bucket``: views of the graph buffers (and of the lane buffers),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +20,10 @@ UTTERANCE_PREFIX = "UTTERANCE_"
 #: Metadata key: the per-utterance inputs have one row per ``lane`` (default) or per ``utterance``.
 UTTERANCE_ROWS_KEY = "PER_UTTERANCE_ROWS"
 HISTORY_ALIGNMENT_KEY = "HISTORY_ALIGNMENT"  # "right" (RASR, the default) or "left"
+#: Metadata ``IN_PLACE_<output>`` = ``<state input>``: the model writes that output into the state
+#: input's own buffer (ONNX Runtime's GroupQueryAttention with a shared past/present buffer: the
+#: new step lands at position prefix-length of the left-aligned past, so T leaves room for it).
+IN_PLACE_PREFIX = "IN_PLACE_"
 UTTERANCE_ROWS = ("lane", "utterance")
 
 # (input regex, output template): the Hugging Face / Optimum decoder-with-past names.
@@ -78,6 +82,8 @@ class ModelSpec:
     #: "right": each row's history ends at the last time position (RASR); "left": it starts at the
     #: first, and the model reads only prefix-length positions (metadata HISTORY_ALIGNMENT).
     history_alignment: str = "right"
+    #: output -> state input whose buffer it is written into (metadata ``IN_PLACE_<output>``)
+    in_place_outputs: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int | None:
@@ -298,10 +304,12 @@ def discover_step_model(
     if history_alignment == "left" and convention != "rasr":
         raise _fail(tensors, f"metadata {HISTORY_ALIGNMENT_KEY}=left needs the RASR convention (prefix-length), "
                              f"not {convention!r}, whose attention mask is built right-aligned")
+    in_place = _in_place_outputs(tensors, state_variables, history_alignment)
     spec = ModelSpec(
         source=tensors.source,
         utterance_rows=utterance_rows,
         history_alignment=history_alignment,
+        in_place_outputs=in_place,
         convention=convention,
         tensors=tensors,
         hypothesis_inputs=hypothesis_inputs,
@@ -316,6 +324,27 @@ def discover_step_model(
             f"(from the vocabulary), got {spec.vocab_size}",
         )
     return spec
+
+
+def _in_place_outputs(tensors: ModelTensors, state_variables, history_alignment: str) -> dict[str, str]:
+    """The ``IN_PLACE_<output>`` metadata, checked: each names an output of the state input's dtype
+    and rank, written into that input's buffer (which needs the left-aligned history)."""
+    pairs = {k[len(IN_PLACE_PREFIX):]: v for k, v in tensors.metadata.items() if k.startswith(IN_PLACE_PREFIX)}
+    state_inputs = {v.input_name for v in state_variables}
+    for output, state_input in pairs.items():
+        out, inp = tensors.output(output), tensors.input(state_input)
+        if out is None:
+            raise _fail(tensors, f"metadata {IN_PLACE_PREFIX}{output}: the model has no output '{output}'")
+        if state_input not in state_inputs:
+            raise _fail(tensors, f"metadata {IN_PLACE_PREFIX}{output}={state_input!r}: not a state input "
+                                 f"({', '.join(sorted(state_inputs))})")
+        if out.dtype != inp.dtype or len(out.shape) != len(inp.shape):
+            raise _fail(tensors, f"metadata {IN_PLACE_PREFIX}{output}: output {out.describe()} cannot share the "
+                                 f"buffer of input '{state_input}' {inp.describe()}")
+        if history_alignment != "left":
+            raise _fail(tensors, f"metadata {IN_PLACE_PREFIX}{output} needs {HISTORY_ALIGNMENT_KEY}=left (the "
+                                 "new step is written after each row's history)")
+    return pairs
 
 
 def discover_encoder(tensors: ModelTensors, *, io_map: Mapping[str, str] | None = None) -> EncoderSpec:

@@ -25,6 +25,7 @@ CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
 KV_LAYOUTS = ("bhtd", "btd")
 STATE_OUTPUTS = ("full", "new")
 HISTORY_ALIGNMENT_KEY = "HISTORY_ALIGNMENT"  # metadata: "left" = each row's history first
+IN_PLACE_PREFIX = "IN_PLACE_"  # metadata IN_PLACE_<output> = the state input whose buffer it writes
 ATTENTIONS = ("dense", "ragged", "gqa")
 
 
@@ -198,9 +199,12 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     row's history first, then padding that is never read); the new step is written into its row's
     slot at the write index (``TensorScatter``) and ONNX ``Attention`` (opset 24) attends over the
     first valid-length positions of each row (``nonpad_kv_seqlen``). Needs state_outputs "new".
-    ``gqa`` = (history lengths [N] int32, T + 1 as a scalar int32): the same left-aligned past read
-    by ONNX Runtime's ``GroupQueryAttention`` (com.microsoft; ``seqlens_k`` = the history length,
-    where the op writes the new step), which reads only each row's own positions.
+    ``gqa`` = (history lengths [N] int32, T as a scalar int32): the same left-aligned past read by
+    ONNX Runtime's ``GroupQueryAttention`` (com.microsoft), which reads only each row's own
+    positions; it writes the new step at position ``seqlens_k`` = the history length of its
+    present outputs, ``kv-cache-key-{i}`` / ``kv-cache-value-{i}`` shaped like the past: bound to
+    the past's own buffer (metadata ``IN_PLACE_``) the op appends in place instead of copying the
+    past. T must exceed every history length.
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     masked = g.const(cfg.masked_logit, dtype)
@@ -268,6 +272,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             if gqa is not None:  # (bhtd only)
                 seqlens, total = gqa
                 att = g.ops("GroupQueryAttention", [q_flat, k, v, past_k, past_v, seqlens, total], 3,
+                            out=[g.fresh("attention"), *(past.replace("past-", "kv-cache-") for past in (past_k, past_v))],
                             domain="com.microsoft", num_heads=heads, kv_num_heads=heads)[0]
             elif ragged is not None:  # (bhtd only)
                 write_index, valid_length = ragged
@@ -396,8 +401,9 @@ def build_transformer_decoder(
     if attention == "ragged":  # the new step's slot and each row's valid length (history + new step)
         write_index = g.op("Cast", "prefix-length", to=onnx_type(np.int64))
         ragged_inputs = (write_index, g.op("Add", write_index, g.const([1], np.int64)))
-    elif attention == "gqa":  # total_sequence_length T + 1, a shape value (host memory for the op)
-        gqa_inputs = ("prefix-length", g.op("Squeeze", g.op("Cast", num_t1, to=onnx_type(np.int32))))
+    elif attention == "gqa":  # total_sequence_length T, a shape value (host memory for the op)
+        num_t = g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1)
+        gqa_inputs = ("prefix-length", g.op("Squeeze", g.op("Cast", num_t, to=onnx_type(np.int32))))
     logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped,
                            state_outputs=state_outputs, fused_qkv=fused_qkv, ragged=ragged_inputs, gqa=gqa_inputs)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
@@ -430,6 +436,12 @@ def build_transformer_decoder(
         metadata["PER_UTTERANCE_ROWS"] = "utterance"
     if left_aligned:
         metadata[HISTORY_ALIGNMENT_KEY] = "left"
+    if attention == "gqa":  # the op's present outputs, bound to the past's buffers
+        for past_k, past_v, _, _ in names:
+            for past in (past_k, past_v):
+                cache = past.replace("past-", "kv-cache-")
+                outputs.append((cache, dtype, state_shape))
+                metadata[f"{IN_PLACE_PREFIX}{cache}"] = past
     model = g.build(inputs, outputs, name="reference-transformer-decoder", metadata=metadata,
                     opset=24 if attention == "ragged" else OPSET)
 

@@ -111,3 +111,31 @@ def test_encoder_validation():
     )
     with pytest.raises(ModelError, match=r"enc\.onnx: input 'features-size': expected dtype int32 or int64, got float32"):
         discover_encoder(from_onnx_model(bad, "enc.onnx"))
+
+
+def test_in_place_outputs_are_recognised_and_checked():
+    import onnx
+
+    from gpudecode.testing import build_transformer_decoder
+
+    model = onnx.load_from_string(build_transformer_decoder(cross_attention=None, state_outputs="new", fused_qkv=True,
+                                                            attention="gqa").serialized())
+    spec = discover(model)
+    assert spec.history_alignment == "left"
+    assert spec.in_place_outputs == {f"kv-cache-{k}-{i}": f"past-{k}-{i}" for i in range(2) for k in ("key", "value")}
+
+    def with_metadata(**changes):
+        changed = onnx.ModelProto()
+        changed.CopyFrom(model)
+        props = {p.key: p.value for p in changed.metadata_props} | changes
+        del changed.metadata_props[:]
+        onnx.helper.set_model_props(changed, props)
+        return changed
+
+    for changes, message in [({"IN_PLACE_kv-cache-nothing": "past-key-0"}, "no output 'kv-cache-nothing'"),
+                             ({"IN_PLACE_kv-cache-key-0": "token"}, "not a state input"),
+                             ({"IN_PLACE_scores": "past-key-0"}, "cannot share the buffer"),
+                             ({"HISTORY_ALIGNMENT": "right"}, "needs HISTORY_ALIGNMENT=left")]:
+        with pytest.raises(ModelError, match=message) as error:
+            discover(with_metadata(**changes))
+        assert "dec.onnx" in str(error.value)

@@ -23,12 +23,13 @@ class Setup:
     """An encoder + attention decoder pair, encoded utterances and the oracle's sequence scores."""
 
     def __init__(self, seed, *, vocab_size=12, num_utts=3, device="cpu", kv_layout="bhtd", frames=(14, 9, 11, 6),
-                 export=("full", False)):
+                 export=("full", False), dtype=np.float32):
         self.device = device
+        self.dtype = np.dtype(dtype)
         self.encoder = build_encoder(seed, num_decoder_layers=2, num_heads=2)
         self.decoder = build_transformer_decoder(seed, vocab_size=vocab_size, kv_layout=kv_layout,
                                                  state_outputs=export[0], fused_qkv=export[1],
-                                                 attention=export[2] if len(export) > 2 else "dense")
+                                                 attention=export[2] if len(export) > 2 else "dense", dtype=dtype)
         rng = np.random.default_rng(seed)
         lengths = np.array(frames[:num_utts], np.int32)
         features = rng.standard_normal((num_utts, lengths.max(), 16)).astype(np.float32)
@@ -42,7 +43,7 @@ class Setup:
         indices = list(indices)
         return UtteranceBatch(
             ids=[self.ids[i] for i in indices], input_lengths=self.sizes[indices],
-            inputs={k: xp.asarray(v[indices]) for k, v in self.cross.items()},
+            inputs={k: xp.asarray(v[indices].astype(self.dtype)) for k, v in self.cross.items()},
         )
 
     def encoder_inputs(self, u):
@@ -157,6 +158,39 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
             for hyp in hyps:
                 assert hyp.score == pytest.approx(ragged.oracle_score(ragged.decoder, u, hyp.labels, terminated(hyp)),
                                                   abs=1e-4)
+    assert scorer.states.statistics().live_slots == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_gqa_decoder_in_float16_on_cuda_scores_like_the_oracle(cuda_graphs):
+    """ONNX Runtime's GroupQueryAttention (float16 on CUDA) with its present outputs bound to the
+    past buffers, so the new step is written in place: under continuous batching every n-best
+    score equals the float32 oracle's score of its labels, within float16 rounding."""
+    import cupy
+
+    from gpudecode.session.graphs import GraphOptions
+
+    setup = Setup(5, num_utts=5, frames=(14, 9, 11, 6, 12), export=("new", True, "gqa"), device="cuda",
+                  dtype=np.float16)
+    scorer = OnnxDecoderScorer(model=setup.decoder.serialized(), vocab_size=setup.decoder.vocab_size,
+                               start_labels=[BOS], state_manager=StateManagerOptions(type="transformer-cuda"),
+                               session_options=SessionOptions(device="cuda", cuda_graphs=cuda_graphs),
+                               graphs=GraphOptions(enabled=cuda_graphs))
+    assert scorer.spec.in_place_outputs and scorer.states.options.history_alignment == "left"
+    options = LabelSyncOptions(beam_size=4, sentence_end=EOS, max_labels_per_input=1.0)
+    nbest = label_sync_search([("decoder", scorer, 1.0)], setup.batch(xp=cupy), options, xp=cupy,
+                              max_active_utterances=2)
+    checked = 0
+    for u, hyps in enumerate(nbest):
+        assert len(hyps) == 4
+        for hyp in hyps:
+            expected = setup.oracle_score(setup.decoder, u, hyp.labels, terminated(hyp))
+            assert hyp.score == pytest.approx(expected, abs=0.05 + 0.01 * len(hyp.labels))
+            checked += 1
+    assert checked == 20
+    if cuda_graphs:
+        assert scorer.captured_graphs >= 2
     assert scorer.states.statistics().live_slots == 0
 
 

@@ -63,8 +63,11 @@ def assert_same(expected, got):
 
 
 # --- a table scorer: many utterances, fast ----------------------------------------------------------
+@pytest.mark.parametrize("lagged", [False, True], ids=["mask-read-at-once", "mask-read-one-step-late"])
 @pytest.mark.parametrize("beam", [1, 3])
-def test_table_scorer_continuous_equals_alone(beam, cutoff_gaps):
+def test_table_scorer_continuous_equals_alone(beam, lagged, cutoff_gaps, monkeypatch):
+    """(lagged: the finished-groups mask is read one step late, as on CuPy; a group reset after
+    the mask's step must not count as finished, and a finished group carries itself once more.)"""
     vocab, eos, num_utts = 6, 0, 9
     tables = random_tables(seed=21, num_utts=num_utts, vocab_size=vocab, eos=eos, eos_bias=-1.0)
     lengths = np.array([3, 12, 5, 8, 2, 10, 7, 4, 9])
@@ -76,6 +79,7 @@ def test_table_scorer_continuous_equals_alone(beam, cutoff_gaps):
     assert min(cutoff_gaps) > MIN_GAP
     lengths_out = {len(h[0].labels) for h in expected}
     assert len(lengths_out) >= 4  # utterances really finish at different steps
+    monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
     for k in (1, 2, 4, 9, 20):
         for order in ORDERS:
             scorer = TrigramTableScorer(vocab)

@@ -81,12 +81,14 @@ class _Lanes:
         self.spare = self.tokens.copy()
         self.group_utterance = np.full(layout.num_groups, -1, dtype=np.int64)  # host
         self.group_limit = np.zeros(layout.num_groups, dtype=np.int64)  # host
+        self.group_start = np.zeros(layout.num_groups, dtype=np.int64)  # host: step of the last reset
 
     def reset(self, groups: np.ndarray, admitted: np.ndarray, utterances: np.ndarray,
               limits: np.ndarray, step: int) -> None:
         """Lanes of ``groups`` restart at ``step``; ``admitted`` (a subset) hold ``utterances``."""
         xp, layout = self.layout.xp, self.layout
-        capacity = _round_up(int(limits.max())) if limits.size else 1
+        # one column more than the limit: a finished group read one step late carries itself once more
+        capacity = _round_up(int(limits.max()) + 1) if limits.size else 1
         if capacity > self.tokens.shape[1]:  # grows at admission only, rounded up
             grown = xp.full((layout.num_lanes, capacity), -1, dtype=np.int32)
             grown[:, :self.tokens.shape[1]] = self.tokens
@@ -101,6 +103,7 @@ class _Lanes:
         self.start[lanes] = step
         self.limit[lanes] = 0
         self.group_utterance[groups] = -1
+        self.group_start[groups] = step
         if admitted.size:
             firsts = xp.asarray(layout.first_lanes(admitted))
             beam.scores[firsts] = 0
@@ -129,7 +132,9 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
 
     Returns the n-best lists in input order. One small transfer per step (the finished-groups
     mask), plus one bulk transfer of finished results every ``_MAX_PENDING_LANES`` lanes and at
-    the end.
+    the end. On CuPy the mask is read one step late (``label_sync.LAGGED_STOP_TEST``): the host
+    queues step k + 1 before it waits for step k's mask, so the GPU does not wait for the host's
+    bookkeeping; a finished group then carries itself one more step, which changes nothing.
     """
     num_groups, beam_size = layout.num_groups, layout.beam_size
     # Admitting costs a few launches and a retain per scorer whatever the number of groups, so
@@ -138,6 +143,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
     limits = options.label_limits(utterances.input_lengths)
     queue = deque(admission_order(utterances.input_lengths, order).tolist())
     lanes = _Lanes(layout, len(entries))
+    masks = None
     results: list[list[Hypothesis] | None] = [None] * utterances.num_utterances
     pending: list[tuple] = []
     num_pending = 0
@@ -150,6 +156,9 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
         admitted, taken = _admit(entries, utterances, free, queue, any_active=False)
         lanes.reset(free, admitted, taken, limits[taken], step=0)
         contexts = [e.scorer.initial_context(admitted) for e in entries]
+        xp = layout.xp
+        lagged = label_sync.LAGGED_STOP_TEST if label_sync.LAGGED_STOP_TEST is not None else xp is not np
+        masks = label_sync.LaggedReads(xp, num_groups) if lagged else None
         step = 0
         while (lanes.group_utterance >= 0).any():
             step += 1
@@ -157,8 +166,16 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
                 entries, contexts, lanes.beam, layout, options, at_limit=lanes.at_limit(step))
             lanes.record(step, parents, labels)
             finished = lanes.beam.ended.reshape(num_groups, beam_size).all(axis=1)
-            (finished,) = label_sync._to_host(finished)  # the one small transfer per step
-            done = np.flatnonzero(finished & (lanes.group_utterance >= 0))
+            if masks is None:
+                (finished,) = label_sync._to_host(finished)  # the one small transfer per step
+                seen = step
+            else:
+                masks.post(finished)
+                finished, seen = masks.previous(), step - 1
+                if finished is None:
+                    continue
+            # groups reset after the mask's step started anew: their mask bit is the old group's
+            done = np.flatnonzero(finished & (lanes.group_utterance >= 0) & (lanes.group_start < seen))
             if done.size == 0:
                 continue
             pending.append(_finalise(lanes, done, options))
@@ -178,6 +195,8 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
                 _collect(pending, results, entries, options)
                 pending, num_pending = [], 0
     finally:
+        if masks is not None:
+            masks.drain()
         for entry in begun:
             entry.scorer.release(np.arange(num_groups, dtype=np.int64))
     _collect(pending, results, entries, options)

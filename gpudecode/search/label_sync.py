@@ -130,49 +130,49 @@ STEP_LOOP = HostClock()
 LAGGED_STOP_TEST: bool | None = None
 
 
-class _LaggedStopFlags:
-    """``ended.all()`` sent to the host one step behind the search.
+class LaggedReads:
+    """Small bool arrays ([size]) sent to the host one step behind the search.
 
-    :meth:`post` queues the flag's copy (on CuPy an asynchronous copy into pinned memory behind
-    the work queued so far); :meth:`previous` waits for the flag posted before it. Two pinned
-    bytes alternate, and the host waits on blocking-sync events, so it sleeps instead of spinning
-    while the GPU works."""
+    :meth:`post` queues an array's copy (on CuPy an asynchronous copy into pinned memory behind
+    the work queued so far); :meth:`previous` waits for the array posted before it. Two pinned
+    buffers alternate, and the host waits on blocking-sync events, so it sleeps instead of
+    spinning while the GPU works."""
 
-    def __init__(self, xp: ModuleType) -> None:
+    def __init__(self, xp: ModuleType, size: int = 1) -> None:
         self._cupy = None if xp is np else xp
-        self._posted: list = []  # (event or None, slot or value)
+        self._size = size
+        self._posted: list = []  # (event or None, slot or values)
         if self._cupy is not None:
-            self._pinned = self._cupy.cuda.alloc_pinned_memory(2)
-            self._host = np.frombuffer(self._pinned, np.bool_, 2)
-            self._device = self._cupy.empty(2, dtype=np.bool_)
+            self._pinned = self._cupy.cuda.alloc_pinned_memory(2 * size)
+            self._host = np.frombuffer(self._pinned, np.bool_, 2 * size).reshape(2, size)
             self._events = [self._cupy.cuda.Event(block=True, disable_timing=True) for _ in range(2)]
         self._slot = 0
 
-    def post(self, ended) -> None:
+    def post(self, values) -> None:
         if self._cupy is None:
-            self._posted.append((None, bool(ended.all())))
+            self._posted.append((None, np.array(values, dtype=bool).reshape(self._size)))
             return
         cupy, slot = self._cupy, self._slot
         self._slot ^= 1
         stream = cupy.cuda.get_current_stream()
-        ended.all(out=self._device[slot])
-        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data + slot, self._device.data.ptr + slot, 1,
+        values = cupy.ascontiguousarray(values, dtype=bool)
+        cupy.cuda.runtime.memcpyAsync(self._host[slot].ctypes.data, values.data.ptr, self._size,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._events[slot].record(stream)
         self._posted.append((self._events[slot], slot))
 
-    def previous(self) -> bool | None:
-        """The flag posted before the latest one (None: none yet)."""
+    def previous(self) -> np.ndarray | None:
+        """The array posted before the latest one (None: none yet)."""
         if len(self._posted) < 2:
             return None
         event, value = self._posted.pop(0)
         if event is None:
             return value
         wait_for(event)
-        return bool(self._host[value])
+        return self._host[value].copy()
 
     def drain(self) -> None:
-        """Waits for every posted copy (the pinned bytes outlive no copy in flight)."""
+        """Waits for every posted copy (the pinned buffers outlive no copy in flight)."""
         for event, _ in self._posted:
             if event is not None:
                 wait_for(event)
@@ -278,7 +278,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
 
     max_steps = int(limits.max())
     lagged = LAGGED_STOP_TEST if LAGGED_STOP_TEST is not None else xp is not np
-    flags = _LaggedStopFlags(xp) if lagged else None
+    flags = LaggedReads(xp) if lagged else None
     cpu, wall = time.thread_time(), time.perf_counter()
     for step in range(1, max_steps + 1):
         beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options,
@@ -290,8 +290,9 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
             if _all_ended(beam.ended):
                 break
             continue
-        flags.post(beam.ended)
-        if flags.previous():
+        flags.post(beam.ended.all().reshape(1))
+        previous = flags.previous()
+        if previous is not None and previous[0]:
             break  # every lane had ended before this step, which only carried them
     if flags is not None:
         flags.drain()

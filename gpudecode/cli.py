@@ -231,12 +231,17 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
               "(*-gqa.json).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="The decoder's float type (*-float16.json).")
+@click.option("--rounds", type=int, default=3, show_default=True,
+              help="Timed rounds of both modes, the order alternating; each mode's fastest counts.")
+@click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
+              help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,
-                   max_batch_size: int | None, utterance_rows: str, export: str, dtype: str) -> None:
+                   max_batch_size: int | None, utterance_rows: str, export: str, dtype: str, rounds: int,
+                   host_wait: str) -> None:
     """Continuous vs static batching on varied output lengths (utterances/s, steps, lane occupancy)."""
     _run_bench("batching", "run_batching_bench", num_utts=utterances, max_active=max_active,
                beam=beam, quick=quick, output_dir=output, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,
-               utterance_rows=utterance_rows, export=export, dtype=dtype)
+               utterance_rows=utterance_rows, export=export, dtype=dtype, rounds=rounds, host_wait=host_wait)
 
 
 @bench.command("ctc")

@@ -25,3 +25,6 @@ def test_batching_bench_counts_steps_and_history_tokens(export, dtype):
     assert "merged ÷ kept history tokens" in format_table(results)
     assert np.isclose(results["ratios"]["continuous_over_static_throughput"],
                       continuous["utterances_per_s"] / static["utterances_per_s"])
+    for cell in (static, continuous):  # the fastest of the (default 3) interleaved rounds counts
+        assert len(cell["round_seconds"]) == results["config"]["rounds"] == 3
+        assert cell["seconds"] == min(cell["round_seconds"]) and cell["utterances_per_s"] == 12 / cell["seconds"]

@@ -231,7 +231,7 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
               "(*-gqa.json).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="The decoder's float type (*-float16.json).")
-@click.option("--rounds", type=int, default=3, show_default=True,
+@click.option("--rounds", type=int, default=5, show_default=True,
               help="Timed rounds of both modes, the order alternating; each mode's fastest counts.")
 @click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
               help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")

@@ -15,7 +15,7 @@ from gpudecode.backend import to_host
 from gpudecode.scorers import UtteranceBatch
 from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer, RecurrentLmScorer
 from gpudecode.scorers.prefix_lm import PrefixLmScorer
-from gpudecode.search import LabelSyncOptions, label_sync, label_sync_search
+from gpudecode.search import LabelSyncOptions, batching, label_sync, label_sync_search
 from gpudecode.search.batching import admission_order
 from gpudecode.session import SessionOptions
 from gpudecode.states.options import StateManagerOptions
@@ -79,7 +79,7 @@ def test_table_scorer_continuous_equals_alone(beam, lagged, cutoff_gaps, monkeyp
     assert min(cutoff_gaps) > MIN_GAP
     lengths_out = {len(h[0].labels) for h in expected}
     assert len(lengths_out) >= 4  # utterances really finish at different steps
-    monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
+    monkeypatch.setattr(batching, "LAGGED_CONTINUOUS_MASK", lagged)
     for k in (1, 2, 4, 9, 20):
         for order in ORDERS:
             scorer = TrigramTableScorer(vocab)

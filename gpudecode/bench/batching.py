@@ -84,7 +84,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                        max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
                        quick: bool = False, output_dir=None, cuda_graphs: bool = False,
                        max_batch_size: int | None = None, utterance_rows: str = "utterance",
-                       export: str = "new-step", dtype: str = "float32", rounds: int = 3,
+                       export: str = "new-step", dtype: str = "float32", rounds: int = 5,
                        host_wait: str = "block") -> dict:
     """Runs both modes in one process, each once untimed first (compilation, allocations, every
     CUDA-graph capture; ``quick``: a short warm-up), then ``rounds`` timed rounds of both, the

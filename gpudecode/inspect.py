@@ -84,6 +84,9 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 lines.append("history alignment: " + ("left (each row's history first; the model reads prefix-length "
                                                       "positions)" if spec.history_alignment == "left"
                                                       else "right (RASR: padding first)"))
+            if spec.in_place_outputs:
+                lines.append("written in place (output -> the state input whose buffer it writes):")
+                lines += _table(sorted(spec.in_place_outputs.items()))
             rows_of = "one row per utterance" if spec.utterance_rows == "utterance" else "one row per hypothesis"
             lines.append(f"per-utterance inputs ({len(spec.utterance_inputs)}"
                          + (f", {rows_of}" if spec.utterance_inputs else "") + "):")

@@ -87,3 +87,11 @@ def test_inspect_says_how_histories_are_aligned(tmp_path, attention, said):
     path = build_transformer_decoder(seed=1, state_outputs="new", attention=attention).save(tmp_path / "decoder.onnx")
     out = CliRunner().invoke(main, ["inspect", str(path)]).output
     assert said in out, out
+
+
+def test_inspect_lists_outputs_written_in_place(tmp_path):
+    path = build_transformer_decoder(seed=1, state_outputs="new", attention="gqa").save(tmp_path / "decoder.onnx")
+    out = CliRunner().invoke(main, ["inspect", str(path)]).output
+    assert "written in place" in out and "kv-cache-key-0" in out and "history alignment: left" in out, out
+    dense = build_transformer_decoder(seed=1).save(tmp_path / "dense.onnx")
+    assert "written in place" not in CliRunner().invoke(main, ["inspect", str(dense)]).output

@@ -24,6 +24,8 @@ Run: ``python -m gpudecode.bench.batching [--quick] [--output out/bench]`` (GPU)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -80,26 +82,31 @@ def make_lengths(num_utts: int, min_labels: int, max_labels: int, seed: int = 0)
     return inputs, targets
 
 
-def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
-                       max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
-                       quick: bool = False, output_dir=None, cuda_graphs: bool = False,
-                       max_batch_size: int | None = None, utterance_rows: str = "utterance",
-                       export: str = "new-step", dtype: str = "float32", rounds: int = 5,
-                       host_wait: str = "block") -> dict:
-    """Runs both modes in one process, each once untimed first (compilation, allocations, every
-    CUDA-graph capture; ``quick``: a short warm-up), then ``rounds`` timed rounds of both, the
-    order alternating (a slow spell of the host hits both alike); each mode's fastest round
-    counts. Returns (and writes) the results.
-    ``host_wait``: "block" (the host sleeps while it waits for the GPU) or "spin" (it polls;
-    ``batching[...]-spin.json``).
-    ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
-    as ``batching[...]-lane.json``) per hypothesis.
-    ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
-    ``max_batch_size``: lanes per decoder call (the scorer's chunks; default all lanes).
-    ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
-    as ``batching[...]-full-history.json``). ``dtype``: the decoder's float type (``float16``:
-    results as ``batching[...]-float16.json``)."""
-    from gpudecode.backend import HOST_WAITS, array_module, shared_stream
+@dataclass
+class BatchingModes:
+    """The two modes of the bench over one decoder, ready to run (:func:`batching_modes`).
+
+    ``static()`` / ``continuous()`` decode all utterances (n-best lists in input order);
+    ``counts`` holds the steps and merged / kept history tokens of the last run (reset it first);
+    ``sync()`` waits for the GPU."""
+
+    static: Callable[[], list]
+    continuous: Callable[[], list]
+    warm_up: Callable[[], None]
+    sync: Callable[[], None]
+    decoder: object
+    targets: np.ndarray
+    counts: dict
+    dims: dict  # the decoder's sizes
+
+
+def batching_modes(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
+                   max_labels: int = 200, encoder_length: int = 100, device: str = "cuda", quick: bool = False,
+                   cuda_graphs: bool = False, max_batch_size: int | None = None,
+                   utterance_rows: str = "utterance", export: str = "new-step",
+                   dtype: str = "float32") -> BatchingModes:
+    """Builds the bench's decoder, utterances and both modes (arguments as :func:`run_batching_bench`)."""
+    from gpudecode.backend import array_module, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
     from gpudecode.search.batching import admission_order
@@ -110,9 +117,6 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
 
     if cuda_graphs and device != "cuda":
         raise ValueError("bench batching: CUDA graphs need device cuda")
-    if host_wait not in ("block", "spin") or rounds < 1:
-        raise ValueError(f"bench batching: host_wait 'block' or 'spin' and rounds >= 1, got {host_wait!r}, {rounds}")
-    HOST_WAITS.spin = host_wait == "spin"
     xp = array_module(device)
     dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
     if quick:
@@ -137,24 +141,23 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                                 graphs=GraphOptions(enabled=cuda_graphs), max_batch_size=max_batch_size)
     options = LabelSyncOptions(beam_size=beam, sentence_end=EOS, max_labels_per_input=8.0,
                                max_labels=max_labels + 1)
-    steps = {"count": 0}
+    counts = {"steps": 0, "merged": 0, "kept": None}
     original_score = decoder.score
 
     def counting_score(ctx):
-        steps["count"] += 1
+        counts["steps"] += 1
         return original_score(ctx)
 
     decoder.score = counting_score
     # decoder-state tokens per step: merged (T of the batched inputs x rows, padding included)
     # and kept (the histories' own lengths; summed on the device, no synchronisation)
-    history = {"merged": 0, "kept": None}
     original_merge = decoder.states.merge
 
     def counting_merge(histories, **kwargs):
         merged = original_merge(histories, **kwargs)
-        history["merged"] += int(merged.time_size) * histories.num_rows
+        counts["merged"] += int(merged.time_size) * histories.num_rows
         kept = merged.prefix_lengths[:histories.num_rows].sum(dtype=np.int64)
-        history["kept"] = kept if history["kept"] is None else history["kept"] + kept
+        counts["kept"] = kept if counts["kept"] is None else counts["kept"] + kept
         return merged
 
     decoder.states.merge = counting_merge
@@ -177,28 +180,65 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         return label_sync_search(scorers, batch, options, xp=xp, max_active_utterances=max_active,
                                  admission_order="longest-first")
 
-    if quick:
-        warm = batch.select(order[:max_active])
-        label_sync_search(scorers, warm, options, xp=xp)  # compilation, first allocations
-        label_sync_search(scorers, warm, options, xp=xp, max_active_utterances=max_active // 2 or 1)
-    else:  # each mode once: compilation, first allocations, every graph bucket it uses
-        static()
-        continuous()
+    def warm_up():
+        if quick:
+            warm = batch.select(order[:max_active])
+            label_sync_search(scorers, warm, options, xp=xp)  # compilation, first allocations
+            label_sync_search(scorers, warm, options, xp=xp, max_active_utterances=max_active // 2 or 1)
+        else:  # each mode once: compilation, first allocations, every graph bucket it uses
+            static()
+            continuous()
+
+    return BatchingModes(static=static, continuous=continuous, warm_up=warm_up, sync=sync, decoder=decoder,
+                         targets=targets, counts=counts, dims=dims)
+
+
+def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
+                       max_labels: int = 200, encoder_length: int = 100, device: str = "cuda",
+                       quick: bool = False, output_dir=None, cuda_graphs: bool = False,
+                       max_batch_size: int | None = None, utterance_rows: str = "utterance",
+                       export: str = "new-step", dtype: str = "float32", rounds: int = 5,
+                       host_wait: str = "block") -> dict:
+    """Runs both modes in one process, each once untimed first (compilation, allocations, every
+    CUDA-graph capture; ``quick``: a short warm-up), then ``rounds`` timed rounds of both, the
+    order alternating (a slow spell of the host hits both alike); each mode's fastest round
+    counts. Returns (and writes) the results.
+    ``host_wait``: "block" (the host sleeps while it waits for the GPU) or "spin" (it polls;
+    ``batching[...]-spin.json``).
+    ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
+    as ``batching[...]-lane.json``) per hypothesis.
+    ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
+    ``max_batch_size``: lanes per decoder call (the scorer's chunks; default all lanes).
+    ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
+    as ``batching[...]-full-history.json``). ``dtype``: the decoder's float type (``float16``:
+    results as ``batching[...]-float16.json``)."""
+    from gpudecode.backend import HOST_WAITS, array_module
+
+    if host_wait not in ("block", "spin") or rounds < 1:
+        raise ValueError(f"bench batching: host_wait 'block' or 'spin' and rounds >= 1, got {host_wait!r}, {rounds}")
+    HOST_WAITS.spin = host_wait == "spin"
+    modes = batching_modes(num_utts=num_utts, max_active=max_active, beam=beam, min_labels=min_labels,
+                           max_labels=max_labels, encoder_length=encoder_length, device=device, quick=quick,
+                           cuda_graphs=cuda_graphs, max_batch_size=max_batch_size, utterance_rows=utterance_rows,
+                           export=export, dtype=dtype)
+    xp, decoder, targets, counts, dims = (array_module(device), modes.decoder, modes.targets, modes.counts,
+                                          modes.dims)
+    inputs, _ = make_lengths(num_utts, min_labels, max_labels)
+    modes.warm_up()
     cells, round_seconds = {}, {"static": [], "continuous": []}
-    modes = (("static", static), ("continuous", continuous))
+    runs = (("static", modes.static), ("continuous", modes.continuous))
     for r in range(rounds):
-        for name, run in modes if r % 2 == 0 else modes[::-1]:
+        for name, run in runs if r % 2 == 0 else runs[::-1]:
             captured = decoder.captured_graphs
-            steps["count"] = 0
-            history.update(merged=0, kept=None)
-            sync()
+            counts.update(steps=0, merged=0, kept=None)
+            modes.sync()
             wall = time.perf_counter()
             results = run()
-            sync()
+            modes.sync()
             round_seconds[name].append(time.perf_counter() - wall)
             got = np.array([len(r[0].labels) for r in results])
             assert (got == targets).all(), "the target output lengths were not kept"
-            cells[name] = _cell(decoder, xp, device, steps["count"], history, targets, max_active, captured)
+            cells[name] = _cell(decoder, xp, device, counts, targets, max_active, captured)
     for name, cell in cells.items():
         seconds = min(round_seconds[name])
         cell.update(seconds=seconds, utterances_per_s=num_utts / seconds, round_seconds=round_seconds[name])
@@ -223,10 +263,10 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     return write_results(results, output_dir, name, plot_batching)
 
 
-def _cell(decoder, xp, device: str, num_steps: int, history: dict, targets, max_active: int, captured: int) -> dict:
+def _cell(decoder, xp, device: str, counts: dict, targets, max_active: int, captured: int) -> dict:
     """The figures of one timed run besides its time."""
     stats = decoder.states.statistics()
-    num_utts = len(targets)
+    num_utts, num_steps, history = len(targets), counts["steps"], counts
     return {"steps": num_steps, "lane_occupancy": float(targets.sum() + num_utts) / (num_steps * max_active),
             "pool_capacity_slots": stats.capacity_slots, "pool_peak_live_slots": stats.peak_live_slots,
             "pool_bytes": stats.bytes,

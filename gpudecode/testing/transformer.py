@@ -271,9 +271,10 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
             if gqa is not None:  # (bhtd only)
                 seqlens, total = gqa
+                caches = [past.replace("past-", "kv-cache-") for past in (past_k, past_v)]
                 att = g.ops("GroupQueryAttention", [q_flat, k, v, past_k, past_v, seqlens, total], 3,
-                            out=[g.fresh("attention"), *(past.replace("past-", "kv-cache-") for past in (past_k, past_v))],
-                            domain="com.microsoft", num_heads=heads, kv_num_heads=heads)[0]
+                            out=[g.fresh("attention"), *caches], domain="com.microsoft", num_heads=heads,
+                            kv_num_heads=heads)[0]
             elif ragged is not None:  # (bhtd only)
                 write_index, valid_length = ragged
                 caches = [g.op("TensorScatter", g.op("Concat", past, new, axis=2), new, write_index, axis=2)

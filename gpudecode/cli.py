@@ -130,6 +130,17 @@ def bench() -> None:
     """Benchmarks; each measures its baseline in the same run and reports ratios (JSON + PNG)."""
 
 
+#: Options of both decoder benches.
+_DECODER_EXPORT = click.option(
+    "--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged", "gqa"]),
+    default="new-step", show_default=True,
+    help="The decoder's state outputs: the new step alone with fused QKV, the past with the new step appended "
+         "(*-full-history.json), or new-step with attention over each row's own history: ONNX Attention "
+         "(*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA (*-gqa.json).")
+_HOST_WAIT = click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
+                          help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
+
+
 def _run_bench(module: str, function: str, **options) -> None:
     """Runs ``gpudecode.bench.<module>.<function>(**options)`` and prints its table; a missing GPU
     is a clean CLI error."""
@@ -173,19 +184,14 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
               help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
 @click.option("--tf32", is_flag=True, help="The decoder's matrix products on TF32 tensor cores (*-tf32.json); "
               "off by default, as in the library.")
-@click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
-              help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
+@_HOST_WAIT
 @click.option("--beams", default="1,4,8,16", show_default=True, help="Comma-separated; must include 1 and 8.")
 @click.option("--control-delay-ms", type=float, default=0.0, show_default=True,
               help="Add a control cell: beam 1 with this GPU delay per step, so the host waits as at 4,096 "
                    "hypotheses (0: none).")
 @click.option("--rounds", type=int, default=5, show_default=True,
               help="Timed rounds per CUDA-manager cell, interleaved across the cells; each cell's fastest counts.")
-@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged", "gqa"]), default="new-step",
-              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, the past with "
-              "the new step appended (*-full-history.json), or new-step with attention over each row's own "
-              "history: ONNX Attention (*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA "
-              "(*-gqa.json).")
+@_DECODER_EXPORT
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
                  cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str,
                  control_delay_ms: float, rounds: int, export: str) -> None:
@@ -224,17 +230,12 @@ def bench_graphs(output: str, small_utts: int, large_utts: int, beam: int, num_l
                    "batching-calls<N>.json); default: all lanes.")
 @click.option("--utterance-rows", type=click.Choice(["utterance", "lane"]), default="utterance", show_default=True,
               help="The decoder's cross-attention keys/values: one row per utterance, or per hypothesis (*-lane.json).")
-@click.option("--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged", "gqa"]), default="new-step",
-              show_default=True, help="The decoder's state outputs: the new step alone with fused QKV, the past with "
-              "the new step appended (*-full-history.json), or new-step with attention over each row's own "
-              "history: ONNX Attention (*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA "
-              "(*-gqa.json).")
+@_DECODER_EXPORT
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="The decoder's float type (*-float16.json).")
 @click.option("--rounds", type=int, default=5, show_default=True,
               help="Timed rounds of both modes, the order alternating; each mode's fastest counts.")
-@click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
-              help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
+@_HOST_WAIT
 def bench_batching(output: str, utterances: int, max_active: int, beam: int, quick: bool, cuda_graphs: bool,
                    max_batch_size: int | None, utterance_rows: str, export: str, dtype: str, rounds: int,
                    host_wait: str) -> None:

@@ -95,7 +95,8 @@ class BatchingModes:
     warm_up: Callable[[], None]
     sync: Callable[[], None]
     decoder: object
-    targets: np.ndarray
+    inputs: np.ndarray  # input lengths (the sort key)
+    targets: np.ndarray  # output lengths
     counts: dict
     dims: dict  # the decoder's sizes
 
@@ -190,7 +191,7 @@ def batching_modes(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, 
             continuous()
 
     return BatchingModes(static=static, continuous=continuous, warm_up=warm_up, sync=sync, decoder=decoder,
-                         targets=targets, counts=counts, dims=dims)
+                         inputs=inputs, targets=targets, counts=counts, dims=dims)
 
 
 def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, min_labels: int = 10,
@@ -221,9 +222,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                            max_labels=max_labels, encoder_length=encoder_length, device=device, quick=quick,
                            cuda_graphs=cuda_graphs, max_batch_size=max_batch_size, utterance_rows=utterance_rows,
                            export=export, dtype=dtype)
-    xp, decoder, targets, counts, dims = (array_module(device), modes.decoder, modes.targets, modes.counts,
-                                          modes.dims)
-    inputs, _ = make_lengths(num_utts, min_labels, max_labels)
+    xp, decoder, targets, counts = array_module(device), modes.decoder, modes.targets, modes.counts
     modes.warm_up()
     cells, round_seconds = {}, {"static": [], "continuous": []}
     runs = (("static", modes.static), ("continuous", modes.continuous))
@@ -246,13 +245,13 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     decoder.close()
     results = {
         "benchmark": "batching",
-        "config": {**dims, "device": device, "cuda_graphs": cuda_graphs, "max_batch_size": max_batch_size,
+        "config": {**modes.dims, "device": device, "cuda_graphs": cuda_graphs, "max_batch_size": max_batch_size,
                    "utterance_rows": utterance_rows, "decoder_export": export, "dtype": dtype,
                    "utterances": num_utts, "max_active_utterances": max_active,
                    "beam": beam, "output_labels": [min_labels, max_labels], "encoder_length": encoder_length,
                    "order": "longest-first by input length (both runs)", "rounds": rounds, "host_wait": host_wait,
                    "timing": "each mode's fastest of the rounds (order alternating)",
-                   "input_output_length_correlation": float(np.corrcoef(inputs, targets)[0, 1])},
+                   "input_output_length_correlation": float(np.corrcoef(modes.inputs, targets)[0, 1])},
         "cells": cells,
         "ratios": {"continuous_over_static_throughput":
                    cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
@@ -266,14 +265,14 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
 def _cell(decoder, xp, device: str, counts: dict, targets, max_active: int, captured: int) -> dict:
     """The figures of one timed run besides its time."""
     stats = decoder.states.statistics()
-    num_utts, num_steps, history = len(targets), counts["steps"], counts
-    return {"steps": num_steps, "lane_occupancy": float(targets.sum() + num_utts) / (num_steps * max_active),
+    num_steps = counts["steps"]
+    return {"steps": num_steps, "lane_occupancy": float(targets.sum() + len(targets)) / (num_steps * max_active),
             "pool_capacity_slots": stats.capacity_slots, "pool_peak_live_slots": stats.peak_live_slots,
             "pool_bytes": stats.bytes,
             "cupy_pool_bytes": int(xp.get_default_memory_pool().total_bytes()) if device == "cuda" else None,
             "graphs_captured_while_timed": decoder.captured_graphs - captured,
-            "history_tokens_merged": history["merged"], "history_tokens_kept": int(history["kept"]),
-            "history_padding": history["merged"] / max(int(history["kept"]), 1)}
+            "history_tokens_merged": counts["merged"], "history_tokens_kept": int(counts["kept"]),
+            "history_padding": counts["merged"] / max(int(counts["kept"]), 1)}
 
 
 def plot_batching(results: dict, path) -> str | None:

@@ -160,10 +160,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
         admitted, taken = _admit(entries, utterances, free, queue, any_active=False)
         lanes.reset(free, admitted, taken, limits[taken], step=0)
         contexts = [e.scorer.initial_context(admitted) for e in entries]
-        # read at once by default: a host that sleeps on the late read loses more than the
-        # overlap gains (measured on the H200 with CUDA graphs); LAGGED_CONTINUOUS_MASK turns it on
-        lagged = LAGGED_CONTINUOUS_MASK
-        masks = label_sync.LaggedReads(layout.xp, num_groups) if lagged else None
+        masks = label_sync.LaggedReads(layout.xp, num_groups) if LAGGED_CONTINUOUS_MASK else None
         step = 0
         while (lanes.group_utterance >= 0).any():
             step += 1

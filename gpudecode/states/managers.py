@@ -165,7 +165,8 @@ class StateManager:
         for the same (N_buf >= N, T_buf); rows >= N and the left padding are written as zeros, and
         T = T_buf. With left-aligned histories (``history_alignment="left"``: the model reads only
         each row's prefix) the positions after each history and the rows >= N are not written at
-        all; the buffers this manager allocates start zeroed, so they only ever hold finite states. ``prefix_lengths_out``: ``[N_buf]`` int32 buffer for the prefix lengths.
+        all; the buffers this manager allocates start zeroed, so they only ever hold finite states.
+        ``prefix_lengths_out``: ``[N_buf]`` int32 buffer for the prefix lengths.
         """
         histories = self._as_histories(histories)
         num_rows = histories.num_rows

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from gpudecode.session.discovery import HISTORY_ALIGNMENT_KEY, IN_PLACE_PREFIX
 from gpudecode.testing._graph import (
     OPSET,
     GraphBuilder,
@@ -24,8 +25,6 @@ from gpudecode.testing.reference import Feeds, ReferenceModel
 CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
 KV_LAYOUTS = ("bhtd", "btd")
 STATE_OUTPUTS = ("full", "new")
-HISTORY_ALIGNMENT_KEY = "HISTORY_ALIGNMENT"  # metadata: "left" = each row's history first
-IN_PLACE_PREFIX = "IN_PLACE_"  # metadata IN_PLACE_<output> = the state input whose buffer it writes
 ATTENTIONS = ("dense", "ragged", "gqa")
 
 

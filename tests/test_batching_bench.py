@@ -14,9 +14,12 @@ def test_batching_bench_counts_steps_and_history_tokens(export, dtype):
                                  quick=True, export=export, dtype=dtype, rounds=2)
     assert (results["config"]["decoder_export"], results["config"]["dtype"]) == (export, dtype)
     static, continuous = results["cells"]["static"], results["cells"]["continuous"]
+    lagged = results["cells"]["continuous-lagged"]
     assert continuous["steps"] < static["steps"]  # refilled lanes: fewer steps for the same labels
+    # a mask read one step late refills each free group one step later, never earlier
+    assert continuous["steps"] <= lagged["steps"] < static["steps"]
     _, targets = make_lengths(12, 2, 12)
-    for cell in (static, continuous):
+    for cell in (static, continuous, lagged):
         # every step merges at least the histories' own tokens, padding on top
         assert cell["history_tokens_merged"] >= cell["history_tokens_kept"] > 0
         assert cell["history_padding"] == cell["history_tokens_merged"] / cell["history_tokens_kept"]
@@ -25,6 +28,10 @@ def test_batching_bench_counts_steps_and_history_tokens(export, dtype):
     assert "merged ÷ kept history tokens" in format_table(results)
     assert np.isclose(results["ratios"]["continuous_over_static_throughput"],
                       continuous["utterances_per_s"] / static["utterances_per_s"])
-    for cell in (static, continuous):  # the fastest of the interleaved rounds counts
+    assert np.isclose(results["ratios"]["continuous_lagged_over_static_throughput"],
+                      lagged["utterances_per_s"] / static["utterances_per_s"])
+    for cell in (static, continuous, lagged):  # the fastest of the interleaved rounds counts
         assert len(cell["round_seconds"]) == results["config"]["rounds"] == 2
         assert cell["seconds"] == min(cell["round_seconds"]) and cell["utterances_per_s"] == 12 / cell["seconds"]
+        assert np.isclose(cell["ms_per_step"], 1e3 * cell["seconds"] / cell["steps"])
+        assert 0 < cell["host_cpu_ms_per_step"] and cell["waits_per_step"] == 0  # numpy: nothing to wait for

@@ -9,10 +9,12 @@ length-sorted (longest-first) order and keep at most K utterances in flight:
 
 - **static**: consecutive batches of K utterances, each decoded until its longest is done;
 - **continuous**: ``label_sync_search(..., max_active_utterances=K)``, finished utterances'
-  lanes refilled at once.
+  lanes refilled at once, the finished-groups mask read in the step that made it;
+- **continuous-lagged**: the same with the mask read one step late
+  (:data:`gpudecode.search.batching.LAGGED_CONTINUOUS_MASK`).
 
-Reported: utterances/s of both and their ratio (continuous ÷ static), search steps, lane
-occupancy, state-pool capacity and peak live token states, CuPy pool bytes, and the decoder-state
+Reported: utterances/s of each and their ratios to static, search steps, time per step, the
+host's thread CPU and its waits for the GPU per step, lane occupancy, state-pool capacity and peak live token states, CuPy pool bytes, and the decoder-state
 tokens merged per run against those the histories hold (``history_padding``: how much of the
 model's self-attention input is left padding; a lane refilled mid-search sits beside long
 histories). JSON + PNG.
@@ -86,12 +88,14 @@ def make_lengths(num_utts: int, min_labels: int, max_labels: int, seed: int = 0)
 class BatchingModes:
     """The two modes of the bench over one decoder, ready to run (:func:`batching_modes`).
 
-    ``static()`` / ``continuous()`` decode all utterances (n-best lists in input order);
+    ``static()`` / ``continuous()`` / ``continuous_lagged()`` decode all utterances (n-best lists in
+    input order);
     ``counts`` holds the steps and merged / kept history tokens of the last run (reset it first);
     ``sync()`` waits for the GPU."""
 
     static: Callable[[], list]
     continuous: Callable[[], list]
+    continuous_lagged: Callable[[], list]
     warm_up: Callable[[], None]
     sync: Callable[[], None]
     decoder: object
@@ -110,6 +114,7 @@ def batching_modes(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, 
     from gpudecode.backend import array_module, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
+    from gpudecode.search import batching as search_batching
     from gpudecode.search.batching import admission_order
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.session.graphs import GraphOptions
@@ -181,6 +186,13 @@ def batching_modes(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, 
         return label_sync_search(scorers, batch, options, xp=xp, max_active_utterances=max_active,
                                  admission_order="longest-first")
 
+    def continuous_lagged():
+        saved, search_batching.LAGGED_CONTINUOUS_MASK = search_batching.LAGGED_CONTINUOUS_MASK, True
+        try:
+            return continuous()
+        finally:
+            search_batching.LAGGED_CONTINUOUS_MASK = saved
+
     def warm_up():
         if quick:
             warm = batch.select(order[:max_active])
@@ -189,8 +201,9 @@ def batching_modes(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, 
         else:  # each mode once: compilation, first allocations, every graph bucket it uses
             static()
             continuous()
+            continuous_lagged()
 
-    return BatchingModes(static=static, continuous=continuous, warm_up=warm_up, sync=sync, decoder=decoder,
+    return BatchingModes(static=static, continuous=continuous, continuous_lagged=continuous_lagged, warm_up=warm_up, sync=sync, decoder=decoder,
                          inputs=inputs, targets=targets, counts=counts, dims=dims)
 
 
@@ -224,23 +237,31 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                            export=export, dtype=dtype)
     xp, decoder, targets, counts = array_module(device), modes.decoder, modes.targets, modes.counts
     modes.warm_up()
-    cells, round_seconds = {}, {"static": [], "continuous": []}
-    runs = (("static", modes.static), ("continuous", modes.continuous))
+    runs = (("static", modes.static), ("continuous", modes.continuous),
+            ("continuous-lagged", modes.continuous_lagged))
+    cells, timings = {}, {name: [] for name, _ in runs}
     for r in range(rounds):
         for name, run in runs if r % 2 == 0 else runs[::-1]:
             captured = decoder.captured_graphs
             counts.update(steps=0, merged=0, kept=None)
             modes.sync()
-            wall = time.perf_counter()
+            HOST_WAITS.reset()
+            cpu, wall = time.thread_time(), time.perf_counter()
             results = run()
             modes.sync()
-            round_seconds[name].append(time.perf_counter() - wall)
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             got = np.array([len(r[0].labels) for r in results])
             assert (got == targets).all(), "the target output lengths were not kept"
             cells[name] = _cell(decoder, xp, device, counts, targets, max_active, captured)
+            steps = counts["steps"]
+            timings[name].append({"seconds": wall, "ms_per_step": 1e3 * wall / steps,
+                                  "host_cpu_ms_per_step": 1e3 * cpu / steps,
+                                  "waits_per_step": HOST_WAITS.count / steps,
+                                  "wait_ms_per_step": 1e3 * HOST_WAITS.wall_s / steps})
     for name, cell in cells.items():
-        seconds = min(round_seconds[name])
-        cell.update(seconds=seconds, utterances_per_s=num_utts / seconds, round_seconds=round_seconds[name])
+        fastest = min(timings[name], key=lambda t: t["seconds"])
+        cell.update(fastest, utterances_per_s=num_utts / fastest["seconds"],
+                    round_seconds=[t["seconds"] for t in timings[name]])
     HOST_WAITS.spin = False
     decoder.close()
     results = {
@@ -254,7 +275,9 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                    "input_output_length_correlation": float(np.corrcoef(modes.inputs, targets)[0, 1])},
         "cells": cells,
         "ratios": {"continuous_over_static_throughput":
-                   cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
+                   cells["continuous"]["utterances_per_s"] / cells["static"]["utterances_per_s"],
+                   "continuous_lagged_over_static_throughput":
+                   cells["continuous-lagged"]["utterances_per_s"] / cells["static"]["utterances_per_s"]},
     }
     name = "batching" + ("-graphs" if cuda_graphs else "") + (f"-calls{max_batch_size}" if max_batch_size else "")
     name += ("-lane" if utterance_rows == "lane" else "") + ("" if export == "new-step" else f"-{export}")
@@ -276,17 +299,20 @@ def _cell(decoder, xp, device: str, counts: dict, targets, max_active: int, capt
 
 
 def plot_batching(results: dict, path) -> str | None:
-    """Utterances/s and lane occupancy, static vs continuous."""
+    """Utterances/s and lane occupancy per mode."""
     plt = pyplot()
     if plt is None:
         return None
-    names = ["static", "continuous"]
     cells = results["cells"]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
-    axes[0].bar(names, [cells[n]["utterances_per_s"] for n in names], color=["#999999", "#1f77b4"])
+    names = list(cells)
+    colors = ["#999999", "#1f77b4", "#ff7f0e"][:len(names)]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].bar(names, [cells[n]["utterances_per_s"] for n in names], color=colors)
     axes[0].set_ylabel("utterances / s")
-    axes[0].set_title(f"continuous ÷ static = {results['ratios']['continuous_over_static_throughput']:.2f}")
-    axes[1].bar(names, [100 * cells[n]["lane_occupancy"] for n in names], color=["#999999", "#1f77b4"])
+    ratios = results["ratios"]
+    axes[0].set_title(f"÷ static: {ratios['continuous_over_static_throughput']:.2f} (continuous), "
+                      f"{ratios['continuous_lagged_over_static_throughput']:.2f} (lagged)", fontsize=9)
+    axes[1].bar(names, [100 * cells[n]["lane_occupancy"] for n in names], color=colors)
     axes[1].set_ylabel("busy lane groups per step (%)")
     c = results["config"]
     fig.suptitle(f"{c['utterances']} utterances, K={c['max_active_utterances']}, beam {c['beam']}, "
@@ -295,13 +321,17 @@ def plot_batching(results: dict, path) -> str | None:
 
 
 def format_table(results: dict) -> str:
-    lines = ["| mode | utterances/s | seconds | steps | lane occupancy | pool capacity / peak live slots "
+    lines = ["| mode | utterances/s | seconds | steps | ms per step | host CPU ms per step | waits per step "
+             "| waiting ms per step | lane occupancy | pool capacity / peak live slots "
              "| merged ÷ kept history tokens |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in results["cells"].items():
         lines.append(f"| {name} | {c['utterances_per_s']:.1f} | {c['seconds']:.2f} | {c['steps']} | "
+                     f"{c['ms_per_step']:.2f} | {c['host_cpu_ms_per_step']:.2f} | {c['waits_per_step']:.2f} | "
+                     f"{c['wait_ms_per_step']:.2f} | "
                      f"{100 * c['lane_occupancy']:.0f}% | {c['pool_capacity_slots']} / {c['pool_peak_live_slots']} | "
                      f"{c['history_padding']:.2f} |")
     lines.append("")
-    lines.append(f"continuous ÷ static throughput: {results['ratios']['continuous_over_static_throughput']:.3f}")
+    for key, value in results["ratios"].items():
+        lines.append(f"{key.replace('_', ' ')}: {value:.3f}")
     return "\n".join(lines)

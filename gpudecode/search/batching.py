@@ -3,21 +3,23 @@
 K lane groups (``max_active_utterances``) decode at once. Per step the search runs exactly as the
 static one (:func:`gpudecode.search.label_sync._expand` over all N = K · beam lanes) and reads one
 small array back: which groups have finished (every lane terminated, or the utterance's label
-limit reached). For each finished group, in the same step:
+limit reached). A finished group carries itself (its lanes are ended and offer only themselves)
+until an eighth of the groups are free, or the queue is that short, or — with the queue empty —
+every group has finished. Then, in one step, for all finished groups:
 
-1. its n-best is **finalised**: ranks, scores, lengths and the label rows of its lanes are
-   gathered on the device (no transfer; they are read back in bulk later);
-2. its lanes are **released** in every scorer (``release``: states freed);
+1. their n-best lists are **finalised**: ranks, scores, lengths and the label rows of their lanes
+   are gathered on the device (no transfer; they are read back in bulk later);
+2. their lanes are **released** in every scorer (``release``: states freed);
 3. the next waiting utterances are **admitted** (``admit``: per-utterance inputs written into the
-   group's lanes, a prefill run) — if the GPU runs out of memory there, fewer are admitted and
-   the rest wait for the next free group;
+   groups' lanes, a prefill run) — if the GPU runs out of memory there, fewer are admitted and
+   the rest wait for the next refill;
 4. every released group's lanes are reset (``initial_context(groups, ctx)``), the other groups
    go on untouched.
 
-Label sequences are kept per lane in a [N, capacity] table (capacity = the longest label limit
-admitted so far, rounded up to a power of two; it grows at admission, never per step), gathered
-by the parents each step and written at the lane's own step index — so a group that restarted
-mid-search needs no backtrace over other utterances' steps.
+Label sequences are kept per lane in a [N, capacity] ring (capacity = the longest label limit of
+all utterances, rounded up to a power of two), gathered by the parents each step; a lane that
+emits a label writes it in the step's column, so a group that restarted mid-search needs no
+backtrace over other utterances' steps: its labels are the ``limit`` columns from its start.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _round_up(n: int) -> int:
 class _Lanes:
     """Per-lane bookkeeping of a continuous search (device arrays) and per-group host arrays."""
 
-    def __init__(self, layout: LaneLayout, num_scorers: int):
+    def __init__(self, layout: LaneLayout, num_scorers: int, max_limit: int):
         xp, num_lanes = layout.xp, layout.num_lanes
         self.layout = layout
         self.beam = _Beam(scores=xp.full(num_lanes, _NEG_INF, dtype=np.float32),
@@ -82,8 +84,11 @@ class _Lanes:
                           lengths=xp.zeros(num_lanes, dtype=np.int64),
                           ended=xp.ones(num_lanes, dtype=bool))
         self.start = xp.zeros(num_lanes, dtype=np.int64)  # step before the utterance's first
-        self.limit = xp.zeros(num_lanes, dtype=np.int64)  # label limit of the lane's utterance
-        self.tokens = xp.full((num_lanes, 1), -1, dtype=np.int32)  # labels per lane, by step
+        self.deadline = xp.zeros(num_lanes, dtype=np.int64)  # step of the lane's last label
+        # labels per lane, a ring by step: a lane's t-th label (step start + t) in column
+        # (start + t - 1) % capacity; a lane emits at most its limit labels, one per step from
+        # its first, so the ring never wraps onto them
+        self.tokens = xp.full((num_lanes, _round_up(max_limit)), -1, dtype=np.int32)
         self.spare = self.tokens.copy()
         self.group_utterance = np.full(layout.num_groups, -1, dtype=np.int64)  # host
         self.group_limit = np.zeros(layout.num_groups, dtype=np.int64)  # host
@@ -93,12 +98,6 @@ class _Lanes:
               limits: np.ndarray, step: int) -> None:
         """Lanes of ``groups`` restart at ``step``; ``admitted`` (a subset) hold ``utterances``."""
         xp, layout = self.layout.xp, self.layout
-        # one column more than the limit: a finished group read one step late carries itself once more
-        capacity = _round_up(int(limits.max()) + 1) if limits.size else 1
-        if capacity > self.tokens.shape[1]:  # grows at admission only, rounded up
-            grown = xp.full((layout.num_lanes, capacity), -1, dtype=np.int32)
-            grown[:, :self.tokens.shape[1]] = self.tokens
-            self.tokens, self.spare = grown, grown.copy()
         lanes = xp.asarray(layout.lanes_of(groups))
         beam = self.beam
         beam.scores[lanes] = _NEG_INF
@@ -107,29 +106,36 @@ class _Lanes:
         beam.ended[lanes] = True
         self.tokens[lanes] = -1
         self.start[lanes] = step
-        self.limit[lanes] = 0
+        self.deadline[lanes] = step
         self.group_utterance[groups] = -1
         self.group_start[groups] = step
         if admitted.size:
             firsts = xp.asarray(layout.first_lanes(admitted))
             beam.scores[firsts] = 0
             beam.ended[firsts] = False
-            self.limit[xp.asarray(layout.lanes_of(admitted))] = xp.asarray(
-                np.repeat(limits, layout.beam_size))
+            self.deadline[xp.asarray(layout.lanes_of(admitted))] = xp.asarray(
+                step + np.repeat(limits, layout.beam_size))
             self.group_utterance[admitted] = utterances
             self.group_limit[admitted] = limits
 
     def record(self, step: int, parents, labels) -> None:
-        """Lane i's path = its parent's path + ``labels[i]`` at the lane's own step index."""
+        """Lane i's path = its parent's path + ``labels[i]`` if it emitted one (carried lanes write
+        nothing)."""
         xp = self.layout.xp
         xp.take(self.tokens, parents, axis=0, out=self.spare)
         self.tokens, self.spare = self.spare, self.tokens
-        column = xp.clip(step - 1 - self.start, 0, self.tokens.shape[1] - 1)
-        self.tokens[xp.arange(self.tokens.shape[0]), column] = labels
+        xp.copyto(self.tokens[:, (step - 1) % self.tokens.shape[1]], labels, casting="unsafe", where=labels >= 0)
 
     def at_limit(self, step: int):
         """[N] bool: lanes whose utterance reaches its label limit with ``step``."""
-        return self.limit <= step - self.start
+        return self.deadline <= step
+
+    def labels(self, rows, width: int):
+        """[len(rows), width] int32: the labels of lanes ``rows`` in order, -1 after their last."""
+        xp = self.layout.xp
+        capacity = self.tokens.shape[1]
+        columns = (self.start[rows][:, None] + xp.arange(min(width, capacity))[None, :]) % capacity
+        return xp.take_along_axis(self.tokens[rows], columns, axis=1)
 
 
 def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
@@ -141,12 +147,12 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
     the end (read one step late with ``LAGGED_CONTINUOUS_MASK``).
     """
     num_groups, beam_size = layout.num_groups, layout.beam_size
-    # Admitting costs a few launches and a retain per scorer whatever the number of groups, so
-    # groups are refilled once an eighth of them is free (or the queue runs short).
+    # Finishing and admitting cost a few launches and a retain per scorer whatever the number of
+    # groups, so groups are refilled once an eighth of them is free (or the queue runs short).
     min_free = max(1, num_groups // 8)
     limits = options.label_limits(utterances.input_lengths)
     queue = deque(admission_order(utterances.input_lengths, order).tolist())
-    lanes = _Lanes(layout, len(entries))
+    lanes = _Lanes(layout, len(entries), int(limits.max()))
     masks = None
     results: list[list[Hypothesis] | None] = [None] * utterances.num_utterances
     pending: list[tuple] = []
@@ -180,16 +186,20 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
             done = np.flatnonzero(finished & (lanes.group_utterance >= 0) & (lanes.group_start < seen))
             if done.size == 0:
                 continue
+            # Finished groups carry themselves (no host work) until one refill serves several of
+            # them, or, with nobody left to admit, until every group is done.
+            active = int((lanes.group_utterance >= 0).sum())
+            if queue:  # groups left empty when memory ran out count as free
+                if done.size + num_groups - active < min(min_free, len(queue)):
+                    continue
+            elif done.size < active:
+                continue
             pending.append(_finalise(lanes, done, options))
             num_pending += done.size * beam_size
             for entry in entries:
                 entry.scorer.release(done)
             free = np.union1d(np.flatnonzero(lanes.group_utterance < 0), done)
-            still_active = int((lanes.group_utterance >= 0).sum()) - done.size
-            if len(free) >= min_free or len(queue) <= len(free) or still_active == 0:
-                admitted, taken = _admit(entries, utterances, free, queue, any_active=still_active > 0)
-            else:  # wait for more free groups: one admission then serves several
-                admitted = taken = np.zeros(0, dtype=np.int64)
+            admitted, taken = _admit(entries, utterances, free, queue, any_active=active > done.size)
             reset = np.union1d(done, admitted)
             lanes.reset(reset, admitted, taken, limits[taken], step=step)
             contexts = [e.scorer.initial_context(reset, c) for e, c in zip(entries, contexts)]
@@ -249,7 +259,7 @@ def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions) -> tup
     order = top_k_indices(ranks.reshape(done.size, layout.beam_size), layout.beam_size)
     width = int(lanes.group_limit[done].max())
     return (lanes.group_utterance[done].copy(), order, ranks, scores, beam.scorer_scores[:, rows],
-            beam.lengths[rows], lanes.tokens[rows, :width])
+            beam.lengths[rows], lanes.labels(rows, width))
 
 
 def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOptions) -> None:

@@ -35,3 +35,7 @@ def test_batching_bench_counts_steps_and_history_tokens(export, dtype):
         assert cell["seconds"] == min(cell["round_seconds"]) and cell["utterances_per_s"] == 12 / cell["seconds"]
         assert np.isclose(cell["ms_per_step"], 1e3 * cell["seconds"] / cell["steps"])
         assert 0 < cell["host_cpu_ms_per_step"] and cell["waits_per_step"] == 0  # numpy: nothing to wait for
+        assert 0 < cell["refill_host_cpu_ms_per_step"] < cell["host_cpu_ms_per_step"] if cell is not static \
+            else cell["refills"] == 0
+    # 12 utterances in 4 groups, refilled once 1 (an eighth) is free: at least 2 refills, at most 8 + the last
+    assert 2 <= continuous["refills"] <= 9

@@ -227,6 +227,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     as ``batching[...]-full-history.json``). ``dtype``: the decoder's float type (``float16``:
     results as ``batching[...]-float16.json``)."""
     from gpudecode.backend import HOST_WAITS, array_module
+    from gpudecode.search.batching import REFILLS
 
     if host_wait not in ("block", "spin") or rounds < 1:
         raise ValueError(f"bench batching: host_wait 'block' or 'spin' and rounds >= 1, got {host_wait!r}, {rounds}")
@@ -246,6 +247,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
             counts.update(steps=0, merged=0, kept=None)
             modes.sync()
             HOST_WAITS.reset()
+            REFILLS.reset()
             cpu, wall = time.thread_time(), time.perf_counter()
             results = run()
             modes.sync()
@@ -256,8 +258,11 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
             steps = counts["steps"]
             timings[name].append({"seconds": wall, "ms_per_step": 1e3 * wall / steps,
                                   "host_cpu_ms_per_step": 1e3 * cpu / steps,
+                                  "host_cpu_outside_waits_ms_per_step": 1e3 * (cpu - HOST_WAITS.cpu_s) / steps,
                                   "waits_per_step": HOST_WAITS.count / steps,
-                                  "wait_ms_per_step": 1e3 * HOST_WAITS.wall_s / steps})
+                                  "wait_ms_per_step": 1e3 * HOST_WAITS.wall_s / steps,
+                                  "refills": REFILLS.count,
+                                  "refill_host_cpu_ms_per_step": 1e3 * REFILLS.cpu_s / steps})
     for name, cell in cells.items():
         fastest = min(timings[name], key=lambda t: t["seconds"])
         cell.update(fastest, utterances_per_s=num_utts / fastest["seconds"],
@@ -321,14 +326,15 @@ def plot_batching(results: dict, path) -> str | None:
 
 
 def format_table(results: dict) -> str:
-    lines = ["| mode | utterances/s | seconds | steps | ms per step | host CPU ms per step | waits per step "
-             "| waiting ms per step | lane occupancy | pool capacity / peak live slots "
-             "| merged ÷ kept history tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | utterances/s | seconds | steps | ms per step | host CPU ms per step (outside waits) "
+             "| waits per step | waiting ms per step | refills (host CPU ms per step) | lane occupancy "
+             "| pool capacity / peak live slots | merged ÷ kept history tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in results["cells"].items():
         lines.append(f"| {name} | {c['utterances_per_s']:.1f} | {c['seconds']:.2f} | {c['steps']} | "
-                     f"{c['ms_per_step']:.2f} | {c['host_cpu_ms_per_step']:.2f} | {c['waits_per_step']:.2f} | "
-                     f"{c['wait_ms_per_step']:.2f} | "
+                     f"{c['ms_per_step']:.2f} | {c['host_cpu_ms_per_step']:.2f} "
+                     f"({c['host_cpu_outside_waits_ms_per_step']:.2f}) | {c['waits_per_step']:.2f} | "
+                     f"{c['wait_ms_per_step']:.2f} | {c['refills']} ({c['refill_host_cpu_ms_per_step']:.2f}) | "
                      f"{100 * c['lane_occupancy']:.0f}% | {c['pool_capacity_slots']} / {c['pool_peak_live_slots']} | "
                      f"{c['history_padding']:.2f} |")
     lines.append("")

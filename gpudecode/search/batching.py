@@ -24,11 +24,13 @@ backtrace over other utterances' steps: its labels are the ``limit`` columns fro
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
 
 from gpudecode import defaults
+from gpudecode.backend import HostClock
 
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.search import label_sync
@@ -40,6 +42,10 @@ ADMISSION_ORDERS = defaults.ADMISSION_ORDERS
 
 #: Finished lanes kept on the device before their results are read back in one transfer.
 _MAX_PENDING_LANES = 1 << 16
+
+#: Host time of the refills (finalise, release, admit, reset; ``count``: refills), a benchmark's
+#: accounting.
+REFILLS = HostClock()
 
 #: Read the finished-groups mask one step late (the host queues step k + 1 before it waits for
 #: step k's mask; a finished group then carries itself one more step, which changes nothing).
@@ -194,6 +200,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
                     continue
             elif done.size < active:
                 continue
+            cpu, wall = time.thread_time(), time.perf_counter()
             pending.append(_finalise(lanes, done, options))
             num_pending += done.size * beam_size
             for entry in entries:
@@ -203,6 +210,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
             reset = np.union1d(done, admitted)
             lanes.reset(reset, admitted, taken, limits[taken], step=step)
             contexts = [e.scorer.initial_context(reset, c) for e, c in zip(entries, contexts)]
+            REFILLS.add(time.thread_time() - cpu, time.perf_counter() - wall)
             if num_pending >= _MAX_PENDING_LANES:
                 _collect(pending, results, entries, options)
                 pending, num_pending = [], 0

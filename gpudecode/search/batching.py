@@ -132,10 +132,6 @@ class _Lanes:
         self.tokens, self.spare = self.spare, self.tokens
         xp.copyto(self.tokens[:, (step - 1) % self.tokens.shape[1]], labels, casting="unsafe", where=labels >= 0)
 
-    def at_limit(self, step: int):
-        """[N] bool: lanes whose utterance reaches its label limit with ``step``."""
-        return self.deadline <= step
-
     def labels(self, rows, width: int):
         """[len(rows), width] int32: the labels of lanes ``rows`` in order, -1 after their last."""
         xp = self.layout.xp
@@ -176,8 +172,8 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
         step = 0
         while (lanes.group_utterance >= 0).any():
             step += 1
-            lanes.beam, parents, labels, contexts = _expand(
-                entries, contexts, lanes.beam, layout, options, at_limit=lanes.at_limit(step))
+            lanes.beam, parents, labels, contexts = _expand(entries, contexts, lanes.beam, layout, options,
+                                                            lanes.deadline, step)
             lanes.record(step, parents, labels)
             finished = lanes.beam.ended.reshape(num_groups, beam_size).all(axis=1)
             if masks is None:

@@ -41,6 +41,7 @@ from gpudecode.scorers.combine import (
     checked_scores,
     combine_scores,
 )
+from gpudecode.search import label_step
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
 from gpudecode.search.topk import top_k_indices
@@ -281,8 +282,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
     flags = LaggedReads(xp) if lagged else None
     cpu, wall = time.thread_time(), time.perf_counter()
     for step in range(1, max_steps + 1):
-        beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options,
-                                                  at_limit=lane_limit <= step)
+        beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options, lane_limit, step)
         steps.append((parents, labels))
         if step == max_steps:
             break
@@ -301,28 +301,46 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
 
 
 def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSyncOptions,
-            at_limit) -> tuple[_Beam, object, object, list]:
+            deadline, step: int) -> tuple[_Beam, object, object, list]:
     """One search step over all N lanes: score, combine, prune per utterance, extend contexts.
 
-    ``at_limit``: [N] bool, lanes whose utterance reaches its label limit with this step.
-    Returns the new beam, parents [N] and labels [N] (-1: carried) and the new contexts.
+    ``deadline``: [N] int64, a lane reaches its utterance's label limit with this step when
+    ``deadline <= step``. Returns the new beam, parents [N] and labels [N] (-1: carried) and the
+    new contexts.
     """
     xp = layout.xp
-    num_groups, beam_size = layout.num_groups, layout.beam_size
     vocab_size = int(entries[0].scorer.vocab_size)
-    lns = np.float32(options.length_norm_scale)
-    threshold = None if options.score_threshold is None else np.float32(options.score_threshold)
     log_probs, combined = _scores(entries, contexts, layout, options, vocab_size)
+    norm = None
+    if options.length_norm_scale != 0:  # each lane's candidates' length normaliser
+        cand_lengths = (beam.lengths + ~beam.ended).astype(np.float32)
+        norm = xp.power(xp.maximum(cand_lengths, np.float32(1)), np.float32(options.length_norm_scale))
+    if label_step.use_kernel(xp, layout.beam_size, len(log_probs)):
+        fields, parents, labels = label_step.select_kernel(beam, combined, log_probs, norm, deadline, step,
+                                                           layout, options)
+        beam = _Beam(**fields)
+    else:
+        beam, parents, labels = _select(beam, combined, log_probs, norm, deadline <= step, layout, options)
+    contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
+    return beam, parents, labels, contexts
+
+
+def _select(beam: _Beam, combined, log_probs, norm, at_limit, layout: LaneLayout,
+            options: LabelSyncOptions) -> tuple[_Beam, object, object]:
+    """The best ``beam_size`` candidates per utterance and the new lanes (the array version of
+    ``kernels/label_step.cu``). ``norm``: [N] length normalisers (None: 1); ``at_limit``: [N]
+    bool, lanes that reach their label limit with this step."""
+    xp = layout.xp
+    num_groups, beam_size = layout.num_groups, layout.beam_size
+    vocab_size = int(combined.shape[1])
+    threshold = None if options.score_threshold is None else np.float32(options.score_threshold)
 
     # Candidates [N, V]: open lanes extend by every label; a terminated lane offers only
     # itself (in column 0, mapped to label -1 below); dead lanes offer nothing.
     open_lanes = ~beam.ended
     candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, _NEG_INF)
     candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
-    ranks = candidates
-    if lns != 0:
-        cand_lengths = (beam.lengths + open_lanes).astype(np.float32)
-        ranks = candidates / xp.power(xp.maximum(cand_lengths, np.float32(1)), lns)[:, None]
+    ranks = candidates if norm is None else candidates / norm[:, None]
     ranks = ranks.reshape(num_groups, beam_size * vocab_size)
     if threshold is not None:
         best = ranks.max(axis=1, keepdims=True)
@@ -346,8 +364,7 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
     ended = (was_ended | ~alive | (labels == options.sentence_end) | at_limit)
     beam = _Beam(scores=scores, scorer_scores=scorer_scores,
                  lengths=beam.lengths[parents] + emitted, ended=ended)
-    contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
-    return beam, parents, labels, contexts
+    return beam, parents, labels
 
 
 def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vocab_size: int):

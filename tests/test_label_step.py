@@ -1,0 +1,74 @@
+"""``kernels/label_step.cu`` (one launch per label-synchronous step) selects exactly what the array
+version ``label_sync._select`` selects: the same parents, labels, scores, per-scorer scores,
+lengths and ended flags, on inputs with exact ties, -inf scores, terminated and dead lanes, label
+limits, length normalisation and a score threshold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpudecode.scorers.base import LaneLayout
+from gpudecode.search import label_step
+from gpudecode.search.label_sync import LabelSyncOptions, _Beam, _select
+
+
+def test_the_kernel_is_used_only_where_it_applies():
+    assert not label_step.use_kernel(np, 8, 2)  # numpy: the array version
+    cupy_like = object()
+    assert label_step.use_kernel(cupy_like, 32, 4)
+    assert not label_step.use_kernel(cupy_like, 33, 1)  # LABEL_MAX_BEAM
+    assert not label_step.use_kernel(cupy_like, 8, 5)  # logp0 .. logp3
+
+
+def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: int):
+    """A step's inputs with the awkward cases: exact ties (scores on a coarse grid), -inf log-probs,
+    terminated lanes, dead lanes (-inf), and lanes at their label limit."""
+    rng = np.random.default_rng(seed)
+    n = num_groups * beam
+    log_probs = [np.round(rng.normal(-3, 2, (n, vocab)), 1).astype(np.float32) for _ in range(num_scorers)]
+    for logp in log_probs:
+        logp[rng.random((n, vocab)) < 0.05] = -np.inf
+    scales = rng.choice([0.5, 1.0, 0.25], num_scorers).astype(np.float32)
+    combined = sum(np.float32(s) * lp for s, lp in zip(scales, log_probs)).astype(np.float32)
+    scores = np.round(rng.normal(-5, 2, n), 1).astype(np.float32)
+    ended = rng.random(n) < 0.3
+    dead = rng.random(n) < 0.15
+    scores[dead], ended[dead] = -np.inf, True
+    scores[::beam][:2] = scores[1::beam][:2]  # equal lanes: ties broken by lane, then label
+    beam_state = _Beam(scores=scores, scorer_scores=np.round(rng.normal(-4, 2, (num_scorers, n)), 1).astype(np.float32),
+                       lengths=rng.integers(0, 9, n).astype(np.int64), ended=ended)
+    deadline = rng.integers(3, 8, num_groups).repeat(beam).astype(np.int64)
+    return beam_state, combined, log_probs, deadline
+
+
+def to_device(cupy, beam: _Beam) -> _Beam:
+    return _Beam(*(cupy.asarray(getattr(beam, f)) for f in ("scores", "scorer_scores", "lengths", "ended")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beam, vocab, num_scorers", [(1, 50, 1), (3, 17, 2), (8, 1000, 4), (12, 300, 3),
+                                                      (32, 40, 2)])
+@pytest.mark.parametrize("length_norm, threshold", [(0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5)])
+def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, length_norm, threshold):
+    import cupy
+
+    num_groups, step = 6, 5
+    options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm,
+                               score_threshold=threshold)
+    host_beam, combined, log_probs, deadline = random_step(beam * 100 + vocab, num_groups, beam, vocab, num_scorers)
+    norm = None
+    if length_norm:
+        norm = np.power(np.maximum((host_beam.lengths + ~host_beam.ended).astype(np.float32), np.float32(1)),
+                        np.float32(length_norm))
+    expected, parents, labels = _select(host_beam, combined, log_probs, norm, deadline <= step,
+                                        LaneLayout(num_groups=num_groups, beam_size=beam), options)
+    layout = LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy)
+    fields, got_parents, got_labels = label_step.select_kernel(
+        to_device(cupy, host_beam), cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs],
+        None if norm is None else cupy.asarray(norm), cupy.asarray(deadline), step, layout, options)
+    np.testing.assert_array_equal(cupy.asnumpy(got_parents), parents)
+    np.testing.assert_array_equal(cupy.asnumpy(got_labels), labels)
+    for name in ("scores", "scorer_scores", "lengths", "ended"):
+        np.testing.assert_array_equal(cupy.asnumpy(fields[name]), getattr(expected, name), err_msg=name)
+    assert (labels >= 0).any() and (labels == -1).any()  # both emitting and carried lanes were selected

@@ -1,4 +1,5 @@
-"""Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu) for compute-sanitizer,
+"""Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu, label_step.cu) for
+compute-sanitizer,
 with CuPy's memory pool disabled. Run on the GPU machine::
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
@@ -56,6 +57,25 @@ def main() -> int:
                                 options, xp=cupy)
         if [[h.labels for h in n] for n in got] != [[h.labels for h in n] for n in expected]:
             print(f"MISMATCH: transducer search {options}", file=sys.stderr)
+            return 2
+    from gpudecode.scorers.base import LaneLayout
+    from gpudecode.search import label_step
+    from gpudecode.search.label_sync import LabelSyncOptions, _select
+    from tests.test_label_step import random_step, to_device
+
+    for beam, vocab, scorers, options in ((3, 17, 2, LabelSyncOptions(beam_size=3, sentence_end=2)),
+                                          (8, 300, 4, LabelSyncOptions(beam_size=8, sentence_end=2,
+                                                                       score_threshold=3.0)),
+                                          (32, 40, 1, LabelSyncOptions(beam_size=32, sentence_end=2))):
+        state, combined, log_probs, deadline = random_step(beam, 5, beam, vocab, scorers)
+        expected = _select(state, combined, log_probs, None, deadline <= 5, LaneLayout(num_groups=5, beam_size=beam),
+                           options)
+        fields, parents, labels = label_step.select_kernel(
+            to_device(cupy, state), cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs], None,
+            cupy.asarray(deadline), 5, LaneLayout(num_groups=5, beam_size=beam, xp=cupy), options)
+        if not (np.array_equal(parents.get(), expected[1]) and np.array_equal(labels.get(), expected[2])
+                and np.array_equal(fields["scores"].get(), expected[0].scores)):
+            print(f"MISMATCH: label step beam {beam}", file=sys.stderr)
             return 2
     cupy.cuda.runtime.deviceSynchronize()
     print("gpu_sanitize_search: all results matched")

@@ -314,3 +314,30 @@ def test_each_chunk_pads_only_to_its_own_longest_history():
     assert_same(expected, got)
     assert calls and all(time_size == longest for time_size, longest, _ in calls)
     assert any(time_size < width for time_size, _, width in calls), "no chunk was shorter than the table"
+
+
+def test_a_shorter_admission_clears_the_frames_the_longer_one_left():
+    """Per-utterance input rows are reused: admitting an utterance with fewer encoder frames into a
+    group whose last utterance had more zeroes the old frames beyond the new ones (only then)."""
+    setup = Setup(8, num_utts=2, frames=(14, 5))
+    scorer = decoder_scorers(setup, build_lstm_lm(8, vocab_size=12))[0][1]
+    scorer.begin(label_sync.LaneLayout(num_groups=2, beam_size=3))
+    long_batch = setup.batch([0])
+    scorer.admit(long_batch, [1])
+    inputs = {u.name: u.time_axis for u in scorer.spec.utterance_inputs if u.time_axis is not None}
+    assert inputs, "the decoder has per-utterance inputs with a time axis"
+    short = {}
+    for name, axis in inputs.items():
+        index = [slice(None)] * long_batch.inputs[name].ndim
+        index[axis] = slice(0, 5)
+        short[name] = long_batch.inputs[name][tuple(index)]
+    scorer.admit(UtteranceBatch(ids=["short"], input_lengths=[5], inputs=short), [1])
+    first_row = 1 if scorer._grouped else 3  # group 1's row: one per utterance, or its first lane
+    for name, axis in inputs.items():
+        row = scorer._lane_inputs[name][first_row]
+        tail = [slice(None)] * row.ndim
+        tail[axis - 1] = slice(5, None)
+        assert not row[tuple(tail)].any(), name  # the long utterance's frames 5.. are gone
+        head = list(tail)
+        head[axis - 1] = slice(0, 5)
+        np.testing.assert_array_equal(row[tuple(head)], short[name][0])

@@ -135,10 +135,16 @@ class UtteranceBatch:
     def select(self, indices) -> UtteranceBatch:
         """The utterances at ``indices`` (host ints), in that order, as a new batch."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        on_device = None  # the indices uploaded once for every device input
 
         def take(array):
+            nonlocal on_device
             xp = get_array_module(array)
-            return array[xp.asarray(indices)]
+            if xp is np:
+                return array[indices]
+            if on_device is None:
+                on_device = xp.asarray(indices)
+            return xp.take(array, on_device, axis=0)
 
         return UtteranceBatch(
             ids=[self.ids[i] for i in indices],

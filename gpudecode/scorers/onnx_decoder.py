@@ -128,6 +128,7 @@ class OnnxDecoderScorer(LabelScorer):
         self._label_dtype = self.session.tensors.input(self.spec.hypothesis_inputs[
             "token" if self.spec.convention == "rasr" else "input_ids"]).dtype
         self._lane_inputs: dict[str, Any] = {}  # per-utterance inputs, a row per lane (or utterance)
+        self._filled: dict[str, np.ndarray] = {}  # host: frames written in each row of a lane input
         # one row per utterance: the model attends each group of beam rows to its utterance's row
         self._grouped = self.spec.utterance_rows == "utterance" and bool(self.spec.utterance_inputs)
         self._xp = array_module(self.session.provider)  # where the model's inputs live
@@ -188,7 +189,8 @@ class OnnxDecoderScorer(LabelScorer):
         """
         produced = produced or {}
         # the buffer rows of the groups: one per utterance, or each of its lanes
-        rows = self._xp.asarray(np.asarray(groups, dtype=np.int64) if self._grouped else self.layout.lanes_of(groups))
+        host_rows = np.asarray(groups, dtype=np.int64) if self._grouped else self.layout.lanes_of(groups)
+        rows = self._xp.asarray(host_rows)
         size_name = self.io_map.get("encoder-states-size", "encoder-states-size")
         sizes_source, mask_input, time_size = None, None, None
         for u in self.spec.utterance_inputs:
@@ -212,7 +214,7 @@ class OnnxDecoderScorer(LabelScorer):
             data = self._xp.asarray(data).astype(u.dtype, copy=False)
             if u.time_axis is not None:
                 time_size = data.shape[u.time_axis]
-            self._write_lanes(u.name, data, rows, u.time_axis)
+            self._write_lanes(u.name, data, rows, u.time_axis, host_rows)
         if sizes is None:
             sizes = utterances.size_of(sizes_source) if sizes_source else utterances.input_lengths
         if mask_input is not None:
@@ -220,18 +222,19 @@ class OnnxDecoderScorer(LabelScorer):
                 raise ValueError(f"{self.spec.source}: 'encoder_attention_mask' has no encoder input to "
                                  "take its length from")
             valid = self._xp.arange(time_size)[None, :] < self._xp.asarray(sizes).reshape(-1, 1)
-            self._write_lanes(mask_input.name, valid.astype(mask_input.dtype), rows, mask_input.time_axis)
+            self._write_lanes(mask_input.name, valid.astype(mask_input.dtype), rows, mask_input.time_axis, host_rows)
         size_input = next((u for u in self.spec.utterance_inputs if u.name == size_name), None)
         if size_input is not None:
-            self._write_lanes(size_name, self._xp.asarray(sizes).astype(size_input.dtype), rows, None)
+            self._write_lanes(size_name, self._xp.asarray(sizes).astype(size_input.dtype), rows, None, host_rows)
 
     def _source_of(self, u, produced) -> str:
         """The name of the encoder (or initializer) output that per-utterance input ``u`` takes."""
         return u.source or u.name
 
-    def _write_lanes(self, name: str, data, targets, time_axis: int | None) -> None:
+    def _write_lanes(self, name: str, data, targets, time_axis: int | None, host_targets: np.ndarray) -> None:
         """buffer[targets] = each utterance's data, repeated beam times for per-lane buffers
-        (``targets``: the lanes, or the groups when grouped); buffers grow by rounding up."""
+        (``targets``: the lanes, or the groups when grouped; ``host_targets`` the same on the
+        host); buffers grow by rounding up."""
         xp, beam = self._xp, self.layout.beam_size
         rows = data if self._grouped else xp.repeat(data, beam, axis=0)
         buffer = self._lane_inputs.get(name)
@@ -246,10 +249,16 @@ class OnnxDecoderScorer(LabelScorer):
             if buffer is not None:
                 grown[tuple(slice(0, d) for d in buffer.shape)] = buffer
                 self._static = {}  # bound to the old buffer
+            else:
+                self._filled[name] = np.zeros(shape[0], dtype=np.int64)
             buffer = grown
             self._lane_inputs[name] = buffer
         if time_axis is not None:
-            buffer[targets] = 0  # old utterances' frames beyond the new ones' lengths
+            filled, length = self._filled[name], rows.shape[time_axis]  # host: frames written per row
+            stale = filled[host_targets] > length  # old utterances' frames beyond the new ones' lengths
+            if stale.any():
+                buffer[xp.asarray(host_targets[stale])] = 0
+            filled[host_targets] = length
             index = [targets] + [slice(None)] * (rows.ndim - 1)
             index[time_axis] = slice(0, rows.shape[time_axis])
             buffer[tuple(index)] = rows

@@ -69,13 +69,14 @@ def _blocking_sync() -> bool:
         return False
 
 
-def _utterances(cupy, reference, num_utts: int, encoder_length: int, seed: int) -> UtteranceBatch:
+def _utterances(cupy, reference, num_utts: int, encoder_length: int, seed: int,
+                dtype: str = "float32") -> UtteranceBatch:
     rng = np.random.default_rng(seed)
     shape = (num_utts, reference.num_heads, encoder_length, reference.head_dim)
     inputs = {}
     for layer in range(reference.num_layers):
         for kind in ("key", "value"):
-            inputs[f"cross-{kind}-{layer}"] = cupy.asarray(rng.standard_normal(shape, dtype=np.float32))
+            inputs[f"cross-{kind}-{layer}"] = cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
     return UtteranceBatch(ids=[str(i) for i in range(num_utts)], input_lengths=np.full(num_utts, encoder_length),
                           inputs=inputs)
 
@@ -102,7 +103,7 @@ class SearchCell:
         self.stream = shared_stream(0)
         self.manager, self.beam, self.utts, self.num_labels = manager, beam, utts, num_labels
         self.reference, self.gpu_delay_ns = reference, int(gpu_delay_ms * 1e6)
-        self.batch = _utterances(cupy, reference, utts, encoder_length, seed=1)
+        self.batch = _utterances(cupy, reference, utts, encoder_length, seed=1, dtype=reference.dtype)
         self.graphs = graphs or GraphOptions()
         self.decoder = OnnxDecoderScorer(model=session, vocab_size=reference.vocab_size, start_labels=[BOS],
                                          state_manager=StateManagerOptions(type=manager, slots_per_chunk=65536),
@@ -232,7 +233,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
                      host_wait: str = "block", export: str = "new-step", rounds: int = 5,
-                     control_delay_ms: float = 0.0) -> dict:
+                     control_delay_ms: float = 0.0, dtype: str = "float32") -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -258,7 +259,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     waiting (what grows with the hypotheses, apart from what waiting does to the host).
 
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
-    as ``*-full-history.json``).
+    as ``*-full-history.json``). ``dtype``: the decoder's float type (``float16``: results as
+    ``*-float16.json``).
     """
     from gpudecode.backend import HOST_WAITS, require_cupy
     from gpudecode.session import OnnxSession, SessionOptions
@@ -277,7 +279,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     if quick:
         dims = dict(vocab_size=1000, model_dim=128, num_layers=2, num_heads=4, ffn_dim=256)
     reference = build_transformer_decoder(0, max_positions=num_labels + 8, utterance_rows=utterance_rows, **dims,
-                                          **decoder_export(export))
+                                          dtype=np.dtype(dtype), **decoder_export(export))
     session = OnnxSession(reference.serialized(), SessionOptions(device="cuda", use_tf32=tf32))
     cuda_session, graphs = session, None
     if cuda_graphs:
@@ -290,7 +292,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     results = {"benchmark": "decode", "config": {**dims, "encoder_length": encoder_length, "num_labels": num_labels,
                                                  "utterances": num_utts, "cross_attention": "precomputed",
                                                  "utterance_rows": utterance_rows, "tf32": tf32,
-                                                 "decoder_export": export,
+                                                 "decoder_export": export, "dtype": dtype,
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
                                                  "host_wait": host_wait,
@@ -329,7 +331,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
             large["host_cpu_ms_per_loop_step"] / control["host_cpu_ms_per_loop_step"])
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
             + ("-tf32" if tf32 else "") + ("-spin" if host_wait == "spin" else "")
-            + ("" if export == "new-step" else f"-{export}"))
+            + ("" if export == "new-step" else f"-{export}") + ("" if dtype == "float32" else f"-{dtype}"))
     return write_results(results, output_dir, name, plot_decode)
 
 

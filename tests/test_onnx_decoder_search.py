@@ -162,11 +162,13 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_gqa_decoder_in_float16_on_cuda_scores_like_the_oracle(cuda_graphs):
+@pytest.mark.parametrize("manager, cuda_graphs", [("transformer-cuda", False), ("transformer-cuda", True),
+                                                  ("transformer-cpu", False)])
+def test_gqa_decoder_in_float16_on_cuda_scores_like_the_oracle(manager, cuda_graphs):
     """ONNX Runtime's GroupQueryAttention (float16 on CUDA) with its present outputs bound to the
     past buffers, so the new step is written in place: under continuous batching every n-best
-    score equals the float32 oracle's score of its labels, within float16 rounding."""
+    score equals the float32 oracle's score of its labels, within float16 rounding. With the CPU
+    manager the past comes from the host and the present outputs are left to ONNX Runtime."""
     import cupy
 
     from gpudecode.session.graphs import GraphOptions
@@ -174,7 +176,7 @@ def test_gqa_decoder_in_float16_on_cuda_scores_like_the_oracle(cuda_graphs):
     setup = Setup(5, num_utts=5, frames=(14, 9, 11, 6, 12), export=("new", True, "gqa"), device="cuda",
                   dtype=np.float16)
     scorer = OnnxDecoderScorer(model=setup.decoder.serialized(), vocab_size=setup.decoder.vocab_size,
-                               start_labels=[BOS], state_manager=StateManagerOptions(type="transformer-cuda"),
+                               start_labels=[BOS], state_manager=StateManagerOptions(type=manager),
                                session_options=SessionOptions(device="cuda", cuda_graphs=cuda_graphs),
                                graphs=GraphOptions(enabled=cuda_graphs))
     assert scorer.spec.in_place_outputs and scorer.states.options.history_alignment == "left"

@@ -447,9 +447,10 @@ class OnnxDecoderScorer(LabelScorer):
         return natural + bool(self.spec.in_place_outputs)
 
     def _in_place(self, state_inputs: dict) -> dict:
-        """The in-place outputs bound to their state inputs' buffers (CUDA; on the CPU provider they
-        are neither requested nor bound)."""
-        if self.session.provider != "cuda":
+        """The in-place outputs bound to their state inputs' buffers (CUDA with device states; on
+        the CPU provider, or with the states merged on the host, they are neither requested nor
+        bound)."""
+        if self.session.provider != "cuda" or self.states.device == "cpu":
             return {}
         return {output: state_inputs[name] for output, name in self.spec.in_place_outputs.items()}
 

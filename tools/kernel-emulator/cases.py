@@ -1,5 +1,6 @@
 """The fused CTC prefix-search kernels (kernels/ctc_frame.cu) and the n-best trace
-(kernels/emission_tree.cu) on the CPU emulation, against the numpy search.
+(kernels/emission_tree.cu) on the CPU emulation, against the numpy search; the label-synchronous
+selection step (kernels/label_step.cu) against its array version.
 
 Run through run.sh (PYTHONPATH: the fake cupy, then the checkout). The CuPy path of
 ctc_prefix_search runs unchanged: gpudecode.search.ctc_frame.search_kernel launches
@@ -201,6 +202,45 @@ def run_top_labels(num_top, vocab_size, blank, kind, paths):
     if any(counts[p] == 0 for p in (("fast", "fallback") if paths == "both" else (paths,))):
         problems.append(f"rows by path {counts}, expected {paths}")
     return name, problems, f"rows: {counts['fast']} fast path, {counts['fallback']} fallback"
+
+
+LABEL_STEPS = [(beam, vocab, scorers, norm, threshold) for beam, vocab, scorers in
+               ((1, 50, 1), (3, 17, 2), (8, 300, 4), (12, 40, 3), (32, 40, 2))
+               for norm, threshold in ((0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5))]
+
+
+def run_label_step(beam, vocab, num_scorers, length_norm, threshold):
+    """``label_step.select_kernel`` (kernels/label_step.cu) against ``label_sync._select``, every
+    output bit for bit, on tests/test_label_step.py's inputs (ties, -inf, ended and dead lanes)."""
+    from gpudecode.scorers.base import LaneLayout
+    from gpudecode.search import label_step
+    from gpudecode.search.label_sync import LabelSyncOptions, _Beam, _select
+    from tests.test_label_step import random_step
+
+    name = f"label step beam={beam} V={vocab} scorers={num_scorers} lns={length_norm} thr={threshold}"
+    num_groups, step = 6, 5
+    options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm,
+                               score_threshold=threshold)
+    state, combined, log_probs, deadline = random_step(beam * 100 + vocab, num_groups, beam, vocab, num_scorers)
+    norm = None
+    if length_norm:
+        norm = np.power(np.maximum((state.lengths + ~state.ended).astype(np.float32), np.float32(1)),
+                        np.float32(length_norm))
+    expected, parents, labels = _select(state, combined, log_probs, norm, deadline <= step,
+                                        LaneLayout(num_groups=num_groups, beam_size=beam), options)
+    device = _Beam(*(cupy.asarray(getattr(state, f)) for f in ("scores", "scorer_scores", "lengths", "ended")))
+    fields, got_parents, got_labels = label_step.select_kernel(
+        device, cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs],
+        None if norm is None else cupy.asarray(norm), cupy.asarray(deadline), step,
+        LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy), options)
+    problems = []
+    for what, got, want in (("parents", got_parents, parents), ("labels", got_labels, labels),
+                            *((f, fields[f], getattr(expected, f)) for f in ("scores", "scorer_scores", "lengths",
+                                                                             "ended"))):
+        got, want = np.asarray(got), np.asarray(want)
+        if not np.array_equal(got, want):
+            problems.append(f"{what}: {got.ravel()[:12].tolist()} expected {want.ravel()[:12].tolist()}")
+    return name, problems, f"{int((labels >= 0).sum())} emitting, {int((labels < 0).sum())} carried lanes"
 
 
 def describe(options: dict) -> str:
@@ -462,6 +502,8 @@ def jobs():
     out.append((run_trace, 3, 4, 2, 50, False))
     for case in TOP_LABELS:
         out.append((run_top_labels, *case))
+    for case in LABEL_STEPS:
+        out.append((run_label_step, *case))
     return out
 
 
@@ -472,7 +514,7 @@ def main():
     workers = max(1, min(int(os.environ.get("CTCEMU_JOBS", os.cpu_count() or 2)), 8))
     timeout = float(os.environ.get("CTCEMU_TIMEOUT", 60))
     for name, problems, info, seconds in run_isolated(
-            [(compile_job, f) for f in ("ctc_frame", "emission_tree", "top_k")], workers, timeout):
+            [(compile_job, f) for f in ("ctc_frame", "emission_tree", "top_k", "label_step")], workers, timeout):
         if problems:
             print(f"FAIL  {name}: " + "\n        ".join(problems) + ("\n" + info if info else ""))
             return 2

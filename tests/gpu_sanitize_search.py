@@ -58,23 +58,15 @@ def main() -> int:
         if [[h.labels for h in n] for n in got] != [[h.labels for h in n] for n in expected]:
             print(f"MISMATCH: transducer search {options}", file=sys.stderr)
             return 2
-    from gpudecode.scorers.base import LaneLayout
-    from gpudecode.search import label_step
-    from gpudecode.search.label_sync import LabelSyncOptions, _select
-    from tests.test_label_step import random_step, to_device
+    from gpudecode.search.label_sync import LabelSyncOptions
+    from tests.test_label_step import both_selections
 
     for beam, vocab, scorers, options in ((3, 17, 2, LabelSyncOptions(beam_size=3, sentence_end=2)),
                                           (8, 300, 4, LabelSyncOptions(beam_size=8, sentence_end=2,
                                                                        score_threshold=3.0)),
                                           (32, 40, 1, LabelSyncOptions(beam_size=32, sentence_end=2))):
-        state, combined, log_probs, deadline = random_step(beam, 5, beam, vocab, scorers)
-        expected = _select(state, combined, log_probs, None, deadline <= 5, LaneLayout(num_groups=5, beam_size=beam),
-                           options)
-        fields, parents, labels = label_step.select_kernel(
-            to_device(cupy, state), cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs], None,
-            cupy.asarray(deadline), 5, LaneLayout(num_groups=5, beam_size=beam, xp=cupy), options)
-        if not (np.array_equal(parents.get(), expected[1]) and np.array_equal(labels.get(), expected[2])
-                and np.array_equal(fields["scores"].get(), expected[0].scores)):
+        want, got = both_selections(cupy, beam, beam, vocab, scorers, options, num_groups=5)
+        if not all(np.array_equal(got[name], want[name]) for name in ("parents", "labels", "scores")):
             print(f"MISMATCH: label step beam {beam}", file=sys.stderr)
             return 2
     cupy.cuda.runtime.deviceSynchronize()

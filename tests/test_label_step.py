@@ -10,7 +10,9 @@ import pytest
 
 from gpudecode.scorers.base import LaneLayout
 from gpudecode.search import label_step
-from gpudecode.search.label_sync import LabelSyncOptions, _Beam, _select
+from gpudecode.search.label_sync import LabelSyncOptions, _Beam, _select, length_norm
+
+FIELDS = ("scores", "scorer_scores", "lengths", "ended")
 
 
 def test_the_kernel_is_used_only_where_it_applies():
@@ -42,33 +44,33 @@ def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: 
     return beam_state, combined, log_probs, deadline
 
 
-def to_device(cupy, beam: _Beam) -> _Beam:
-    return _Beam(*(cupy.asarray(getattr(beam, f)) for f in ("scores", "scorer_scores", "lengths", "ended")))
+def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, options, num_groups: int = 6,
+                    step: int = 5) -> tuple[dict, dict]:
+    """The selection of one :func:`random_step` by the array version on numpy and by the kernel on
+    ``cupy``: each as host arrays by name (parents, labels and the new lanes' fields)."""
+    state, combined, log_probs, deadline = random_step(seed, num_groups, beam, vocab, num_scorers)
+    expected, parents, labels = _select(state, combined, log_probs, length_norm(state, options, np), deadline <= step,
+                                        LaneLayout(num_groups=num_groups, beam_size=beam), options)
+    device = _Beam(*(cupy.asarray(getattr(state, f)) for f in FIELDS))
+    fields, got_parents, got_labels = label_step.select_kernel(
+        device, cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs], length_norm(device, options, cupy),
+        cupy.asarray(deadline), step, LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy), options)
+    want = {"parents": parents, "labels": labels, **{f: getattr(expected, f) for f in FIELDS}}
+    got = {"parents": got_parents, "labels": got_labels, **fields}
+    return want, {name: cupy.asnumpy(value) for name, value in got.items()}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("beam, vocab, num_scorers", [(1, 50, 1), (3, 17, 2), (8, 1000, 4), (12, 300, 3),
                                                       (32, 40, 2)])
-@pytest.mark.parametrize("length_norm, threshold", [(0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5)])
-def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, length_norm, threshold):
+@pytest.mark.parametrize("length_norm_scale, threshold", [(0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5)])
+def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, length_norm_scale, threshold):
     import cupy
 
-    num_groups, step = 6, 5
-    options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm,
+    options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm_scale,
                                score_threshold=threshold)
-    host_beam, combined, log_probs, deadline = random_step(beam * 100 + vocab, num_groups, beam, vocab, num_scorers)
-    norm = None
-    if length_norm:
-        norm = np.power(np.maximum((host_beam.lengths + ~host_beam.ended).astype(np.float32), np.float32(1)),
-                        np.float32(length_norm))
-    expected, parents, labels = _select(host_beam, combined, log_probs, norm, deadline <= step,
-                                        LaneLayout(num_groups=num_groups, beam_size=beam), options)
-    layout = LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy)
-    fields, got_parents, got_labels = label_step.select_kernel(
-        to_device(cupy, host_beam), cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs],
-        None if norm is None else cupy.asarray(norm), cupy.asarray(deadline), step, layout, options)
-    np.testing.assert_array_equal(cupy.asnumpy(got_parents), parents)
-    np.testing.assert_array_equal(cupy.asnumpy(got_labels), labels)
-    for name in ("scores", "scorer_scores", "lengths", "ended"):
-        np.testing.assert_array_equal(cupy.asnumpy(fields[name]), getattr(expected, name), err_msg=name)
+    want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options)
+    for name, expected in want.items():
+        np.testing.assert_array_equal(got[name], expected, err_msg=name)
+    labels = want["labels"]
     assert (labels >= 0).any() and (labels == -1).any()  # both emitting and carried lanes were selected

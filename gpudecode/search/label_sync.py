@@ -311,10 +311,7 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
     xp = layout.xp
     vocab_size = int(entries[0].scorer.vocab_size)
     log_probs, combined = _scores(entries, contexts, layout, options, vocab_size)
-    norm = None
-    if options.length_norm_scale != 0:  # each lane's candidates' length normaliser
-        cand_lengths = (beam.lengths + ~beam.ended).astype(np.float32)
-        norm = xp.power(xp.maximum(cand_lengths, np.float32(1)), np.float32(options.length_norm_scale))
+    norm = length_norm(beam, options, xp)
     if label_step.use_kernel(xp, layout.beam_size, len(log_probs)):
         fields, parents, labels = label_step.select_kernel(beam, combined, log_probs, norm, deadline, step,
                                                            layout, options)
@@ -323,6 +320,15 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
         beam, parents, labels = _select(beam, combined, log_probs, norm, deadline <= step, layout, options)
     contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
     return beam, parents, labels, contexts
+
+
+def length_norm(beam: _Beam, options: LabelSyncOptions, xp):
+    """[N] float32: ``max(length, 1) ** length_norm_scale`` of each lane's candidates (an open
+    lane's candidates are one label longer), or None when ``length_norm_scale`` is 0."""
+    if options.length_norm_scale == 0:
+        return None
+    cand_lengths = (beam.lengths + ~beam.ended).astype(np.float32)
+    return xp.power(xp.maximum(cand_lengths, np.float32(1)), np.float32(options.length_norm_scale))
 
 
 def _select(beam: _Beam, combined, log_probs, norm, at_limit, layout: LaneLayout,

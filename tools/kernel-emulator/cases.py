@@ -212,34 +212,16 @@ LABEL_STEPS = [(beam, vocab, scorers, norm, threshold) for beam, vocab, scorers 
 def run_label_step(beam, vocab, num_scorers, length_norm, threshold):
     """``label_step.select_kernel`` (kernels/label_step.cu) against ``label_sync._select``, every
     output bit for bit, on tests/test_label_step.py's inputs (ties, -inf, ended and dead lanes)."""
-    from gpudecode.scorers.base import LaneLayout
-    from gpudecode.search import label_step
-    from gpudecode.search.label_sync import LabelSyncOptions, _Beam, _select
-    from tests.test_label_step import random_step
+    from gpudecode.search.label_sync import LabelSyncOptions
+    from tests.test_label_step import both_selections
 
     name = f"label step beam={beam} V={vocab} scorers={num_scorers} lns={length_norm} thr={threshold}"
-    num_groups, step = 6, 5
     options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm,
                                score_threshold=threshold)
-    state, combined, log_probs, deadline = random_step(beam * 100 + vocab, num_groups, beam, vocab, num_scorers)
-    norm = None
-    if length_norm:
-        norm = np.power(np.maximum((state.lengths + ~state.ended).astype(np.float32), np.float32(1)),
-                        np.float32(length_norm))
-    expected, parents, labels = _select(state, combined, log_probs, norm, deadline <= step,
-                                        LaneLayout(num_groups=num_groups, beam_size=beam), options)
-    device = _Beam(*(cupy.asarray(getattr(state, f)) for f in ("scores", "scorer_scores", "lengths", "ended")))
-    fields, got_parents, got_labels = label_step.select_kernel(
-        device, cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs],
-        None if norm is None else cupy.asarray(norm), cupy.asarray(deadline), step,
-        LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy), options)
-    problems = []
-    for what, got, want in (("parents", got_parents, parents), ("labels", got_labels, labels),
-                            *((f, fields[f], getattr(expected, f)) for f in ("scores", "scorer_scores", "lengths",
-                                                                             "ended"))):
-        got, want = np.asarray(got), np.asarray(want)
-        if not np.array_equal(got, want):
-            problems.append(f"{what}: {got.ravel()[:12].tolist()} expected {want.ravel()[:12].tolist()}")
+    want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options)
+    problems = [f"{what}: {got[what].ravel()[:12].tolist()} expected {expected.ravel()[:12].tolist()}"
+                for what, expected in want.items() if not np.array_equal(got[what], expected)]
+    labels = want["labels"]
     return name, problems, f"{int((labels >= 0).sum())} emitting, {int((labels < 0).sum())} carried lanes"
 
 

@@ -40,6 +40,9 @@ MUTANTS = {  # name: (file, old, new) -- old must occur exactly once
     "top-labels-candidate-slot": ("kernels/ctc_frame.cu", "__popc(ballot & ((1u << lane) - 1u))", "__popc(ballot & (1u << lane))"),
     "top-labels-fallback-rounds": ("kernels/ctc_frame.cu", "for (int round = 0; round < P; ++round) {\n        const unsigned long long winner = warp_max_u64",
                                    "for (int round = 0; round < P - 1; ++round) {\n        const unsigned long long winner = warp_max_u64"),
+    "label-step-carried-emits": ("kernels/label_step.cu", "const long long label = alive && !s_ended[i] ? v : -1;",
+                                 "const long long label = alive ? v : -1;"),
+    "label-step-no-deadline": ("kernels/label_step.cu", " || deadline[lane] <= step;", ";"),
     # robustness of the harness itself: a crash, a deadlock, an endless loop must FAIL (not hang)
     "crash-trace-oob": ("kernels/emission_tree.cu", "n = node_parent[n];", "n = node_parent[n + 100000000000LL];"),
     "deadlock-divergent-barrier": ("kernels/ctc_frame.cu", "            s_tie[j] = tie;\n", "            s_tie[j] = tie;\n            __syncthreads();\n"),
@@ -65,14 +68,16 @@ def main():
         shutil.rmtree(dest, ignore_errors=True)
         for part in ("gpudecode", "kernels", "tests"):
             shutil.copytree(repo / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+        (dest / "examples").mkdir()  # the tests' helpers import examples/custom_scorer.py
+        shutil.copy(repo / "examples" / "custom_scorer.py", dest / "examples")
         (dest / path).write_text(text.replace(old, new))
         t0 = time.time()
         res = subprocess.run([str(HERE / "run.sh"), str(dest)], capture_output=True, text=True)
         lines = res.stdout.splitlines()
         fails = [l for l in lines if l.startswith("FAIL")]
         detail = next((l.strip() for l in lines if l.startswith("        ")), "")
-        verdict = "CAUGHT" if res.returncode else "MISSED"
-        caught += bool(res.returncode)
+        verdict = "CAUGHT" if res.returncode and fails else "MISSED"  # no failing case: the harness broke
+        caught += verdict == "CAUGHT"
         print(f"{verdict}  {name}: rc {res.returncode}, {len(fails)} failing cases ({time.time() - t0:.0f} s)"
               + (f"\n        first: {fails[0][6:]}\n        {detail[:300]}" if fails else "")
               + ("" if res.returncode else f"\n        {lines[-1] if lines else res.stderr[-300:]}"), flush=True)

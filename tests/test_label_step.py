@@ -49,11 +49,12 @@ def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, op
     """The selection of one :func:`random_step` by the array version on numpy and by the kernel on
     ``cupy``: each as host arrays by name (parents, labels and the new lanes' fields)."""
     state, combined, log_probs, deadline = random_step(seed, num_groups, beam, vocab, num_scorers)
-    expected, parents, labels = _select(state, combined, log_probs, length_norm(state, options, np), deadline <= step,
+    norm = length_norm(state, options, np)  # both get the same normalisers (powf may differ in the last ulp)
+    expected, parents, labels = _select(state, combined, log_probs, norm, deadline <= step,
                                         LaneLayout(num_groups=num_groups, beam_size=beam), options)
-    device = _Beam(*(cupy.asarray(getattr(state, f)) for f in FIELDS))
     fields, got_parents, got_labels = label_step.select_kernel(
-        device, cupy.asarray(combined), [cupy.asarray(lp) for lp in log_probs], length_norm(device, options, cupy),
+        _Beam(*(cupy.asarray(getattr(state, f)) for f in FIELDS)), cupy.asarray(combined),
+        [cupy.asarray(lp) for lp in log_probs], None if norm is None else cupy.asarray(norm),
         cupy.asarray(deadline), step, LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy), options)
     want = {"parents": parents, "labels": labels, **{f: getattr(expected, f) for f in FIELDS}}
     got = {"parents": got_parents, "labels": got_labels, **fields}

@@ -1,19 +1,29 @@
-// The selection of one label-synchronous search step for every utterance in ONE launch
-// (gpudecode/search/label_step.py; the array version is _select in gpudecode/search/label_sync.py):
-// one thread block per utterance, utterances never interact. The candidates of an utterance are
-// its beam * V (lane, label) pairs: an open lane extends by every label (its score + the combined
-// score), a terminated lane offers only itself (label column 0, its score unchanged), a dead lane
-// (score -inf) nothing. Ranked by score / norm (the length normaliser), with the score threshold,
-// the best `beam` survive (block_top_beam.cuh: equal ranks go to the lower lane, then label).
+// The selection of one label-synchronous search step for every utterance in TWO launches
+// (gpudecode/search/label_step.py; the array version is _select in gpudecode/search/label_sync.py).
+// The candidates of an utterance are its beam * V (lane, label) pairs: an open lane extends by every
+// label (its score + the combined score), a terminated lane offers only itself (label column 0, its
+// score unchanged), a dead lane (score -inf) nothing. Ranked by score / norm (the length
+// normaliser), with the score threshold, the best `beam` survive (equal ranks go to the lower lane,
+// then label: packed_key.cuh).
+//   label_lane_top_<K>  one block per LANE: the lane's best `beam` candidates (no threshold), so a
+//                       step reads its N x V scores with N blocks, not U
+//   label_select_<K>    one block per UTTERANCE: the best `beam` of its beam x beam lane lists, the
+//                       threshold, and the new lanes. Exact: a candidate among the utterance's best
+//                       `beam` is among its lane's best `beam`; so is the threshold's best; and
+//                       where fewer than `beam` candidates are left above -inf, the rest are the
+//                       lowest columns at -inf, of lane 0 (of lane 1, ... where V < beam) in both
 //
 // Memory layout
 // -------------
-//   combined         [N, V] float32 (contiguous): Σ scale · log-probs; lane b of utterance u is
-//                    row u * beam + b
+//   term0 .. term3   [N, V] float32 (contiguous): the combined score Σ scale_s · term_s over the first
+//                    num_terms terms, each product rounded to float32 and summed in order, as
+//                    scorers/combine.py::combine_scores (none: 0); lane b of utterance u is row u * beam + b
 //   logp0 .. logp3   [N, V] float32 (contiguous): each scorer's unscaled log-probs (num_scorers <= 4
 //                    used; the others are never read)
 //   score [N] float32, length [N] int64, ended [N] uint8: the lanes before the step
 //   norm             [N] float32, or null for 1: the length normaliser of each lane's candidates
+//   lane_keys        [N, beam] uint64: a lane's best candidates, best first, packed (rank, column
+//                    i * V + v of the utterance; 0: none)
 //   scorer_scores    [num_scorers, N] float32 (contiguous): each scorer's score of each lane
 //   deadline         [N] int64: a lane reaches its utterance's label limit with step `step` when
 //                    deadline <= step (then it ends)
@@ -28,54 +38,95 @@
 #define LABEL_THREADS 256
 #define LABEL_MAX_BEAM 32
 
+struct Terms {
+    const float* term[4];
+    float scale[4];
+    int count;
+    __device__ __forceinline__ float combined(long long at) const {  // no contraction into FMAs
+        float total = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            if (s >= count) break;
+            const float scaled = __fmul_rn(term[s][at], scale[s]);
+            total = s == 0 ? scaled : __fadd_rn(total, scaled);
+        }
+        return total;
+    }
+};
+
+template <int KEPT>
+__device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int beam,
+                                         const float* __restrict__ score, const unsigned char* __restrict__ ended,
+                                         const float* __restrict__ norm, unsigned long long* __restrict__ lane_keys) {
+    __shared__ unsigned long long warp_lists[(LABEL_THREADS / 32) * LABEL_MAX_BEAM];
+    __shared__ float warp_max[LABEL_THREADS / 32];
+    __shared__ unsigned int chosen[LABEL_MAX_BEAM];
+    __shared__ float chosen_rank[LABEL_MAX_BEAM];
+
+    const long long lane = blockIdx.x;
+    const unsigned int base = (unsigned int)(lane % beam) * (unsigned int)vocab_size;  // the lane's first column
+    const float lane_score = score[lane], lane_norm = norm != nullptr ? norm[lane] : 1.0f;
+    unsigned long long* keys = lane_keys + lane * beam;
+    if (ended[lane]) {  // only itself, in column 0; the other columns rank -inf, lowest first
+        const int r = threadIdx.x;
+        if (r < beam) {
+            const float rank = norm != nullptr ? lane_score / lane_norm : lane_score;
+            keys[r] = r < vocab_size ? pack_key(r == 0 ? rank : neg_inf(), base + r) : 0ull;
+        }
+        return;
+    }
+    const long long row = lane * vocab_size;
+    auto scan = [&](auto&& visit) {
+        for (int v = threadIdx.x; v < vocab_size; v += LABEL_THREADS) {
+            const float value = lane_score + terms.combined(row + v);
+            visit(norm != nullptr ? value / lane_norm : value, base + v);
+        }
+    };
+    block_top_beam_scan<KEPT, LABEL_THREADS>(scan, beam, 0, 0.0f, warp_lists, warp_max, chosen, chosen_rank);
+    const int r = threadIdx.x;
+    if (r < beam) keys[r] = chosen[r] == ~0u ? 0ull : pack_key(chosen_rank[r], chosen[r]);
+}
+
 template <int KEPT>
 __device__ __forceinline__ void select_step(
-    const float* __restrict__ combined, int vocab_size, int beam, const float* __restrict__ score,
-    const long long* __restrict__ length, const unsigned char* __restrict__ ended, const float* __restrict__ norm,
+    const Terms& terms, int vocab_size, int beam, const unsigned long long* __restrict__ lane_keys,
+    const float* __restrict__ score, const long long* __restrict__ length, const unsigned char* __restrict__ ended,
     int has_threshold, float threshold, long long sentence_end, const long long* __restrict__ deadline,
     long long step, int num_scorers, const float* __restrict__ logp0, const float* __restrict__ logp1,
     const float* __restrict__ logp2, const float* __restrict__ logp3, const float* __restrict__ scorer_scores,
     long long num_lanes, long long* __restrict__ parents, long long* __restrict__ labels,
     float* __restrict__ score_out, long long* __restrict__ length_out, unsigned char* __restrict__ ended_out,
     float* __restrict__ scorer_out) {
-    __shared__ float s_score[LABEL_MAX_BEAM], s_norm[LABEL_MAX_BEAM];
-    __shared__ bool s_ended[LABEL_MAX_BEAM];
     __shared__ unsigned long long warp_lists[(LABEL_THREADS / 32) * LABEL_MAX_BEAM];
     __shared__ float warp_max[LABEL_THREADS / 32];
     __shared__ unsigned int chosen[LABEL_MAX_BEAM];
     __shared__ float chosen_rank[LABEL_MAX_BEAM];
 
     const long long first = (long long)blockIdx.x * beam;
-    if (threadIdx.x < beam) {
-        s_score[threadIdx.x] = score[first + threadIdx.x];
-        s_ended[threadIdx.x] = ended[first + threadIdx.x] != 0;
-        s_norm[threadIdx.x] = norm != nullptr ? norm[first + threadIdx.x] : 1.0f;
-    }
-    __syncthreads();
-    const float* rows = combined + first * vocab_size;
-    auto candidate = [&](int i, int v) -> float {  // the candidate's score, before normalising
-        if (s_ended[i]) return v == 0 ? s_score[i] : neg_inf();
-        return s_score[i] + rows[(long long)i * vocab_size + v];
+    const unsigned long long* keys = lane_keys + first * beam;
+    auto scan = [&](auto&& visit) {
+        for (int e = threadIdx.x; e < beam * beam; e += LABEL_THREADS) {
+            const unsigned long long key = keys[e];
+            if (key != 0ull) visit(unpack_key_value(key), ~(unsigned int)(key & 0xffffffffull));
+        }
     };
-    auto rank = [&](int i, int v) -> float {
-        const float value = candidate(i, v);
-        return norm != nullptr ? value / s_norm[i] : value;
-    };
-    block_top_beam<KEPT, LABEL_THREADS>(rank, beam, vocab_size, has_threshold, threshold, warp_lists, warp_max,
-                                        chosen, chosen_rank);
+    block_top_beam_scan<KEPT, LABEL_THREADS>(scan, beam, has_threshold, threshold, warp_lists, warp_max, chosen,
+                                             chosen_rank);
 
     const int r = threadIdx.x;
     if (r >= beam) return;
+    const bool alive = chosen_rank[r] > neg_inf();
     const int i = (int)(chosen[r] / (unsigned int)vocab_size), v = (int)(chosen[r] % (unsigned int)vocab_size);
     const long long parent = first + i, lane = first + r;
-    const bool alive = chosen_rank[r] > neg_inf();
-    const long long label = alive && !s_ended[i] ? v : -1;
+    const bool was_ended = ended[parent] != 0;
+    const long long label = alive && !was_ended ? v : -1;
     const bool emitted = label >= 0;
     parents[lane] = parent;
     labels[lane] = label;
-    score_out[lane] = alive ? candidate(i, v) : neg_inf();
+    score_out[lane] = !alive ? neg_inf() : was_ended ? score[parent]
+                                                     : score[parent] + terms.combined(parent * vocab_size + v);
     length_out[lane] = length[parent] + (emitted ? 1 : 0);
-    ended_out[lane] = s_ended[i] || !alive || label == sentence_end || deadline[lane] <= step;
+    ended_out[lane] = was_ended || !alive || label == sentence_end || deadline[lane] <= step;
     const float* logps[4] = {logp0, logp1, logp2, logp3};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
@@ -85,19 +136,30 @@ __device__ __forceinline__ void select_step(
     }
 }
 
-#define LABEL_SELECT(KEPT)                                                                                       \
+#define TERMS_PARAMS                                                                                         \
+    const float *term0, const float *term1, const float *term2, const float *term3, float scale0, float scale1, \
+        float scale2, float scale3, int num_terms
+#define TERMS_OF_PARAMS Terms{{term0, term1, term2, term3}, {scale0, scale1, scale2, scale3}, num_terms}
+
+#define LABEL_STEP(KEPT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_lane_top_##KEPT(                          \
+        TERMS_PARAMS, int vocab_size, int beam, const float* score, const unsigned char* ended, const float* norm, \
+        unsigned long long* lane_keys) {                                                                         \
+        lane_top<KEPT>(TERMS_OF_PARAMS, vocab_size, beam, score, ended, norm, lane_keys);                       \
+    }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_select_##KEPT(                            \
-        const float* combined, int vocab_size, int beam, const float* score, const long long* length,           \
-        const unsigned char* ended, const float* norm, int has_threshold, float threshold,                      \
+        TERMS_PARAMS, int vocab_size, int beam, const unsigned long long* lane_keys, const float* score,        \
+        const long long* length, const unsigned char* ended, int has_threshold, float threshold,                \
         long long sentence_end, const long long* deadline, long long step, int num_scorers, const float* logp0, \
         const float* logp1, const float* logp2, const float* logp3, const float* scorer_scores,                \
         long long num_lanes, long long* parents, long long* labels, float* score_out, long long* length_out,    \
         unsigned char* ended_out, float* scorer_out) {                                                          \
-        select_step<KEPT>(combined, vocab_size, beam, score, length, ended, norm, has_threshold, threshold,    \
-                          sentence_end, deadline, step, num_scorers, logp0, logp1, logp2, logp3, scorer_scores, \
-                          num_lanes, parents, labels, score_out, length_out, ended_out, scorer_out);            \
+        select_step<KEPT>(TERMS_OF_PARAMS, vocab_size, beam, lane_keys, score, length, ended, has_threshold,    \
+                          threshold, sentence_end, deadline, step, num_scorers, logp0, logp1, logp2, logp3,     \
+                          scorer_scores, num_lanes, parents, labels, score_out, length_out, ended_out,          \
+                          scorer_out);                                                                          \
     }
 
-LABEL_SELECT(8)
-LABEL_SELECT(16)
-LABEL_SELECT(32)
+LABEL_STEP(8)
+LABEL_STEP(16)
+LABEL_STEP(32)

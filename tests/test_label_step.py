@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gpudecode.scorers.base import LaneLayout
+from gpudecode.scorers.combine import combine_scores
 from gpudecode.search import label_step
 from gpudecode.search.label_sync import LabelSyncOptions, _Beam, _select, length_norm
 
@@ -25,35 +26,38 @@ def test_the_kernel_is_used_only_where_it_applies():
 
 def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: int):
     """A step's inputs with the awkward cases: exact ties (scores on a coarse grid), -inf log-probs,
-    terminated lanes, dead lanes (-inf), and lanes at their label limit."""
+    terminated lanes, dead lanes (-inf), an utterance with fewer candidates than lanes (its new
+    dead lanes continue its first lane), and lanes at their label limit."""
     rng = np.random.default_rng(seed)
     n = num_groups * beam
     log_probs = [np.round(rng.normal(-3, 2, (n, vocab)), 1).astype(np.float32) for _ in range(num_scorers)]
     for logp in log_probs:
         logp[rng.random((n, vocab)) < 0.05] = -np.inf
-    scales = rng.choice([0.5, 1.0, 0.25], num_scorers).astype(np.float32)
-    combined = sum(np.float32(s) * lp for s, lp in zip(scales, log_probs)).astype(np.float32)
+    terms = [(lp, float(scale)) for lp, scale in zip(log_probs, rng.choice([0.5, 1.0, 0.25, 0.0], num_scorers))
+             if scale != 0]  # as label_sync._scores leaves out scale 0
     scores = np.round(rng.normal(-5, 2, n), 1).astype(np.float32)
     ended = rng.random(n) < 0.3
     dead = rng.random(n) < 0.15
     scores[dead], ended[dead] = -np.inf, True
     scores[::beam][:2] = scores[1::beam][:2]  # equal lanes: ties broken by lane, then label
+    ended[-beam:], scores[-beam] = True, -np.inf  # the last utterance: fewer candidates than lanes
     beam_state = _Beam(scores=scores, scorer_scores=np.round(rng.normal(-4, 2, (num_scorers, n)), 1).astype(np.float32),
                        lengths=rng.integers(0, 9, n).astype(np.int64), ended=ended)
     deadline = rng.integers(3, 8, num_groups).repeat(beam).astype(np.int64)
-    return beam_state, combined, log_probs, deadline
+    return beam_state, terms, log_probs, deadline
 
 
 def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, options, num_groups: int = 6,
                     step: int = 5) -> tuple[dict, dict]:
     """The selection of one :func:`random_step` by the array version on numpy and by the kernel on
     ``cupy``: each as host arrays by name (parents, labels and the new lanes' fields)."""
-    state, combined, log_probs, deadline = random_step(seed, num_groups, beam, vocab, num_scorers)
+    state, terms, log_probs, deadline = random_step(seed, num_groups, beam, vocab, num_scorers)
     norm = length_norm(state, options, np)  # both get the same normalisers (powf may differ in the last ulp)
+    combined = combine_scores([t for t, _ in terms], [scale for _, scale in terms])
     expected, parents, labels = _select(state, combined, log_probs, norm, deadline <= step,
                                         LaneLayout(num_groups=num_groups, beam_size=beam), options)
     fields, got_parents, got_labels = label_step.select_kernel(
-        _Beam(*(cupy.asarray(getattr(state, f)) for f in FIELDS)), cupy.asarray(combined),
+        _Beam(*(cupy.asarray(getattr(state, f)) for f in FIELDS)), [(cupy.asarray(t), s) for t, s in terms],
         [cupy.asarray(lp) for lp in log_probs], None if norm is None else cupy.asarray(norm),
         cupy.asarray(deadline), step, LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy), options)
     want = {"parents": parents, "labels": labels, **{f: getattr(expected, f) for f in FIELDS}}

@@ -1,9 +1,11 @@
-"""The selection of a label-synchronous search step in one kernel launch (``kernels/label_step.cu``).
+"""The selection of a label-synchronous search step in two kernel launches (``kernels/label_step.cu``).
 
 :func:`gpudecode.search.label_sync._select` builds the candidates of a step, ranks them, keeps the
 best ``beam_size`` per utterance and makes the new lanes in ~40 array operations, each a launch
-with its own host cost. Utterances never interact there, so on CuPy one thread block per
-utterance does all of it in one launch (the scorers still run before, and extend after).
+with its own host cost. On CuPy two launches do all of it (the scorers still run before, and
+extend after): one thread block per lane keeps the lane's best ``beam_size`` candidates, then one
+per utterance picks from those lists. The combined score Σ scale · log-probs is formed inside,
+never as an [N, V] array.
 """
 
 from __future__ import annotations
@@ -23,36 +25,45 @@ def use_kernel(xp, beam_size: int, num_scorers: int) -> bool:
     return enabled and xp is not np and beam_size <= MAX_BEAM and 1 <= num_scorers <= MAX_SCORERS
 
 
-def select_kernel(beam, combined, log_probs, norm, deadline, step: int, layout, options):
-    """``label_sync._select`` as one launch: returns (new beam fields as a dict, parents, labels).
+def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, options):
+    """``label_sync._select`` as two launches: returns (new beam fields as a dict, parents, labels).
 
+    ``terms``: up to 4 (array [N, V], scale) whose Σ scale · array is the combined score (as
+    :func:`gpudecode.scorers.combine.combine_scores` sums it); ``log_probs``: each scorer's [N, V];
     ``norm``: [N] float32 length normalisers of each lane's candidates, or None for none;
     ``deadline``: [N] int64, a lane ends once ``deadline <= step``."""
     from gpudecode.kernels import load_module
 
     cupy = layout.xp
     num_lanes, beam_size = layout.num_lanes, layout.beam_size
-    vocab_size = int(combined.shape[1])
-    combined = cupy.ascontiguousarray(combined, dtype=np.float32)
+    vocab_size = int(log_probs[0].shape[1])
+    arrays = [cupy.ascontiguousarray(t, dtype=np.float32) for t, _ in terms]
+    arrays += [arrays[0] if arrays else log_probs[0]] * (MAX_SCORERS - len(arrays))  # unused ones are never read
+    scales = [np.float32(scale) for _, scale in terms] + [np.float32(0)] * (MAX_SCORERS - len(terms))
+    combine = (*arrays, *scales, np.int32(len(terms)))
     log_probs = [cupy.ascontiguousarray(logp, dtype=np.float32) for logp in log_probs]
-    pointers = log_probs + [log_probs[0]] * (MAX_SCORERS - len(log_probs))  # unused ones are never read
-    ended = cupy.ascontiguousarray(beam.ended, dtype=bool)
+    pointers = log_probs + [log_probs[0]] * (MAX_SCORERS - len(log_probs))
+    scores = cupy.ascontiguousarray(beam.scores, dtype=np.float32)
+    ended = cupy.ascontiguousarray(beam.ended, dtype=bool).view(np.uint8)
     scorer_scores = cupy.ascontiguousarray(beam.scorer_scores, dtype=np.float32)
+    lane_keys = cupy.empty((num_lanes, beam_size), dtype=np.uint64)
     parents = cupy.empty(num_lanes, dtype=np.int64)
     labels = cupy.empty(num_lanes, dtype=np.int64)
-    scores = cupy.empty(num_lanes, dtype=np.float32)
+    new_scores = cupy.empty(num_lanes, dtype=np.float32)
     lengths = cupy.empty(num_lanes, dtype=np.int64)
     ended_out = cupy.empty(num_lanes, dtype=bool)
     scorer_out = cupy.empty_like(scorer_scores)
     threshold = options.score_threshold
-    kept = next(k for k in (8, 16, 32) if k >= beam_size)  # the kernel's per-thread list
-    kernel = load_module("label_step", (), combined.device.id).get_function(f"label_select_{kept}")
-    kernel((layout.num_groups,), (_THREADS,), (
-        combined, np.int32(vocab_size), np.int32(beam_size), cupy.ascontiguousarray(beam.scores, dtype=np.float32),
-        cupy.ascontiguousarray(beam.lengths, dtype=np.int64), ended.view(np.uint8),
-        np.uint64(0) if norm is None else cupy.ascontiguousarray(norm, dtype=np.float32),
-        np.int32(threshold is not None), np.float32(threshold or 0), np.int64(options.sentence_end),
-        cupy.ascontiguousarray(deadline, dtype=np.int64), np.int64(step), np.int32(len(log_probs)), *pointers,
-        scorer_scores, np.int64(num_lanes), parents, labels, scores, lengths, ended_out.view(np.uint8), scorer_out,
+    kept = next(k for k in (8, 16, 32) if k >= beam_size)  # the kernels' per-thread list
+    module = load_module("label_step", (), log_probs[0].device.id)
+    module.get_function(f"label_lane_top_{kept}")((num_lanes,), (_THREADS,), (
+        *combine, np.int32(vocab_size), np.int32(beam_size), scores, ended,
+        np.uint64(0) if norm is None else cupy.ascontiguousarray(norm, dtype=np.float32), lane_keys))
+    module.get_function(f"label_select_{kept}")((layout.num_groups,), (_THREADS,), (
+        *combine, np.int32(vocab_size), np.int32(beam_size), lane_keys, scores,
+        cupy.ascontiguousarray(beam.lengths, dtype=np.int64), ended, np.int32(threshold is not None),
+        np.float32(threshold or 0), np.int64(options.sentence_end), cupy.ascontiguousarray(deadline, dtype=np.int64),
+        np.int64(step), np.int32(len(log_probs)), *pointers, scorer_scores, np.int64(num_lanes), parents, labels,
+        new_scores, lengths, ended_out.view(np.uint8), scorer_out,
     ))
-    return dict(scores=scores, scorer_scores=scorer_out, lengths=lengths, ended=ended_out), parents, labels
+    return dict(scores=new_scores, scorer_scores=scorer_out, lengths=lengths, ended=ended_out), parents, labels

@@ -310,13 +310,14 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
     """
     xp = layout.xp
     vocab_size = int(entries[0].scorer.vocab_size)
-    log_probs, combined = _scores(entries, contexts, layout, options, vocab_size)
+    log_probs, terms = _scores(entries, contexts, layout, options, vocab_size)
     norm = length_norm(beam, options, xp)
     if label_step.use_kernel(xp, layout.beam_size, len(log_probs)):
-        fields, parents, labels = label_step.select_kernel(beam, combined, log_probs, norm, deadline, step,
+        fields, parents, labels = label_step.select_kernel(beam, terms, log_probs, norm, deadline, step,
                                                            layout, options)
         beam = _Beam(**fields)
     else:
+        combined = combine_scores([t for t, _ in terms], [scale for _, scale in terms])
         beam, parents, labels = _select(beam, combined, log_probs, norm, deadline <= step, layout, options)
     contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
     return beam, parents, labels, contexts
@@ -374,7 +375,8 @@ def _select(beam: _Beam, combined, log_probs, norm, at_limit, layout: LaneLayout
 
 
 def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vocab_size: int):
-    """Each scorer's [N, V] log-probs and their combination Σ scale · logp.
+    """Each scorer's [N, V] log-probs, and the terms (array, scale) whose Σ scale · array is the
+    combined score (:func:`combine_scores`).
 
     Partial scorers (``scorer.partial_scoring``) score only the ``pre_beam_size`` best labels per
     lane by the full scorers; every other label gets -inf from them (and in the combination).
@@ -386,10 +388,11 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
     log_probs = [None] * len(entries)
     for i in full:
         log_probs[i] = checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp)
-    combined = combine_scores([log_probs[i] for i in full], [entries[i].scale for i in full])
+    terms = [(log_probs[i], entries[i].scale) for i in full if entries[i].scale != 0]
     partial = [i for i in range(len(entries)) if i not in full]
     if not partial:
-        return log_probs, combined
+        return log_probs, terms
+    combined = combine_scores([t for t, _ in terms], [scale for _, scale in terms])
     size = min(options.pre_beam_size or max(2 * layout.beam_size, 10), vocab_size)
     candidates = top_k_indices(combined, size)  # [N, K] labels, best first
     rows = xp.arange(num_lanes)[:, None]
@@ -407,7 +410,7 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
         log_probs[i] = scattered
         if entry.scale != 0:
             combined = combined + np.float32(entry.scale) * scattered
-    return log_probs, combined
+    return log_probs, [(combined, 1.0)]
 
 
 def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,

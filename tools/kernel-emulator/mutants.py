@@ -40,8 +40,12 @@ MUTANTS = {  # name: (file, old, new) -- old must occur exactly once
     "top-labels-candidate-slot": ("kernels/ctc_frame.cu", "__popc(ballot & ((1u << lane) - 1u))", "__popc(ballot & (1u << lane))"),
     "top-labels-fallback-rounds": ("kernels/ctc_frame.cu", "for (int round = 0; round < P; ++round) {\n        const unsigned long long winner = warp_max_u64",
                                    "for (int round = 0; round < P - 1; ++round) {\n        const unsigned long long winner = warp_max_u64"),
-    "label-step-carried-emits": ("kernels/label_step.cu", "const long long label = alive && !s_ended[i] ? v : -1;",
+    "label-step-carried-emits": ("kernels/label_step.cu", "const long long label = alive && !was_ended ? v : -1;",
                                  "const long long label = alive ? v : -1;"),
+    "label-step-terms-unscaled": ("kernels/label_step.cu", "__fmul_rn(term[s][at], scale[s])", "term[s][at]"),
+    "label-step-ended-unnormalised": ("kernels/label_step.cu",
+                                      "const float rank = norm != nullptr ? lane_score / lane_norm : lane_score;",
+                                      "const float rank = lane_score;"),
     "label-step-no-deadline": ("kernels/label_step.cu", " || deadline[lane] <= step;", ";"),
     # robustness of the harness itself: a crash, a deadlock, an endless loop must FAIL (not hang)
     "crash-trace-oob": ("kernels/emission_tree.cu", "n = node_parent[n];", "n = node_parent[n + 100000000000LL];"),

@@ -16,8 +16,9 @@
 // Memory layout
 // -------------
 //   term0 .. term3   [N, V] float32 (contiguous): the combined score Σ scale_s · term_s over the first
-//                    num_terms terms, each product rounded to float32 and summed in order, as
-//                    scorers/combine.py::combine_scores (none: 0); lane b of utterance u is row u * beam + b
+//                    num_terms terms, each product rounded to float32 and summed in order, terms of
+//                    scale 0 left out, as scorers/combine.py::combine_scores (none: 0); lane b of
+//                    utterance u is row u * beam + b
 //   logp0 .. logp3   [N, V] float32 (contiguous): each scorer's unscaled log-probs (num_scorers <= 4
 //                    used; the others are never read)
 //   score [N] float32, length [N] int64, ended [N] uint8: the lanes before the step
@@ -37,6 +38,7 @@
 
 #define LABEL_THREADS 256
 #define LABEL_MAX_BEAM 32
+#define LANE_UNROLL 4
 
 struct Terms {
     const float* term[4];
@@ -44,11 +46,14 @@ struct Terms {
     int count;
     __device__ __forceinline__ float combined(long long at) const {  // no contraction into FMAs
         float total = 0.0f;
+        bool first = true;
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             if (s >= count) break;
+            if (scale[s] == 0.0f) continue;  // left out (a -inf times 0 is no score)
             const float scaled = __fmul_rn(term[s][at], scale[s]);
-            total = s == 0 ? scaled : __fadd_rn(total, scaled);
+            total = first ? scaled : __fadd_rn(total, scaled);
+            first = false;
         }
         return total;
     }
@@ -76,10 +81,19 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
         return;
     }
     const long long row = lane * vocab_size;
-    auto scan = [&](auto&& visit) {
-        for (int v = threadIdx.x; v < vocab_size; v += LABEL_THREADS) {
-            const float value = lane_score + terms.combined(row + v);
-            visit(norm != nullptr ? value / lane_norm : value, base + v);
+    auto scan = [&](auto&& visit) {  // LANE_UNROLL labels' loads in flight per thread before it ranks them
+        for (int v0 = threadIdx.x; v0 < vocab_size; v0 += LANE_UNROLL * LABEL_THREADS) {
+            float values[LANE_UNROLL];
+#pragma unroll
+            for (int k = 0; k < LANE_UNROLL; ++k) {
+                const int v = v0 + k * LABEL_THREADS;
+                values[k] = v < vocab_size ? lane_score + terms.combined(row + v) : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < LANE_UNROLL; ++k) {
+                const int v = v0 + k * LABEL_THREADS;
+                if (v < vocab_size) visit(norm != nullptr ? values[k] / lane_norm : values[k], base + v);
+            }
         }
     };
     block_top_beam_scan<KEPT, LABEL_THREADS>(scan, beam, 0, 0.0f, warp_lists, warp_max, chosen, chosen_rank);

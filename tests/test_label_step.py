@@ -33,8 +33,7 @@ def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: 
     log_probs = [np.round(rng.normal(-3, 2, (n, vocab)), 1).astype(np.float32) for _ in range(num_scorers)]
     for logp in log_probs:
         logp[rng.random((n, vocab)) < 0.05] = -np.inf
-    terms = [(lp, float(scale)) for lp, scale in zip(log_probs, rng.choice([0.5, 1.0, 0.25, 0.0], num_scorers))
-             if scale != 0]  # as label_sync._scores leaves out scale 0
+    terms = [(lp, float(scale)) for lp, scale in zip(log_probs, rng.choice([0.5, 1.0, 0.25, 0.0], num_scorers))]
     scores = np.round(rng.normal(-5, 2, n), 1).astype(np.float32)
     ended = rng.random(n) < 0.3
     dead = rng.random(n) < 0.15
@@ -67,7 +66,7 @@ def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, op
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("beam, vocab, num_scorers", [(1, 50, 1), (3, 17, 2), (8, 1000, 4), (12, 300, 3),
-                                                      (32, 40, 2)])
+                                                      (32, 40, 2), (4, 2500, 2)])
 @pytest.mark.parametrize("length_norm_scale, threshold", [(0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5)])
 def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, length_norm_scale, threshold):
     import cupy

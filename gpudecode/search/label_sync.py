@@ -388,7 +388,7 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
     log_probs = [None] * len(entries)
     for i in full:
         log_probs[i] = checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp)
-    terms = [(log_probs[i], entries[i].scale) for i in full if entries[i].scale != 0]
+    terms = [(log_probs[i], entries[i].scale) for i in full]
     partial = [i for i in range(len(entries)) if i not in full]
     if not partial:
         return log_probs, terms

@@ -207,6 +207,7 @@ def run_top_labels(num_top, vocab_size, blank, kind, paths):
 LABEL_STEPS = [(beam, vocab, scorers, norm, threshold) for beam, vocab, scorers in
                ((1, 50, 1), (3, 17, 2), (8, 300, 4), (12, 40, 3), (32, 40, 2))
                for norm, threshold in ((0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5))]
+LABEL_STEPS += [(4, 2500, 2, 0.7, None), (16, 1100, 1, 0.0, 3.0)]  # V > 1,024: more than one unrolled round
 
 
 def run_label_step(beam, vocab, num_scorers, length_norm, threshold):

@@ -200,7 +200,9 @@ class LabelScorer:
     def score(self, ctx: Context):
         """[N, V] float32 log-probabilities of every next label for every lane (on ``xp``).
 
-        Rows of dead lanes may hold anything finite or -inf; they are never used.
+        Rows of dead lanes may hold anything finite or -inf; they are never used. The array may be
+        a buffer that the scorer's next ``score()`` overwrites (a CUDA graph's output): a search
+        that keeps scores across calls copies them.
         """
         raise NotImplementedError
 

@@ -347,12 +347,15 @@ class OnnxDecoderScorer(LabelScorer):
         return [min(int(m), limit) for m in maxima]
 
     def score(self, ctx: DecoderContext):
-        """[N, V] float32 log-probabilities of the next label for every lane."""
+        """[N, V] float32 log-probabilities of the next label for every lane.
+
+        With CUDA graphs and one chunk, a view of the graphs' shared output buffer: the next
+        ``score()`` overwrites it (the base class's contract)."""
         scores, slots = [], []
         chunks = self._chunks()
         for (_, rows), time_size in zip(chunks, self._chunk_time_sizes(ctx, chunks)):
             s, n = (self._run(ctx, rows, time_size) if self._graphs is None
-                    else self._run_bucketed(ctx, rows, time_size))
+                    else self._run_bucketed(ctx, rows, time_size, copy_scores=len(chunks) > 1))
             scores.append(s)
             slots.append(n)
         xp = self.states.xp
@@ -391,9 +394,9 @@ class OnnxDecoderScorer(LabelScorer):
         in_place = self._in_place(merged.inputs)
         outputs = self.session.run(feeds, [spec.scores_output, *state_outputs, *in_place], outputs=in_place)
         new_slots = self.states.split({k: outputs[k] for k in state_outputs})
-        return self._log_probs(outputs[spec.scores_output]), new_slots
+        return self._log_probs(outputs[spec.scores_output], copy=False), new_slots  # the run's own array
 
-    def _run_bucketed(self, ctx: DecoderContext, rows: slice, time_size: int | None = None):
+    def _run_bucketed(self, ctx: DecoderContext, rows: slice, time_size: int | None = None, copy_scores: bool = True):
         """One model call padded to its (rows, history) bucket, through the step graphs.
 
         Static inputs are views of the graph buffers: the merge writes the states and prefix
@@ -438,7 +441,7 @@ class OnnxDecoderScorer(LabelScorer):
             new_slots = self.states.split(states_out)
         else:
             new_slots = self.states.split(states_out)[:num_rows]
-        return self._log_probs(outputs[spec.scores_output][:num_rows]), new_slots
+        return self._log_probs(outputs[spec.scores_output][:num_rows], copy=copy_scores), new_slots
 
     def _natural_time(self, histories: StateHistory, time_size: int | None) -> int:
         """T of a call: the longest kept history (or ``time_size``), plus the position an in-place
@@ -528,10 +531,11 @@ class OnnxDecoderScorer(LabelScorer):
     def _input_dtype(self, logical: str):
         return self.session.tensors.input(self.spec.hypothesis_inputs[logical]).dtype
 
-    def _log_probs(self, raw):
+    def _log_probs(self, raw, copy: bool):
+        """``raw`` scores as [N, V] float32 log-probabilities (``copy``: never a view of ``raw``)."""
         xp = self.layout.xp
         scores = xp.asarray(raw)
-        scores = scores.reshape(scores.shape[0], -1, scores.shape[-1])[:, -1, :].astype(np.float32)
+        scores = scores.reshape(scores.shape[0], -1, scores.shape[-1])[:, -1, :].astype(np.float32, copy=copy)
         if self.scores_kind == "neg-log-probs":
             return -scores
         if self.scores_kind == "logits":

@@ -163,7 +163,7 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
         prediction.admit(utterances, groups)
         try:
             ctx = prediction.initial_context(groups)
-            pred_out = _on_xp(xp, prediction.output(ctx)).astype(np.float32, copy=False)
+            pred_out = _on_xp(xp, prediction.output(ctx)).astype(np.float32, copy=True)  # kept across calls
             lanes = xp.arange(num_utts, dtype=np.int64)
             lengths_dev = xp.asarray(lengths)
             score = xp.zeros(num_utts, dtype=np.float32)
@@ -294,7 +294,7 @@ class _TransducerSearch:
                 begun.append(entry)
                 entry.scorer.admit(utterances, groups)
             self.pred_ctx = self.prediction.initial_context(groups)
-            self.pred_out = _on_xp(xp, self.prediction.output(self.pred_ctx)).astype(np.float32, copy=False)
+            self.pred_out = _on_xp(xp, self.prediction.output(self.pred_ctx)).astype(np.float32, copy=True)
             self.pred_lane = lanes.copy()
             self.contexts = [e.scorer.initial_context(groups) for e in self.entries]
             self.scorer_lane = lanes.copy()
@@ -502,8 +502,8 @@ class _TransducerSearch:
                                        num_lanes, int(entry.scorer.vocab_size), xp)
             if self.cache_enabled and self.cache[s] is not None:
                 self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
-            else:
-                self.cache[s] = log_probs
+            else:  # kept until the next rescore, or across it with the cache
+                self.cache[s] = log_probs.copy() if self.cache_enabled else log_probs
         self.rescore = False
         self.changed = xp.zeros(num_lanes, dtype=bool)
 

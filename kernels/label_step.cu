@@ -5,13 +5,14 @@
 // score unchanged), a dead lane (score -inf) nothing. Ranked by score / norm (the length
 // normaliser), with the score threshold, the best `beam` survive (equal ranks go to the lower lane,
 // then label: packed_key.cuh).
-//   label_lane_top_<K>  one block per LANE: the lane's best `beam` candidates (no threshold), so a
-//                       step reads its N x V scores with N blocks, not U
-//   label_select_<K>    one block per UTTERANCE: the best `beam` of its beam x beam lane lists, the
-//                       threshold, and the new lanes. Exact: a candidate among the utterance's best
-//                       `beam` is among its lane's best `beam`; so is the threshold's best; and
-//                       where fewer than `beam` candidates are left above -inf, the rest are the
-//                       lowest columns at -inf, of lane 0 (of lane 1, ... where V < beam) in both
+//   label_lane_top_<K>  one block per SEGMENT of LABEL_SEGMENT labels of a lane: the segment's best
+//                       `beam` candidates (no threshold), so N x ceil(V / LABEL_SEGMENT) blocks read
+//                       the step's N x V scores, four labels per thread
+//   label_select_<K>    one block per UTTERANCE: the best `beam` of its segment lists, the threshold,
+//                       and the new lanes. Exact: a candidate among the utterance's best `beam` is
+//                       among its segment's best `beam`; so is the threshold's best; and where fewer
+//                       than `beam` candidates are left above -inf, the rest are -inf candidates of
+//                       lane 0 (of lane 1, ... where V < beam) in both, whose labels are never used
 //
 // Memory layout
 // -------------
@@ -23,8 +24,8 @@
 //                    used; the others are never read)
 //   score [N] float32, length [N] int64, ended [N] uint8: the lanes before the step
 //   norm             [N] float32, or null for 1: the length normaliser of each lane's candidates
-//   lane_keys        [N, beam] uint64: a lane's best candidates, best first, packed (rank, column
-//                    i * V + v of the utterance; 0: none)
+//   lane_keys        [N, segments, beam] uint64: a segment's best candidates, packed (rank, column
+//                    i * V + v of the utterance; 0: none); segments = ceil(V / LABEL_SEGMENT)
 //   scorer_scores    [num_scorers, N] float32 (contiguous): each scorer's score of each lane
 //   deadline         [N] int64: a lane reaches its utterance's label limit with step `step` when
 //                    deadline <= step (then it ends)
@@ -39,6 +40,7 @@
 #define LABEL_THREADS 256
 #define LABEL_MAX_BEAM 32
 #define LANE_UNROLL 4
+#define LABEL_SEGMENT (LANE_UNROLL * LABEL_THREADS)
 
 struct Terms {
     const float* term[4];
@@ -68,32 +70,32 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
     __shared__ unsigned int chosen[LABEL_MAX_BEAM];
     __shared__ float chosen_rank[LABEL_MAX_BEAM];
 
-    const long long lane = blockIdx.x;
+    const int segments = (vocab_size + LABEL_SEGMENT - 1) / LABEL_SEGMENT;
+    const long long lane = blockIdx.x / segments;
+    const int first_label = (blockIdx.x % segments) * LABEL_SEGMENT;
     const unsigned int base = (unsigned int)(lane % beam) * (unsigned int)vocab_size;  // the lane's first column
     const float lane_score = score[lane], lane_norm = norm != nullptr ? norm[lane] : 1.0f;
-    unsigned long long* keys = lane_keys + lane * beam;
-    if (ended[lane]) {  // only itself, in column 0; the other columns rank -inf, lowest first
+    unsigned long long* keys = lane_keys + (long long)blockIdx.x * beam;
+    if (ended[lane]) {  // only itself, in column 0; the lowest other columns rank -inf, in segment 0
         const int r = threadIdx.x;
         if (r < beam) {
             const float rank = norm != nullptr ? lane_score / lane_norm : lane_score;
-            keys[r] = r < vocab_size ? pack_key(r == 0 ? rank : neg_inf(), base + r) : 0ull;
+            keys[r] = first_label == 0 && r < vocab_size ? pack_key(r == 0 ? rank : neg_inf(), base + r) : 0ull;
         }
         return;
     }
     const long long row = lane * vocab_size;
-    auto scan = [&](auto&& visit) {  // LANE_UNROLL labels' loads in flight per thread before it ranks them
-        for (int v0 = threadIdx.x; v0 < vocab_size; v0 += LANE_UNROLL * LABEL_THREADS) {
-            float values[LANE_UNROLL];
+    auto scan = [&](auto&& visit) {  // LANE_UNROLL labels per thread, their loads in flight together
+        float values[LANE_UNROLL];
 #pragma unroll
-            for (int k = 0; k < LANE_UNROLL; ++k) {
-                const int v = v0 + k * LABEL_THREADS;
-                values[k] = v < vocab_size ? lane_score + terms.combined(row + v) : 0.0f;
-            }
+        for (int k = 0; k < LANE_UNROLL; ++k) {
+            const int v = first_label + k * LABEL_THREADS + threadIdx.x;
+            values[k] = v < vocab_size ? lane_score + terms.combined(row + v) : 0.0f;
+        }
 #pragma unroll
-            for (int k = 0; k < LANE_UNROLL; ++k) {
-                const int v = v0 + k * LABEL_THREADS;
-                if (v < vocab_size) visit(norm != nullptr ? values[k] / lane_norm : values[k], base + v);
-            }
+        for (int k = 0; k < LANE_UNROLL; ++k) {
+            const int v = first_label + k * LABEL_THREADS + threadIdx.x;
+            if (v < vocab_size) visit(norm != nullptr ? values[k] / lane_norm : values[k], base + v);
         }
     };
     block_top_beam_scan<KEPT, LABEL_THREADS>(scan, beam, 0, 0.0f, warp_lists, warp_max, chosen, chosen_rank);
@@ -117,9 +119,10 @@ __device__ __forceinline__ void select_step(
     __shared__ float chosen_rank[LABEL_MAX_BEAM];
 
     const long long first = (long long)blockIdx.x * beam;
-    const unsigned long long* keys = lane_keys + first * beam;
+    const int listed = beam * ((vocab_size + LABEL_SEGMENT - 1) / LABEL_SEGMENT) * beam;  // the lanes' lists
+    const unsigned long long* keys = lane_keys + first * (listed / beam);
     auto scan = [&](auto&& visit) {
-        for (int e = threadIdx.x; e < beam * beam; e += LABEL_THREADS) {
+        for (int e = threadIdx.x; e < listed; e += LABEL_THREADS) {
             const unsigned long long key = keys[e];
             if (key != 0ull) visit(unpack_key_value(key), ~(unsigned int)(key & 0xffffffffull));
         }

@@ -40,6 +40,12 @@ def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: 
     scores[dead], ended[dead] = -np.inf, True
     scores[::beam][:2] = scores[1::beam][:2]  # equal lanes: ties broken by lane, then label
     ended[-beam:], scores[-beam] = True, -np.inf  # the last utterance: fewer candidates than lanes
+    if vocab > label_step.SEGMENT:  # a lane of utterance 1 scores only labels at segment edges, and the last one
+        edges = np.array([label_step.SEGMENT - 1, label_step.SEGMENT, vocab - 1])
+        for logp in log_probs:
+            logp[beam] = -np.inf
+            logp[beam, edges] = 1.0
+        scores[beam], ended[beam] = 5.0, False
     beam_state = _Beam(scores=scores, scorer_scores=np.round(rng.normal(-4, 2, (num_scorers, n)), 1).astype(np.float32),
                        lengths=rng.integers(0, 9, n).astype(np.int64), ended=ended)
     deadline = rng.integers(3, 8, num_groups).repeat(beam).astype(np.int64)

@@ -559,8 +559,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
     dict(beam_size=3), dict(beam_size=4, length_norm_scale=0.8), dict(beam_size=5, nbest=2),
     dict(beam_size=4, score_threshold=1.5),
 ])
-def test_lagged_stop_test_gives_the_same_nbest_after_one_more_step(monkeypatch, device, options):
-    """Stopping one step after every lane has ended changes nothing: ended lanes carry themselves."""
+@pytest.mark.parametrize("lag", [1, 2])
+def test_lagged_stop_test_gives_the_same_nbest_after_lag_more_steps(monkeypatch, device, options, lag):
+    """Stopping ``lag`` steps after every lane has ended changes nothing: ended lanes carry themselves."""
     xp = np
     if device == "cuda":
         import cupy as xp
@@ -568,6 +569,7 @@ def test_lagged_stop_test_gives_the_same_nbest_after_one_more_step(monkeypatch, 
     tables = random_tables(seed=7, num_utts=4, vocab_size=vocab, eos=eos, eos_bias=3.0)
     opts = LabelSyncOptions(sentence_end=eos, max_labels_per_input=1.0, **options)
     results, steps = {}, {}
+    monkeypatch.setattr(label_sync, "STOP_TEST_LAG", lag)
     for lagged in (False, True):
         events: list = []
         monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
@@ -575,7 +577,7 @@ def test_lagged_stop_test_gives_the_same_nbest_after_one_more_step(monkeypatch, 
         results[lagged] = run([("t", TrigramTableScorer(vocab, events=events), 1.0)], utterances, opts, xp=xp)
         steps[lagged] = events.count("score")
     assert 2 <= steps[False] < 20  # stopped by the stop test, before the length cap
-    assert steps[True] == steps[False] + 1
+    assert steps[True] == steps[False] + lag
     for got, expected in zip(results[True], results[False]):
         assert [h.labels for h in got] == [h.labels for h in expected]
         assert [h.score for h in got] == [h.score for h in expected]
@@ -583,8 +585,10 @@ def test_lagged_stop_test_gives_the_same_nbest_after_one_more_step(monkeypatch, 
         assert [h.length for h in got] == [h.length for h in expected]
 
 
-def test_lagged_stop_test_never_steps_past_the_length_cap(monkeypatch):
+@pytest.mark.parametrize("lag", [1, 2])
+def test_lagged_stop_test_never_steps_past_the_length_cap(monkeypatch, lag):
     vocab, eos = 6, 0
+    monkeypatch.setattr(label_sync, "STOP_TEST_LAG", lag)
     tables = random_tables(seed=3, num_utts=2, vocab_size=vocab, eos=eos, eos_bias=-6.0)  # rarely ends
     opts = LabelSyncOptions(beam_size=3, sentence_end=eos, max_labels_per_input=1.0)
     counts = {}

@@ -125,28 +125,30 @@ def _all_ended(ended) -> bool:
 #: steps), apart from admission before and the n-best lists after (a benchmark's accounting).
 STEP_LOOP = HostClock()
 
-#: Read the stop test one step late (None: on CuPy only). The host then queues step k + 1 before
-#: it waits for step k's flag, so the GPU never drains between steps; the price is one more step
-#: after the last lane ends, which changes nothing (ended lanes only carry themselves).
+#: Read the stop test STOP_TEST_LAG steps late (None: on CuPy only). The host then queues steps
+#: k + 1 .. k + STOP_TEST_LAG before it waits for step k's flag, so the GPU never drains between
+#: steps, even while the host wakes up; the price is up to STOP_TEST_LAG more steps after the last
+#: lane ends, which change nothing (ended lanes only carry themselves).
 LAGGED_STOP_TEST: bool | None = None
+STOP_TEST_LAG = 2
 
 
 class LaggedReads:
-    """Small bool arrays ([size]) sent to the host one step behind the search.
+    """Small bool arrays ([size]) sent to the host ``lag`` steps behind the search.
 
     :meth:`post` queues an array's copy (on CuPy an asynchronous copy into pinned memory behind
-    the work queued so far); :meth:`previous` waits for the array posted before it. Two pinned
-    buffers alternate, and the host waits on blocking-sync events, so it sleeps instead of
-    spinning while the GPU works."""
+    the work queued so far); :meth:`previous` waits for the array posted ``lag`` posts before it.
+    ``lag + 1`` pinned buffers take turns, and the host waits on blocking-sync events, so it
+    sleeps instead of spinning while the GPU works."""
 
-    def __init__(self, xp: ModuleType, size: int = 1) -> None:
+    def __init__(self, xp: ModuleType, size: int = 1, lag: int = 1) -> None:
         self._cupy = None if xp is np else xp
-        self._size = size
+        self._size, self._lag = size, lag
         self._posted: list = []  # (event or None, slot or values)
         if self._cupy is not None:
-            self._pinned = self._cupy.cuda.alloc_pinned_memory(2 * size)
-            self._host = np.frombuffer(self._pinned, np.bool_, 2 * size).reshape(2, size)
-            self._events = [self._cupy.cuda.Event(block=True, disable_timing=True) for _ in range(2)]
+            self._pinned = self._cupy.cuda.alloc_pinned_memory((lag + 1) * size)
+            self._host = np.frombuffer(self._pinned, np.bool_, (lag + 1) * size).reshape(lag + 1, size)
+            self._events = [self._cupy.cuda.Event(block=True, disable_timing=True) for _ in range(lag + 1)]
         self._slot = 0
 
     def post(self, values) -> None:
@@ -154,7 +156,7 @@ class LaggedReads:
             self._posted.append((None, np.array(values, dtype=bool).reshape(self._size)))
             return
         cupy, slot = self._cupy, self._slot
-        self._slot ^= 1
+        self._slot = (slot + 1) % (self._lag + 1)  # its last copy was read by the previous() before
         stream = cupy.cuda.get_current_stream()
         values = cupy.ascontiguousarray(values, dtype=bool)
         cupy.cuda.runtime.memcpyAsync(self._host[slot].ctypes.data, values.data.ptr, self._size,
@@ -163,8 +165,8 @@ class LaggedReads:
         self._posted.append((self._events[slot], slot))
 
     def previous(self) -> np.ndarray | None:
-        """The array posted before the latest one (None: none yet)."""
-        if len(self._posted) < 2:
+        """The array posted ``lag`` posts before the latest one (None: none yet)."""
+        if len(self._posted) <= self._lag:
             return None
         event, value = self._posted.pop(0)
         if event is None:
@@ -279,7 +281,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
 
     max_steps = int(limits.max())
     lagged = LAGGED_STOP_TEST if LAGGED_STOP_TEST is not None else xp is not np
-    flags = LaggedReads(xp) if lagged else None
+    flags = LaggedReads(xp, lag=STOP_TEST_LAG) if lagged else None
     cpu, wall = time.thread_time(), time.perf_counter()
     for step in range(1, max_steps + 1):
         beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options, lane_limit, step)
@@ -293,7 +295,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
         flags.post(beam.ended.all().reshape(1))
         previous = flags.previous()
         if previous is not None and previous[0]:
-            break  # every lane had ended before this step, which only carried them
+            break  # every lane had ended before the last STOP_TEST_LAG steps, which only carried them
     if flags is not None:
         flags.drain()
     STEP_LOOP.add(time.thread_time() - cpu, time.perf_counter() - wall, len(steps))

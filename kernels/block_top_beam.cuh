@@ -14,21 +14,6 @@
 // threshold), best first; fewer than `beam` candidates leave ~0u. Scratch: warp_max [THREADS / 32].
 // Returns the threshold floor (-inf without a threshold). Ends with __syncthreads().
 
-// A warp's best `beam` of its threads' `kept` lists (best first, KEPT >= beam), by warp rounds (no
-// barriers): out[0 .. beam) is written by lane 0, best first; 0 where the warp had fewer.
-template <int KEPT>
-__device__ __forceinline__ void warp_top_beam(unsigned long long (&kept)[KEPT], int beam, unsigned long long* out) {
-    for (int round = 0; round < beam; ++round) {  // this warp's best `beam`, best first
-        const unsigned long long winner = warp_max_u64(kept[0]);
-        if (kept[0] == winner && winner != 0ull) {  // taken: the next of this thread's list moves up
-#pragma unroll
-            for (int r = 0; r < KEPT - 1; ++r) kept[r] = kept[r + 1];
-            kept[KEPT - 1] = 0ull;
-        }
-        if ((threadIdx.x & 31) == 0) out[round] = winner;
-    }
-}
-
 template <int KEPT, int THREADS, typename Scan>
 __device__ __forceinline__ float block_top_beam_scan(const Scan& scan, int beam, int has_threshold, float threshold,
                                                      unsigned long long* warp_lists, float* warp_max,
@@ -53,7 +38,15 @@ __device__ __forceinline__ float block_top_beam_scan(const Scan& scan, int beam,
         keep_best(kept, pack_key(value, column));
     });
     if (threadIdx.x < beam) chosen[threadIdx.x] = ~0u;
-    warp_top_beam(kept, beam, warp_lists + warp * beam);
+    for (int round = 0; round < beam; ++round) {  // this warp's best `beam`, best first
+        const unsigned long long winner = warp_max_u64(kept[0]);
+        if (kept[0] == winner && winner != 0ull) {  // taken: the next of this thread's list moves up
+#pragma unroll
+            for (int r = 0; r < KEPT - 1; ++r) kept[r] = kept[r + 1];
+            kept[KEPT - 1] = 0ull;
+        }
+        if (lane == 0) warp_lists[warp * beam + round] = winner;
+    }
     __syncthreads();
     const int listed = (THREADS / 32) * beam;
     for (int e = threadIdx.x; e < listed; e += THREADS) {

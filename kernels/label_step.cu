@@ -5,9 +5,9 @@
 // score unchanged), a dead lane (score -inf) nothing. Ranked by score / norm (the length
 // normaliser), with the score threshold, the best `beam` survive (equal ranks go to the lower lane,
 // then label: packed_key.cuh).
-//   label_lane_top_<K>  one WARP per segment of LABEL_SEGMENT labels of a lane: the segment's best
-//                       `beam` candidates (no threshold) by warp rounds, no barrier; so
-//                       N x ceil(V / LABEL_SEGMENT) warps read the step's N x V scores
+//   label_lane_top_<K>  one block per SEGMENT of LABEL_SEGMENT labels of a lane: the segment's best
+//                       `beam` candidates (no threshold), so N x ceil(V / LABEL_SEGMENT) blocks read
+//                       the step's N x V scores, four labels per thread
 //   label_select_<K>    one block per UTTERANCE: the best `beam` of its segment lists, the threshold,
 //                       and the new lanes. Exact: a candidate among the utterance's best `beam` is
 //                       among its segment's best `beam`; so is the threshold's best; and where fewer
@@ -39,8 +39,8 @@
 
 #define LABEL_THREADS 256
 #define LABEL_MAX_BEAM 32
-#define LANE_UNROLL 8
-#define LABEL_SEGMENT 1024  // labels per warp of label_lane_top_<K>: 32 per thread
+#define LANE_UNROLL 4
+#define LABEL_SEGMENT (LANE_UNROLL * LABEL_THREADS)
 
 struct Terms {
     const float* term[4];
@@ -62,42 +62,45 @@ struct Terms {
 };
 
 template <int KEPT>
-__device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int beam, long long num_lanes,
+__device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int beam,
                                          const float* __restrict__ score, const unsigned char* __restrict__ ended,
                                          const float* __restrict__ norm, unsigned long long* __restrict__ lane_keys) {
-    const int segments = (vocab_size + LABEL_SEGMENT - 1) / LABEL_SEGMENT, lane_id = threadIdx.x & 31;
-    const long long list = (long long)blockIdx.x * (LABEL_THREADS / 32) + (threadIdx.x >> 5);  // this warp's
-    const long long lane = list / segments;
-    if (lane >= num_lanes) return;  // the whole warp
-    const int first_label = (int)(list % segments) * LABEL_SEGMENT;
+    __shared__ unsigned long long warp_lists[(LABEL_THREADS / 32) * LABEL_MAX_BEAM];
+    __shared__ float warp_max[LABEL_THREADS / 32];
+    __shared__ unsigned int chosen[LABEL_MAX_BEAM];
+    __shared__ float chosen_rank[LABEL_MAX_BEAM];
+
+    const int segments = (vocab_size + LABEL_SEGMENT - 1) / LABEL_SEGMENT;
+    const long long lane = blockIdx.x / segments;
+    const int first_label = (blockIdx.x % segments) * LABEL_SEGMENT;
     const unsigned int base = (unsigned int)(lane % beam) * (unsigned int)vocab_size;  // the lane's first column
     const float lane_score = score[lane], lane_norm = norm != nullptr ? norm[lane] : 1.0f;
-    unsigned long long* keys = lane_keys + list * beam;
+    unsigned long long* keys = lane_keys + (long long)blockIdx.x * beam;
     if (ended[lane]) {  // only itself, in column 0; the lowest other columns rank -inf, in segment 0
-        for (int r = lane_id; r < beam; r += 32) {
+        const int r = threadIdx.x;
+        if (r < beam) {
             const float rank = norm != nullptr ? lane_score / lane_norm : lane_score;
             keys[r] = first_label == 0 && r < vocab_size ? pack_key(r == 0 ? rank : neg_inf(), base + r) : 0ull;
         }
         return;
     }
     const long long row = lane * vocab_size;
-    unsigned long long kept[KEPT];  // best first
-#pragma unroll
-    for (int r = 0; r < KEPT; ++r) kept[r] = 0ull;
-    for (int j = 0; j < LABEL_SEGMENT / 32; j += LANE_UNROLL) {  // LANE_UNROLL labels' loads in flight together
+    auto scan = [&](auto&& visit) {  // LANE_UNROLL labels per thread, their loads in flight together
         float values[LANE_UNROLL];
 #pragma unroll
         for (int k = 0; k < LANE_UNROLL; ++k) {
-            const int v = first_label + (j + k) * 32 + lane_id;
+            const int v = first_label + k * LABEL_THREADS + threadIdx.x;
             values[k] = v < vocab_size ? lane_score + terms.combined(row + v) : 0.0f;
         }
 #pragma unroll
         for (int k = 0; k < LANE_UNROLL; ++k) {
-            const int v = first_label + (j + k) * 32 + lane_id;
-            if (v < vocab_size) keep_best(kept, pack_key(norm != nullptr ? values[k] / lane_norm : values[k], base + v));
+            const int v = first_label + k * LABEL_THREADS + threadIdx.x;
+            if (v < vocab_size) visit(norm != nullptr ? values[k] / lane_norm : values[k], base + v);
         }
-    }
-    warp_top_beam(kept, beam, keys);
+    };
+    block_top_beam_scan<KEPT, LABEL_THREADS>(scan, beam, 0, 0.0f, warp_lists, warp_max, chosen, chosen_rank);
+    const int r = threadIdx.x;
+    if (r < beam) keys[r] = chosen[r] == ~0u ? 0ull : pack_key(chosen_rank[r], chosen[r]);
 }
 
 template <int KEPT>
@@ -157,9 +160,9 @@ __device__ __forceinline__ void select_step(
 
 #define LABEL_STEP(KEPT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_lane_top_##KEPT(                          \
-        TERMS_PARAMS, int vocab_size, int beam, long long num_lanes, const float* score,                       \
-        const unsigned char* ended, const float* norm, unsigned long long* lane_keys) {                          \
-        lane_top<KEPT>(TERMS_OF_PARAMS, vocab_size, beam, num_lanes, score, ended, norm, lane_keys);            \
+        TERMS_PARAMS, int vocab_size, int beam, const float* score, const unsigned char* ended, const float* norm, \
+        unsigned long long* lane_keys) {                                                                         \
+        lane_top<KEPT>(TERMS_OF_PARAMS, vocab_size, beam, score, ended, norm, lane_keys);                       \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_select_##KEPT(                            \
         TERMS_PARAMS, int vocab_size, int beam, const unsigned long long* lane_keys, const float* score,        \

@@ -3,8 +3,8 @@
 :func:`gpudecode.search.label_sync._select` builds the candidates of a step, ranks them, keeps the
 best ``beam_size`` per utterance and makes the new lanes in ~40 array operations, each a launch
 with its own host cost. On CuPy two launches do all of it (the scorers still run before, and
-extend after): one warp per 1,024 labels of a lane keeps their best ``beam_size`` candidates,
-then one thread block per utterance picks from those lists. The combined score Σ scale · log-probs is formed inside,
+extend after): one thread block per 1,024 labels of a lane keeps their best ``beam_size``
+candidates, then one per utterance picks from those lists. The combined score Σ scale · log-probs is formed inside,
 never as an [N, V] array.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 MAX_BEAM = 32  # LABEL_MAX_BEAM of kernels/label_step.cu
 MAX_SCORERS = 4  # logp0 .. logp3
 _THREADS = 256  # LABEL_THREADS
-SEGMENT = 1024  # LABEL_SEGMENT: labels per warp of label_lane_top_<K>
+SEGMENT = 4 * _THREADS  # LABEL_SEGMENT: labels per block of label_lane_top_<K>
 
 #: Off: CuPy runs the array version too (the tests compare both).
 enabled = True
@@ -58,9 +58,8 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= beam_size)  # the kernels' per-thread list
     module = load_module("label_step", (), log_probs[0].device.id)
-    warps = _THREADS // 32
-    module.get_function(f"label_lane_top_{kept}")((-(-num_lanes * segments // warps),), (_THREADS,), (
-        *combine, np.int32(vocab_size), np.int32(beam_size), np.int64(num_lanes), scores, ended,
+    module.get_function(f"label_lane_top_{kept}")((num_lanes * segments,), (_THREADS,), (
+        *combine, np.int32(vocab_size), np.int32(beam_size), scores, ended,
         np.uint64(0) if norm is None else cupy.ascontiguousarray(norm, dtype=np.float32), lane_keys))
     module.get_function(f"label_select_{kept}")((layout.num_groups,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), lane_keys, scores,

@@ -54,7 +54,10 @@ def label_lists(tokens: np.ndarray, sentence_end: int | None) -> list[list[int]]
     valid = tokens >= 0
     if sentence_end is not None:
         valid &= tokens != sentence_end
-    rows = tokens.tolist()
     if bool((valid[:, 1:] <= valid[:, :-1]).all()):  # every row's labels come first (the usual case)
-        return [row[:n] for row, n in zip(rows, valid.sum(axis=1).tolist())]
-    return [[x for x, keep in zip(row, mask) if keep] for row, mask in zip(rows, valid.tolist())]
+        counts = valid.sum(axis=1)
+        rows = tokens[:, :int(counts.max(initial=0))].tolist()  # no Python ints past the longest row
+        for row, n in zip(rows, counts.tolist()):
+            del row[n:]
+        return rows
+    return [[x for x, keep in zip(row, mask) if keep] for row, mask in zip(tokens.tolist(), valid.tolist())]

@@ -450,15 +450,16 @@ def _hypotheses(order, ranks, scores, scorer_scores, lengths, labels: list[list[
     each lane's ``labels``. Lanes ranked -inf end a list."""
     beam_size = order.shape[1]
     ranks, scores, lengths = ranks.tolist(), scores.tolist(), lengths.tolist()
-    named = [(e.name, scorer_scores[s].tolist()) for s, e in enumerate(entries)]
-    results = []
-    for g in range(order.shape[0]):
+    names = [e.name for e in entries]
+    lane_scores = list(zip(*(scorer_scores[s].tolist() for s in range(len(entries))))) if entries else None
+    lanes = (np.arange(order.shape[0])[:, None] * beam_size + order[:, :num_best]).tolist()  # [G, num_best]
+    isfinite, results = math.isfinite, []
+    for group in lanes:
         nbest = []
-        for lane in (g * beam_size + order[g]).tolist():
-            if not math.isfinite(ranks[lane]) or len(nbest) == num_best:
+        for lane in group:
+            if not isfinite(ranks[lane]):
                 break
-            nbest.append(Hypothesis(labels=labels[lane], score=scores[lane],
-                                    scores={name: values[lane] for name, values in named},
-                                    length=int(lengths[lane])))
+            nbest.append(Hypothesis(labels[lane], scores[lane], dict(zip(names, lane_scores[lane])) if names else {},
+                                    lengths[lane]))
         results.append(nbest)
     return results

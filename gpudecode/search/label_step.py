@@ -4,8 +4,8 @@
 best ``beam_size`` per utterance and makes the new lanes in ~40 array operations, each a launch
 with its own host cost. On CuPy two launches do all of it (the scorers still run before, and
 extend after): one thread block per 1,024 labels of a lane keeps their best ``beam_size``
-candidates, then one per utterance picks from those lists. The combined score Σ scale · log-probs is formed inside,
-never as an [N, V] array.
+candidates, then one per utterance picks from those lists. The combined score Σ scale ·
+log-probs is formed inside, never as an [N, V] array.
 """
 
 from __future__ import annotations

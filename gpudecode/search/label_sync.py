@@ -319,8 +319,7 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
                                                            layout, options)
         beam = _Beam(**fields)
     else:
-        combined = combine_scores([t for t, _ in terms], [scale for _, scale in terms])
-        beam, parents, labels = _select(beam, combined, log_probs, norm, deadline <= step, layout, options)
+        beam, parents, labels = _select(beam, _combined(terms), log_probs, norm, deadline <= step, layout, options)
     contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
     return beam, parents, labels, contexts
 
@@ -394,7 +393,7 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
     partial = [i for i in range(len(entries)) if i not in full]
     if not partial:
         return log_probs, terms
-    combined = combine_scores([t for t, _ in terms], [scale for _, scale in terms])
+    combined = _combined(terms)
     size = min(options.pre_beam_size or max(2 * layout.beam_size, 10), vocab_size)
     candidates = top_k_indices(combined, size)  # [N, K] labels, best first
     rows = xp.arange(num_lanes)[:, None]
@@ -413,6 +412,11 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
         if entry.scale != 0:
             combined = combined + np.float32(entry.scale) * scattered
     return log_probs, [(combined, 1.0)]
+
+
+def _combined(terms):
+    """Σ scale · array of ``_scores``'s terms, as one [N, V] float32 array."""
+    return combine_scores([t for t, _ in terms], [scale for _, scale in terms])
 
 
 def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,
@@ -451,7 +455,7 @@ def _hypotheses(order, ranks, scores, scorer_scores, lengths, labels: list[list[
     beam_size = order.shape[1]
     ranks, scores, lengths = ranks.tolist(), scores.tolist(), lengths.tolist()
     names = [e.name for e in entries]
-    lane_scores = list(zip(*(scorer_scores[s].tolist() for s in range(len(entries))))) if entries else None
+    lane_scores = list(zip(*scorer_scores.tolist()))  # per lane, each scorer's score
     lanes = (np.arange(order.shape[0])[:, None] * beam_size + order[:, :num_best]).tolist()  # [G, num_best]
     isfinite, results = math.isfinite, []
     for group in lanes:
@@ -459,7 +463,6 @@ def _hypotheses(order, ranks, scores, scorer_scores, lengths, labels: list[list[
         for lane in group:
             if not isfinite(ranks[lane]):
                 break
-            nbest.append(Hypothesis(labels[lane], scores[lane], dict(zip(names, lane_scores[lane])) if names else {},
-                                    lengths[lane]))
+            nbest.append(Hypothesis(labels[lane], scores[lane], dict(zip(names, lane_scores[lane])), lengths[lane]))
         results.append(nbest)
     return results

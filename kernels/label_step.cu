@@ -5,7 +5,7 @@
 // score unchanged), a dead lane (score -inf) nothing. Ranked by score / norm (the length
 // normaliser), with the score threshold, the best `beam` survive (equal ranks go to the lower lane,
 // then label: packed_key.cuh).
-//   label_lane_top_<K>  one block per SEGMENT of LABEL_SEGMENT labels of a lane: the segment's best
+//   label_lane_top_<K>_<T>  one block per SEGMENT of LABEL_SEGMENT labels of a lane: the segment's best
 //                       `beam` candidates (no threshold), so N x ceil(V / LABEL_SEGMENT) blocks read
 //                       the step's N x V scores, four labels per thread
 //   label_select_<K>    one block per UTTERANCE: the best `beam` of its segment lists, the threshold,
@@ -17,9 +17,9 @@
 // Memory layout
 // -------------
 //   term0 .. term3   [N, V] float32 (contiguous): the combined score Σ scale_s · term_s over the first
-//                    num_terms terms, each product rounded to float32 and summed in order, terms of
-//                    scale 0 left out, as scorers/combine.py::combine_scores (none: 0); lane b of
-//                    utterance u is row u * beam + b
+//                    num_terms terms (1 to 4; label_lane_top_<K>_<num_terms>), each product rounded
+//                    to float32 and summed in order, as scorers/combine.py::combine_scores (the host
+//                    leaves out terms of scale 0); lane b of utterance u is row u * beam + b
 //   logp0 .. logp3   [N, V] float32 (contiguous): each scorer's unscaled log-probs (num_scorers <= 4
 //                    used; the others are never read)
 //   score [N] float32, length [N] int64, ended [N] uint8: the lanes before the step
@@ -61,7 +61,7 @@ struct Terms {
     }
 };
 
-template <int KEPT>
+template <int KEPT, int TERMS>
 __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int beam,
                                          const float* __restrict__ score, const unsigned char* __restrict__ ended,
                                          const float* __restrict__ norm, unsigned long long* __restrict__ lane_keys) {
@@ -85,12 +85,20 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
         return;
     }
     const long long row = lane * vocab_size;
-    auto scan = [&](auto&& visit) {  // LANE_UNROLL labels per thread, their loads in flight together
-        float values[LANE_UNROLL];
+    auto scan = [&](auto&& visit) {  // LANE_UNROLL labels per thread: all LANE_UNROLL * TERMS loads in flight
+        float loaded[LANE_UNROLL][TERMS], values[LANE_UNROLL];
 #pragma unroll
-        for (int k = 0; k < LANE_UNROLL; ++k) {
-            const int v = first_label + k * LABEL_THREADS + threadIdx.x;
-            values[k] = v < vocab_size ? lane_score + terms.combined(row + v) : 0.0f;
+        for (int k = 0; k < LANE_UNROLL; ++k) {  // no branch around a load: past V, label V - 1 is read again
+            const long long at = row + min(first_label + k * LABEL_THREADS + (int)threadIdx.x, vocab_size - 1);
+#pragma unroll
+            for (int t = 0; t < TERMS; ++t) loaded[k][t] = __ldg(terms.term[t] + at);
+        }
+#pragma unroll
+        for (int k = 0; k < LANE_UNROLL; ++k) {  // combine_scores's order and rounding, no FMA
+            float total = __fmul_rn(loaded[k][0], terms.scale[0]);
+#pragma unroll
+            for (int t = 1; t < TERMS; ++t) total = __fadd_rn(total, __fmul_rn(loaded[k][t], terms.scale[t]));
+            values[k] = lane_score + total;
         }
 #pragma unroll
         for (int k = 0; k < LANE_UNROLL; ++k) {
@@ -158,12 +166,15 @@ __device__ __forceinline__ void select_step(
         float scale2, float scale3, int num_terms
 #define TERMS_OF_PARAMS Terms{{term0, term1, term2, term3}, {scale0, scale1, scale2, scale3}, num_terms}
 
-#define LABEL_STEP(KEPT)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_lane_top_##KEPT(                          \
+#define LABEL_LANE_TOP(KEPT, TERMS)                                                                              \
+    extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_lane_top_##KEPT##_##TERMS(                \
         TERMS_PARAMS, int vocab_size, int beam, const float* score, const unsigned char* ended, const float* norm, \
         unsigned long long* lane_keys) {                                                                         \
-        lane_top<KEPT>(TERMS_OF_PARAMS, vocab_size, beam, score, ended, norm, lane_keys);                       \
-    }                                                                                                            \
+        lane_top<KEPT, TERMS>(TERMS_OF_PARAMS, vocab_size, beam, score, ended, norm, lane_keys);                \
+    }
+
+#define LABEL_STEP(KEPT)                                                                                         \
+    LABEL_LANE_TOP(KEPT, 1) LABEL_LANE_TOP(KEPT, 2) LABEL_LANE_TOP(KEPT, 3) LABEL_LANE_TOP(KEPT, 4)              \
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_select_##KEPT(                            \
         TERMS_PARAMS, int vocab_size, int beam, const unsigned long long* lane_keys, const float* score,        \
         const long long* length, const unsigned char* ended, int has_threshold, float threshold,                \

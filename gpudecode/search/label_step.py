@@ -38,8 +38,11 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     cupy = layout.xp
     num_lanes, beam_size = layout.num_lanes, layout.beam_size
     vocab_size = int(log_probs[0].shape[1])
+    terms = [(t, scale) for t, scale in terms if scale != 0]  # left out, as combine_scores does
+    if not terms:  # every scale 0: the combined score is 0
+        terms = [(cupy.zeros(log_probs[0].shape, dtype=np.float32), 1.0)]
     arrays = [cupy.ascontiguousarray(t, dtype=np.float32) for t, _ in terms]
-    arrays += [arrays[0] if arrays else log_probs[0]] * (MAX_SCORERS - len(arrays))  # unused ones are never read
+    arrays += [arrays[0]] * (MAX_SCORERS - len(arrays))  # unused ones are never read
     scales = [np.float32(scale) for _, scale in terms] + [np.float32(0)] * (MAX_SCORERS - len(terms))
     combine = (*arrays, *scales, np.int32(len(terms)))
     log_probs = [cupy.ascontiguousarray(logp, dtype=np.float32) for logp in log_probs]
@@ -58,7 +61,7 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= beam_size)  # the kernels' per-thread list
     module = load_module("label_step", (), log_probs[0].device.id)
-    module.get_function(f"label_lane_top_{kept}")((num_lanes * segments,), (_THREADS,), (
+    module.get_function(f"label_lane_top_{kept}_{len(terms)}")((num_lanes * segments,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), scores, ended,
         np.uint64(0) if norm is None else cupy.ascontiguousarray(norm, dtype=np.float32), lane_keys))
     module.get_function(f"label_select_{kept}")((layout.num_groups,), (_THREADS,), (

@@ -130,9 +130,20 @@ class HostWaits(HostClock):
 
     ``spin``: poll the event or stream until its work is done instead of sleeping in the driver.
     A sleeping host thread wakes up slower (its core may have left its caches and clock speed);
-    a spinning one keeps a core busy."""
+    a spinning one keeps a core busy. ``nap_s`` > 0: poll, sleeping that long between polls
+    (short naps instead of one long sleep)."""
 
     spin: bool = False
+    nap_s: float = 0.0
+
+    def set_mode(self, mode: str, nap_s: float = 100e-6) -> None:
+        """"block" (sleep in the driver), "spin" or "nap" (poll every ``nap_s`` seconds)."""
+        if mode not in HOST_WAIT_MODES:
+            raise ValueError(f"host_wait: expected one of {', '.join(HOST_WAIT_MODES)}, got {mode!r}")
+        self.spin, self.nap_s = mode == "spin", (nap_s if mode == "nap" else 0.0)
+
+
+HOST_WAIT_MODES = ("block", "spin", "nap")
 
 
 #: The process's waiting mode and accounting (every wait of the searches goes through wait_for).
@@ -146,6 +157,9 @@ def wait_for(work) -> None:
     if waits.spin:
         while not work.done:
             pass
+    elif waits.nap_s > 0:
+        while not work.done:
+            time.sleep(waits.nap_s)
     else:
         work.synchronize()
     waits.add(time.thread_time() - cpu, time.perf_counter() - wall)

@@ -132,15 +132,18 @@ def bench() -> None:
 
 #: Options of both decoder benches.
 _DECODER_EXPORT = click.option(
-    "--decoder-export", "export", type=click.Choice(["new-step", "full-history", "ragged", "gqa"]),
+    "--decoder-export", "export", type=click.Choice(["new-step", "fused", "full-history", "ragged", "gqa"]),
     default="new-step", show_default=True,
-    help="The decoder's state outputs: the new step alone with fused QKV, the past with the new step appended "
+    help="The decoder's state outputs: the new step alone with fused QKV, the same as ONNX Runtime's transformer "
+         "optimizer writes it (SkipLayerNormalization; *-fused.json), the past with the new step appended "
          "(*-full-history.json), or new-step with attention over each row's own history: ONNX Attention "
          "(*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA (*-gqa.json).")
 _DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
                       help="The decoder's float type (*-float16.json).")
-_HOST_WAIT = click.option("--host-wait", type=click.Choice(["block", "spin"]), default="block", show_default=True,
-                          help="How the host waits for the GPU: sleep in the driver, or poll (*-spin.json).")
+_HOST_WAIT = click.option("--host-wait", type=click.Choice(["block", "spin", "nap"]), default="block",
+                          show_default=True,
+                          help="How the host waits for the GPU: sleep in the driver, poll (*-spin.json), or poll "
+                               "with 100 µs naps between polls (*-nap.json).")
 
 
 def _run_bench(module: str, function: str, **options) -> None:
@@ -193,16 +196,18 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
                    "hypotheses (0: none).")
 @click.option("--rounds", type=int, default=5, show_default=True,
               help="Timed rounds per CUDA-manager cell, interleaved across the cells; each cell's fastest counts.")
+@click.option("--pin-cpu", type=int, default=None,
+              help="Pin the bench's thread to this CPU once the cells are built (*-pin.json); default: unpinned.")
 @_DECODER_EXPORT
 @_DTYPE
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
                  cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str,
-                 control_delay_ms: float, rounds: int, export: str, dtype: str) -> None:
+                 control_delay_ms: float, rounds: int, pin_cpu: int | None, export: str, dtype: str) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
                num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
                utterance_rows=utterance_rows, tf32=tf32, host_wait=host_wait, beams=_int_list(beams),
-               rounds=rounds, export=export, control_delay_ms=control_delay_ms, dtype=dtype)
+               rounds=rounds, export=export, control_delay_ms=control_delay_ms, dtype=dtype, pin_cpu=pin_cpu)
 
 
 @bench.command("graphs")

@@ -41,6 +41,19 @@ def test_spinning_wait_polls_until_done(waits):
     assert (event.synchronized, event.queries) == (0, 6)
 
 
+def test_napping_wait_polls_between_sleeps(waits, monkeypatch):
+    naps = []
+    monkeypatch.setattr(backend.time, "sleep", naps.append)
+    waits.set_mode("nap", nap_s=2e-4)
+    event = FakeEvent(polls=3)
+    backend.wait_for(event)
+    assert (event.synchronized, event.queries, naps) == (0, 4, [2e-4] * 3)
+    waits.set_mode("block")
+    assert (waits.spin, waits.nap_s) == (False, 0.0)
+    with pytest.raises(ValueError, match="host_wait"):
+        waits.set_mode("doze")
+
+
 def test_waits_are_accounted_and_reset(waits):
     waits.spin = True
     for _ in range(3):

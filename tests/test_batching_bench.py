@@ -7,8 +7,8 @@ import pytest
 from gpudecode.bench.batching import format_table, make_lengths, run_batching_bench
 
 
-@pytest.mark.parametrize("export, dtype", [("new-step", "float32"), ("ragged", "float32"), ("ragged", "float16"),
-                                           ("gqa", "float32")])
+@pytest.mark.parametrize("export, dtype", [("new-step", "float32"), ("fused", "float32"), ("ragged", "float32"),
+                                           ("ragged", "float16"), ("gqa", "float32")])
 def test_batching_bench_counts_steps_and_history_tokens(export, dtype):
     results = run_batching_bench(num_utts=12, max_active=4, beam=2, min_labels=2, max_labels=12, device="cpu",
                                  quick=True, export=export, dtype=dtype, rounds=2)

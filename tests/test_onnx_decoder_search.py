@@ -29,7 +29,8 @@ class Setup:
         self.encoder = build_encoder(seed, num_decoder_layers=2, num_heads=2)
         self.decoder = build_transformer_decoder(seed, vocab_size=vocab_size, kv_layout=kv_layout,
                                                  state_outputs=export[0], fused_qkv=export[1],
-                                                 attention=export[2] if len(export) > 2 else "dense", dtype=dtype)
+                                                 attention=export[2] if len(export) > 2 else "dense", dtype=dtype,
+                                                 fused_ops=len(export) > 3 and export[3])
         rng = np.random.default_rng(seed)
         lengths = np.array(frames[:num_utts], np.int32)
         features = rng.standard_normal((num_utts, lengths.max(), 16)).astype(np.float32)
@@ -109,9 +110,11 @@ def test_exhaustive_enumeration_with_a_beam_larger_than_all_candidates():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_layout, export", [("bhtd", ("full", False)), ("btd", ("full", False)),
-                                               ("bhtd", ("new", True)), ("btd", ("new", False))])
+                                               ("bhtd", ("new", True)), ("btd", ("new", False)),
+                                               ("bhtd", ("new", True, "dense", True))])
 def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, export):
-    """(export: the model outputs the whole history or only the new step, DESIGN §5.)"""
+    """(export: the model outputs the whole history or only the new step, DESIGN §5; the last one
+    with ONNX Runtime's fused ops.)"""
     setup = Setup(5, device=device, kv_layout=kv_layout, export=export)
     scorer = setup.scorer()
     nbest = search([("decoder", scorer, 1.0)], setup.batch(xp=xp_of(device)), xp=xp_of(device), beam_size=4)

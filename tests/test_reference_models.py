@@ -184,6 +184,33 @@ def test_decoder_step_matches_oracle(mode, kv_layout, dtype, state_outputs, fuse
                 np.take(got[present], range(past_time), axis=ref.time_axis), feeds[past])
 
 
+@pytest.mark.parametrize("utterance_rows", ["lane", "utterance"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_decoder_matches_oracle_in_fewer_nodes(mode, dtype, utterance_rows):
+    """The export with ONNX Runtime's fused ops (SkipLayerNormalization, the attention scale in the
+    query weights, reshapes for one-step head splits) computes the oracle's function, in fewer nodes
+    than the new-step export it fuses."""
+    options = dict(cross_attention=mode, dtype=dtype, state_outputs="new", fused_qkv=True,
+                   utterance_rows=utterance_rows)
+    ref, plain = build_transformer_decoder(**options, fused_ops=True), build_transformer_decoder(**options)
+    for prefix_length, past_time in [([0, 3, 5, 1], 5), ([0, 0], 0)]:
+        sizes = [7, 4, 1, 2][: len(prefix_length)]
+        feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True)
+        if utterance_rows == "utterance" and mode is not None:  # one row per utterance, beam 2 rows each
+            feeds = {k: v[::2] if k.startswith(("cross-", "encoder-")) else v for k, v in feeds.items()}
+        got = _run(ref, feeds)
+        _assert_outputs_close(got, ref.oracle(feeds), dtype)
+        _assert_outputs_close(got, _run(plain, feeds), dtype)
+    ops = [node.op_type for node in onnx.load_from_string(ref.serialized()).graph.node]
+    plain_ops = [node.op_type for node in onnx.load_from_string(plain.serialized()).graph.node]
+    assert ops.count("SkipLayerNormalization") == (3 if mode else 2) * 2  # every LayerNorm but the first
+    assert ops.count("LayerNormalization") == 1
+    assert len(ops) < len(plain_ops) - 10
+    with pytest.raises(ValueError, match="fused_ops needs"):
+        build_transformer_decoder(kv_layout="btd", state_outputs="new", fused_qkv=True, fused_ops=True)
+
+
 @pytest.mark.parametrize("attention", ["ragged", "gqa"])
 @pytest.mark.parametrize("mode", MODES)
 def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode, attention):

@@ -220,8 +220,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     CUDA-graph capture; ``quick``: a short warm-up), then ``rounds`` timed rounds of both, the
     order alternating (a slow spell of the host hits both alike); each mode's fastest round
     counts. Returns (and writes) the results.
-    ``host_wait``: "block" (the host sleeps while it waits for the GPU) or "spin" (it polls;
-    ``batching[...]-spin.json``).
+    ``host_wait``: "block" (the host sleeps while it waits for the GPU), "spin" (it polls) or "nap"
+    (it polls with 100 µs sleeps in between); results as ``batching[...]-spin.json`` / ``-nap.json``.
     ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
     as ``batching[...]-lane.json``) per hypothesis.
     ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
@@ -232,9 +232,9 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     from gpudecode.backend import HOST_WAITS, array_module
     from gpudecode.search.batching import REFILLS
 
-    if host_wait not in ("block", "spin") or rounds < 1:
-        raise ValueError(f"bench batching: host_wait 'block' or 'spin' and rounds >= 1, got {host_wait!r}, {rounds}")
-    HOST_WAITS.spin = host_wait == "spin"
+    if rounds < 1:
+        raise ValueError(f"bench batching: rounds must be >= 1, got {rounds}")
+    HOST_WAITS.set_mode(host_wait)
     modes = batching_modes(num_utts=num_utts, max_active=max_active, beam=beam, min_labels=min_labels,
                            max_labels=max_labels, encoder_length=encoder_length, device=device, quick=quick,
                            cuda_graphs=cuda_graphs, max_batch_size=max_batch_size, utterance_rows=utterance_rows,
@@ -270,7 +270,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         fastest = min(timings[name], key=lambda t: t["seconds"])
         cell.update(fastest, utterances_per_s=num_utts / fastest["seconds"],
                     round_seconds=[t["seconds"] for t in timings[name]])
-    HOST_WAITS.spin = False
+    HOST_WAITS.set_mode("block")
     decoder.close()
     results = {
         "benchmark": "batching",
@@ -289,7 +289,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     }
     name = "batching" + ("-graphs" if cuda_graphs else "") + (f"-calls{max_batch_size}" if max_batch_size else "")
     name += ("-lane" if utterance_rows == "lane" else "") + ("" if export == "new-step" else f"-{export}")
-    name += ("" if dtype == "float32" else f"-{dtype}") + ("-spin" if host_wait == "spin" else "")
+    name += ("" if dtype == "float32" else f"-{dtype}") + ("" if host_wait == "block" else f"-{host_wait}")
     return write_results(results, output_dir, name, plot_batching)
 
 

@@ -68,8 +68,11 @@ def save_figure(plt, fig, path) -> str:
 #: state output is the past with the new step appended (a Concat per state variable and step), and
 #: three separate products; "ragged": new-step, with ONNX Attention (opset 24) over each row's own
 #: history length, left-aligned (metadata HISTORY_ALIGNMENT=left); "gqa": the same with ONNX Runtime's
-#: GroupQueryAttention (CUDA: float16 only). The same function every way.
+#: GroupQueryAttention (CUDA: float16 only); "fused": new-step as ONNX Runtime's transformer optimizer
+#: writes it (SkipLayerNormalization, the attention scale in the query weights, one-step head
+#: splits as reshapes: about a third fewer kernels per step). The same function every way.
 DECODER_EXPORTS = {"new-step": dict(state_outputs="new", fused_qkv=True),
+                   "fused": dict(state_outputs="new", fused_qkv=True, fused_ops=True),
                    "full-history": dict(state_outputs="full", fused_qkv=False),
                    "ragged": dict(state_outputs="new", fused_qkv=True, attention="ragged"),
                    "gqa": dict(state_outputs="new", fused_qkv=True, attention="gqa")}

@@ -10,6 +10,7 @@ the last step, then forced). Measured in one run, every figure as a ratio agains
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -233,7 +234,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
                      host_wait: str = "block", export: str = "new-step", rounds: int = 5,
-                     control_delay_ms: float = 0.0, dtype: str = "float32") -> dict:
+                     control_delay_ms: float = 0.0, dtype: str = "float32", pin_cpu: int | None = None) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -247,8 +248,10 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``use_tf32``; results as ``decode[-graphs]-tf32.json``). Off by default, as in the library: the
     exactness of DESIGN §8 is defined without it.
 
-    ``host_wait``: "block" (the host sleeps in the driver while it waits for the GPU) or "spin"
-    (it polls; results as ``*-spin.json``). Host CPU time is reported with and without the waits
+    ``host_wait``: "block" (the host sleeps in the driver while it waits for the GPU), "spin"
+    (it polls; results as ``*-spin.json``) or "nap" (it polls with 100 µs sleeps in between;
+    ``*-nap.json``). ``pin_cpu``: the bench's thread runs on that CPU alone once the cells are built
+    (``*-pin.json``), so a thread that slept wakes on the core whose caches it left. Host CPU time is reported with and without the waits
     (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
 
     ``rounds``: timed rounds of each CUDA-manager cell, interleaved (each cell's fastest counts).
@@ -269,11 +272,9 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
 
     if not {1, 8} <= set(beams):
         raise ValueError(f"beams: the ratios need beams 1 and 8, got {list(beams)}")
-    if host_wait not in ("block", "spin"):
-        raise ValueError(f"host_wait: expected 'block' or 'spin', got {host_wait!r}")
-    # before any CUDA work: with "block", waiting must not count as host CPU time
-    blocking = _blocking_sync() if host_wait == "block" else False
-    HOST_WAITS.spin = host_wait == "spin"
+    HOST_WAITS.set_mode(host_wait)
+    # before any CUDA work: waiting in the driver must not count as host CPU time
+    blocking = _blocking_sync() if host_wait != "spin" else False
     require_cupy()
     dims = dict(vocab_size=10_000, model_dim=512, num_layers=6, num_heads=8, ffn_dim=2048)
     if quick:
@@ -295,7 +296,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                  "decoder_export": export, "dtype": dtype,
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
-                                                 "host_wait": host_wait,
+                                                 "host_wait": host_wait, "pinned_cpu": pin_cpu,
                                                  "timing": f"fastest of {rounds} interleaved rounds (CPU manager: 1)"},
                "cells": []}
 
@@ -305,11 +306,13 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     if control_delay_ms > 0:
         cuda_cells.append(SearchCell(cuda_session, reference, "transformer-cuda", 1, num_utts, graphs=graphs,
                                      gpu_delay_ms=control_delay_ms, **fixed))
+    if pin_cpu is not None:  # the calling thread only (Linux)
+        os.sched_setaffinity(0, {pin_cpu})
     measured = measure_interleaved(cuda_cells, rounds)
     control = measured.pop() if control_delay_ms > 0 else None
     results["cells"] = measured
     results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
-    HOST_WAITS.spin = False
+    HOST_WAITS.set_mode("block")
     if control is not None:
         results["control_cell"] = control
     cell = {(c["state_manager"], c["beam"], c["utterances"]): c for c in results["cells"]}
@@ -330,7 +333,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         results["ratios"]["host_cpu_per_loop_step_4096_over_64_gpu_bound"] = (
             large["host_cpu_ms_per_loop_step"] / control["host_cpu_ms_per_loop_step"])
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
-            + ("-tf32" if tf32 else "") + ("-spin" if host_wait == "spin" else "")
+            + ("-tf32" if tf32 else "") + ("" if host_wait == "block" else f"-{host_wait}")
+            + ("" if pin_cpu is None else "-pin")
             + ("" if export == "new-step" else f"-{export}") + ("" if dtype == "float32" else f"-{dtype}"))
     return write_results(results, output_dir, name, plot_decode)
 

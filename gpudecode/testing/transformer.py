@@ -10,6 +10,7 @@ from onnx import helper
 
 from gpudecode.session.discovery import HISTORY_ALIGNMENT_KEY, IN_PLACE_PREFIX
 from gpudecode.testing._graph import (
+    LN_EPSILON,
     OPSET,
     GraphBuilder,
     cast_all,
@@ -184,7 +185,7 @@ def _sequence_oracle(w, cfg: _Config, mode):
 def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode,
                   out: str | None = None, grouped: bool = False, state_outputs: str = "full",
                   fused_qkv: bool = False, ragged: tuple[str, str] | None = None,
-                  gqa: tuple[str, str] | None = None) -> str:
+                  gqa: tuple[str, str] | None = None, fused_ops: bool = False) -> str:
     """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
     ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
@@ -204,20 +205,43 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     present outputs, ``kv-cache-key-{i}`` / ``kv-cache-value-{i}`` shaped like the past: bound to
     the past's own buffer (metadata ``IN_PLACE_``) the op appends in place instead of copying the
     past. T must exceed every history length.
+    ``fused_ops`` (one new step per row; state_outputs "new", fused_qkv, layout "bhtd", dense
+    attention): the same function as ONNX Runtime's transformer optimizer writes it, in fewer
+    kernels: each residual add with its bias and the next LayerNorm as one
+    ``SkipLayerNormalization`` (com.microsoft), 1/√Dh folded into the query weights, one-step
+    head splits as reshapes, and the new key/value written by the ``Split`` of the fused
+    projection straight into the present outputs.
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
+    dim = heads * head_dim
     masked = g.const(cfg.masked_logit, dtype)
-    scale = g.const(1 / np.sqrt(head_dim), dtype)
+    scale = None if fused_ops else g.const(1 / np.sqrt(head_dim), dtype)
 
     def split(t: str, perm) -> str:
         return g.op("Transpose", g.reshape(t, [0, 0, heads, head_dim]), perm=perm)
 
+    def step_heads(t: str) -> str:
+        """One step [N, 1, H·Dh] -> [N, H, 1, Dh]."""
+        return g.reshape(t, [0, heads, 1, head_dim]) if fused_ops else split(t, [0, 2, 1, 3])
+
     def merged_heads(att: str) -> str:
-        """[N, H, T, Dh] -> [N, T, H·Dh]."""
+        """[N, H, T, Dh] -> [N, T, H·Dh] (fused_ops: T = 1, a reshape)."""
+        if fused_ops:
+            return g.reshape(att, [0, 1, dim])
         return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [0, 0, heads * head_dim])
 
+    def scaled(q: str) -> str:
+        return q if fused_ops else g.op("Mul", q, scale)  # fused_ops: in the query weights
+
+    def query(h: str, key: str) -> str:
+        """The query projection ``key`` of h (fused_ops: its weights and bias scaled by 1/√Dh)."""
+        if not fused_ops:
+            return g.linear(h, w, key)
+        factor = np.asarray(1 / np.sqrt(head_dim), w[f"{key}.w"].dtype)
+        return g.linear(h, {f"{key}.w": w[f"{key}.w"] * factor, f"{key}.b": w[f"{key}.b"] * factor}, key)
+
     def attend(q: str, keys_t: str, values: str, valid: str) -> str:
-        logits = g.op("Where", valid, g.op("MatMul", g.op("Mul", q, scale), keys_t), masked)
+        logits = g.op("Where", valid, g.op("MatMul", scaled(q), keys_t), masked)
         return merged_heads(g.op("MatMul", g.op("Softmax", logits, axis=-1), values))
 
     def attend_grouped(q: str, keys_t: str, values: str, valid: str) -> str:
@@ -225,7 +249,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         groups = g.op("Shape", "encoder-states-size")  # [G]
         shape = g.op("Concat", groups, g.const([-1, heads, head_dim], np.int64), axis=0)
         q = g.op("Transpose", g.op("Reshape", q, shape), perm=[0, 2, 1, 3])
-        logits = g.op("Where", valid, g.op("MatMul", g.op("Mul", q, scale), keys_t), masked)
+        logits = g.op("Where", valid, g.op("MatMul", scaled(q), keys_t), masked)
         att = g.op("MatMul", g.op("Softmax", logits, axis=-1), values)  # [G, H, N/G, Dh]
         return g.reshape(g.op("Transpose", att, perm=[0, 2, 1, 3]), [-1, 1, heads * head_dim])
 
@@ -242,32 +266,63 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     def attend_past_and_new(q: str, past_keys_t: str, past_values: str, key: str, value: str, valid: str) -> str:
         """``attend`` over the T past positions and the new one (q, key, value [N, H, 1, Dh]) without
         concatenating the history: the logits and the weights are split instead."""
-        q = g.op("Mul", q, scale)
-        logits = g.op("Concat", g.op("MatMul", q, past_keys_t),
-                      g.op("ReduceSum", g.op("Mul", q, key), g.const([-1], np.int64), keepdims=1), axis=-1)
+        q = scaled(q)
+        if fused_ops:  # key [N, H, 1, Dh] read as [N, H, Dh, 1]: a reshape
+            new_logit = g.op("MatMul", q, g.reshape(key, [0, heads, head_dim, 1]))
+        else:
+            new_logit = g.op("ReduceSum", g.op("Mul", q, key), g.const([-1], np.int64), keepdims=1)
+        logits = g.op("Concat", g.op("MatMul", q, past_keys_t), new_logit, axis=-1)
         weights = g.op("Softmax", g.op("Where", valid, logits, masked), axis=-1)  # [N, H, 1, T+1]
         last = g.const([-1], np.int64)
         past_weights = g.op("Slice", weights, g.const([0], np.int64), last, g.const([3], np.int64))
         new_weight = g.op("Slice", weights, last, g.const([np.iinfo(np.int64).max], np.int64), g.const([3], np.int64))
         return merged_heads(g.op("Add", g.op("MatMul", past_weights, past_values), g.op("Mul", new_weight, value)))
 
-    dim = heads * head_dim
-    for i, (past_k, past_v, present_k, present_v) in enumerate(states):
-        h = g.layer_norm(x, w, f"self_ln_{i}")
-        if fused_qkv:
-            qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
-            qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
-            qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
-            q, k, v = g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
-            q_flat, q = q, split(q, [0, 2, 1, 3])
-        else:
+    def residual(x: str, sub: str, key: str, norm: str) -> tuple[str, str]:
+        """x + Linear ``key``(sub), and LayerNorm ``norm`` of that sum: (sum, normalised)."""
+        if not fused_ops:
+            x = g.op("Add", x, g.linear(sub, w, key))
+            return x, g.layer_norm(x, w, norm)
+        weights = [g.weight(f"{norm}.g", w[f"{norm}.g"]), g.weight(f"{norm}.b", w[f"{norm}.b"]),
+                   g.weight(f"{key}.b", w[f"{key}.b"])]
+        product = g.op("MatMul", sub, g.weight(f"{key}.w", w[f"{key}.w"]))
+        last = norm == "final_ln"  # the sum is not needed after the last LayerNorm
+        h, *rest = g.ops("SkipLayerNormalization", [product, x, *weights], 1 if last else 4, domain="com.microsoft",
+                         epsilon=LN_EPSILON)
+        return (None if last else rest[-1]), h
+
+    def self_qkv(h: str, i: int, present_k: str, present_v: str) -> tuple[str, str, str, str]:
+        """(q, q [N, H, 1, Dh], k, v) of the self-attention; with fused_ops k, v are the present outputs."""
+        if not fused_qkv:
             q_flat = g.linear(h, w, f"self_q_{i}")
-            q = split(q_flat, [0, 2, 1, 3])
-            k, v = g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
+            return q_flat, split(q_flat, [0, 2, 1, 3]), g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
+        qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
+        qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
+        if fused_ops:
+            factor = np.asarray(1 / np.sqrt(head_dim), qkv_w.dtype)
+            qkv_w, qkv_b = qkv_w.copy(), qkv_b.copy()
+            qkv_w[:, :dim] *= factor
+            qkv_b[:dim] *= factor
+        qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
+        if fused_ops:  # [N, 1, 3·H·Dh] as [N, 3H, 1, Dh]: each third is [N, H, 1, Dh]
+            q, k, v = g.ops("Split", [g.reshape(qkv, [0, 3 * heads, 1, head_dim]), g.const([heads] * 3, np.int64)],
+                            3, out=[g.fresh("query"), present_k, present_v], axis=1)
+            return q, q, k, v
+        q, k, v = g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
+        return q, split(q, [0, 2, 1, 3]), k, v
+
+    norms = [f"{n}_ln_{i}" for i in range(len(states)) for n in ("self", "cross", "ffn") if mode or n != "cross"]
+    next_norm = dict(zip(norms, [*norms[1:], "final_ln"]))
+    h = g.layer_norm(x, w, norms[0])
+    for i, (past_k, past_v, present_k, present_v) in enumerate(states):
+        q_flat, q, k, v = self_qkv(h, i, present_k, present_v)
         if state_outputs == "new":
-            k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
-            g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
-            g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
+            if fused_ops:
+                k_heads, v_heads = k, v
+            else:
+                k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
+                g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
+                g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
             if gqa is not None:  # (bhtd only)
                 seqlens, total = gqa
                 caches = [past.replace("past-", "kv-cache-") for past in (past_k, past_v)]
@@ -295,10 +350,9 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                 g.op("Concat", past_v, v, axis=1, out=present_v)
                 keys_t, values = split(present_k, [0, 2, 3, 1]), split(present_v, [0, 2, 1, 3])
             att = attend(q, keys_t, values, self_valid)
-        x = g.op("Add", x, g.linear(att, w, f"self_o_{i}"))
+        x, h = residual(x, att, f"self_o_{i}", next_norm[f"self_ln_{i}"])
         if mode is not None:
-            h = g.layer_norm(x, w, f"cross_ln_{i}")
-            q = split(g.linear(h, w, f"cross_query_{i}"), [0, 2, 1, 3])
+            q = step_heads(query(h, f"cross_query_{i}"))
             if mode == "precomputed":
                 keys_t = g.op("Transpose", f"cross-key-{i}", perm=[0, 1, 3, 2])
                 values = f"cross-value-{i}"
@@ -306,10 +360,9 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                 keys_t = split(g.linear("encoder-states", w, f"cross_key_{i}"), [0, 2, 3, 1])
                 values = split(g.linear("encoder-states", w, f"cross_value_{i}"), [0, 2, 1, 3])
             cross = attend_grouped if grouped else attend
-            x = g.op("Add", x, g.linear(cross(q, keys_t, values, cross_valid), w, f"cross_out_{i}"))
-        h = g.op("Relu", g.linear(g.layer_norm(x, w, f"ffn_ln_{i}"), w, f"ffn1_{i}"))
-        x = g.op("Add", x, g.linear(h, w, f"ffn2_{i}"))
-    return g.linear(g.layer_norm(x, w, "final_ln"), w, "out", out=out)
+            x, h = residual(x, cross(q, keys_t, values, cross_valid), f"cross_out_{i}", f"ffn_ln_{i}")
+        x, h = residual(x, g.op("Relu", g.linear(h, w, f"ffn1_{i}")), f"ffn2_{i}", next_norm[f"ffn_ln_{i}"])
+    return g.linear(h, w, "out", out=out)
 
 
 def build_transformer_decoder(
@@ -329,6 +382,7 @@ def build_transformer_decoder(
     state_outputs: str = "full",
     fused_qkv: bool = False,
     attention: str = "dense",
+    fused_ops: bool = False,
 ) -> ReferenceModel:
     """Transformer decoder step model, RASR convention (pre-LayerNorm, learned positions).
 
@@ -348,7 +402,10 @@ def build_transformer_decoder(
     function. ``attention``: "dense" (the above), or the past left-aligned (metadata
     ``HISTORY_ALIGNMENT=left``: the first prefix-length[n] positions are valid, the rest is never
     read) through ONNX ``Attention`` (opset 24, "ragged") or ONNX Runtime's ``GroupQueryAttention``
-    ("gqa": on CUDA float16/bfloat16 only; head size a multiple of 8).
+    ("gqa": on CUDA float16/bfloat16 only; head size a multiple of 8). ``fused_ops``: the graph
+    ONNX Runtime's transformer optimizer writes (``SkipLayerNormalization``, the attention scale in
+    the query weights, reshapes for one-step head splits; see ``_graph_layers``); the same function,
+    in fewer kernels per step. Needs state_outputs "new", fused_qkv, kv_layout "bhtd", dense attention.
     """
     if state_outputs not in STATE_OUTPUTS:
         raise ValueError(f"state_outputs: expected one of {STATE_OUTPUTS}, got {state_outputs!r}")
@@ -361,6 +418,8 @@ def build_transformer_decoder(
         raise ValueError(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
         )
+    if fused_ops and (state_outputs, fused_qkv, kv_layout, attention) != ("new", True, "bhtd", "dense"):
+        raise ValueError("fused_ops needs state_outputs='new', fused_qkv=True, kv_layout='bhtd' and attention='dense'")
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
     if utterance_rows not in ("lane", "utterance"):
@@ -405,7 +464,8 @@ def build_transformer_decoder(
         num_t = g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1)
         gqa_inputs = ("prefix-length", g.op("Squeeze", g.op("Cast", num_t, to=onnx_type(np.int32))))
     logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped,
-                           state_outputs=state_outputs, fused_qkv=fused_qkv, ragged=ragged_inputs, gqa=gqa_inputs)
+                           state_outputs=state_outputs, fused_qkv=fused_qkv, ragged=ragged_inputs, gqa=gqa_inputs,
+                           fused_ops=fused_ops)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
 
     inputs = [

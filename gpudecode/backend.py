@@ -124,19 +124,24 @@ class HostClock:
         self.count = 0
 
 
+#: Seconds between polls of a napping wait (:class:`HostWaits`).
+NAP_S = 100e-6
+
+
 @dataclasses.dataclass
 class HostWaits(HostClock):
     """How the host waits for the GPU, and what its waits cost (``count``: waits).
 
-    ``spin``: poll the event or stream until its work is done instead of sleeping in the driver.
-    A sleeping host thread wakes up slower (its core may have left its caches and clock speed);
-    a spinning one keeps a core busy. ``nap_s`` > 0: poll, sleeping that long between polls
-    (short naps instead of one long sleep)."""
+    By default the host polls the event or stream every ``nap_s`` seconds and sleeps in between
+    ("nap"). Sleeping in the driver until the work is done (``nap_s`` = 0, "block") cost the
+    host more: on the H200 machine a beam-8 × 512 search step took 2.07 ms of thread CPU time
+    blocking against 1.01 ms napping, at the same step time (session 12). ``spin``: poll without
+    sleeping (keeps a core busy)."""
 
     spin: bool = False
-    nap_s: float = 0.0
+    nap_s: float = NAP_S
 
-    def set_mode(self, mode: str, nap_s: float = 100e-6) -> None:
+    def set_mode(self, mode: str, nap_s: float = NAP_S) -> None:
         """"block" (sleep in the driver), "spin" or "nap" (poll every ``nap_s`` seconds)."""
         if mode not in HOST_WAIT_MODES:
             raise ValueError(f"host_wait: expected one of {', '.join(HOST_WAIT_MODES)}, got {mode!r}")

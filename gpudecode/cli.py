@@ -140,10 +140,10 @@ _DECODER_EXPORT = click.option(
          "(*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA (*-gqa.json).")
 _DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
                       help="The decoder's float type (*-float16.json).")
-_HOST_WAIT = click.option("--host-wait", type=click.Choice(["block", "spin", "nap"]), default="block",
+_HOST_WAIT = click.option("--host-wait", type=click.Choice(["nap", "block", "spin"]), default="nap",
                           show_default=True,
-                          help="How the host waits for the GPU: sleep in the driver, poll (*-spin.json), or poll "
-                               "with 100 µs naps between polls (*-nap.json).")
+                          help="How the host waits for the GPU: poll with 100 µs naps between polls (the library's "
+                               "default), sleep in the driver (*-block.json), or poll (*-spin.json).")
 
 
 def _run_bench(module: str, function: str, **options) -> None:

@@ -28,6 +28,7 @@ def waits(monkeypatch):
 
 
 def test_blocking_wait_sleeps_in_the_driver(waits):
+    waits.set_mode("block")
     event = FakeEvent(polls=5)
     backend.wait_for(event)
     assert (event.synchronized, event.queries) == (1, 0)
@@ -44,6 +45,7 @@ def test_spinning_wait_polls_until_done(waits):
 def test_napping_wait_polls_between_sleeps(waits, monkeypatch):
     naps = []
     monkeypatch.setattr(backend.time, "sleep", naps.append)
+    assert (waits.spin, waits.nap_s) == (False, backend.NAP_S) and backend.NAP_S > 0  # the default
     waits.set_mode("nap", nap_s=2e-4)
     event = FakeEvent(polls=3)
     backend.wait_for(event)

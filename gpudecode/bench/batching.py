@@ -215,13 +215,14 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
                        quick: bool = False, output_dir=None, cuda_graphs: bool = False,
                        max_batch_size: int | None = None, utterance_rows: str = "utterance",
                        export: str = "new-step", dtype: str = "float32", rounds: int = 5,
-                       host_wait: str = "block") -> dict:
+                       host_wait: str = "nap") -> dict:
     """Runs both modes in one process, each once untimed first (compilation, allocations, every
     CUDA-graph capture; ``quick``: a short warm-up), then ``rounds`` timed rounds of both, the
     order alternating (a slow spell of the host hits both alike); each mode's fastest round
     counts. Returns (and writes) the results.
-    ``host_wait``: "block" (the host sleeps while it waits for the GPU), "spin" (it polls) or "nap"
-    (it polls with 100 µs sleeps in between); results as ``batching[...]-spin.json`` / ``-nap.json``.
+    ``host_wait``: "nap" (the library's default: the host polls with 100 µs sleeps in between
+    while it waits for the GPU), "block" (it sleeps in the driver) or "spin" (it polls); results as
+    ``batching[...]-block.json`` / ``-spin.json``.
     ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
     as ``batching[...]-lane.json``) per hypothesis.
     ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.
@@ -270,7 +271,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
         fastest = min(timings[name], key=lambda t: t["seconds"])
         cell.update(fastest, utterances_per_s=num_utts / fastest["seconds"],
                     round_seconds=[t["seconds"] for t in timings[name]])
-    HOST_WAITS.set_mode("block")
+    HOST_WAITS.set_mode("nap")
     decoder.close()
     results = {
         "benchmark": "batching",
@@ -289,7 +290,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     }
     name = "batching" + ("-graphs" if cuda_graphs else "") + (f"-calls{max_batch_size}" if max_batch_size else "")
     name += ("-lane" if utterance_rows == "lane" else "") + ("" if export == "new-step" else f"-{export}")
-    name += ("" if dtype == "float32" else f"-{dtype}") + ("" if host_wait == "block" else f"-{host_wait}")
+    name += ("" if dtype == "float32" else f"-{dtype}") + ("" if host_wait == "nap" else f"-{host_wait}")
     return write_results(results, output_dir, name, plot_batching)
 
 

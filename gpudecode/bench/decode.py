@@ -233,7 +233,7 @@ def _phase_times(decoder, stream, run) -> dict[str, float]:
 def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_labels: int = 50,
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
-                     host_wait: str = "block", export: str = "new-step", rounds: int = 5,
+                     host_wait: str = "nap", export: str = "new-step", rounds: int = 5,
                      control_delay_ms: float = 0.0, dtype: str = "float32", pin_cpu: int | None = None) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
@@ -248,9 +248,9 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``use_tf32``; results as ``decode[-graphs]-tf32.json``). Off by default, as in the library: the
     exactness of DESIGN §8 is defined without it.
 
-    ``host_wait``: "block" (the host sleeps in the driver while it waits for the GPU), "spin"
-    (it polls; results as ``*-spin.json``) or "nap" (it polls with 100 µs sleeps in between;
-    ``*-nap.json``). ``pin_cpu``: the bench's thread runs on that CPU alone once the cells are built
+    ``host_wait``: "nap" (the library's default: the host polls with 100 µs sleeps in between
+    while it waits for the GPU), "block" (it sleeps in the driver; ``*-block.json``) or "spin" (it
+    polls; ``*-spin.json``). ``pin_cpu``: the bench's thread runs on that CPU alone once the cells are built
     (``*-pin.json``), so a thread that slept wakes on the core whose caches it left. Host CPU time is reported with and without the waits
     (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
 
@@ -312,7 +312,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     control = measured.pop() if control_delay_ms > 0 else None
     results["cells"] = measured
     results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
-    HOST_WAITS.set_mode("block")
+    HOST_WAITS.set_mode("nap")
     if control is not None:
         results["control_cell"] = control
     cell = {(c["state_manager"], c["beam"], c["utterances"]): c for c in results["cells"]}
@@ -333,7 +333,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
         results["ratios"]["host_cpu_per_loop_step_4096_over_64_gpu_bound"] = (
             large["host_cpu_ms_per_loop_step"] / control["host_cpu_ms_per_loop_step"])
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
-            + ("-tf32" if tf32 else "") + ("" if host_wait == "block" else f"-{host_wait}")
+            + ("-tf32" if tf32 else "") + ("" if host_wait == "nap" else f"-{host_wait}")
             + ("" if pin_cpu is None else "-pin")
             + ("" if export == "new-step" else f"-{export}") + ("" if dtype == "float32" else f"-{dtype}"))
     return write_results(results, output_dir, name, plot_decode)

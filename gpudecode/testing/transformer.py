@@ -292,7 +292,8 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         return (None if last else rest[-1]), h
 
     def self_qkv(h: str, i: int, present_k: str, present_v: str) -> tuple[str, str, str, str]:
-        """(q, q [N, H, 1, Dh], k, v) of the self-attention; with fused_ops k, v are the present outputs."""
+        """(the query for GroupQueryAttention, the query [N, H, 1, Dh], k, v) of the self-attention;
+        with fused_ops k and v are the present outputs [N, H, 1, Dh] (and no GroupQueryAttention)."""
         if not fused_qkv:
             q_flat = g.linear(h, w, f"self_q_{i}")
             return q_flat, split(q_flat, [0, 2, 1, 3]), g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")

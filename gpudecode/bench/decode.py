@@ -234,7 +234,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
                      host_wait: str = "nap", export: str = "new-step", rounds: int = 5,
-                     control_delay_ms: float = 0.0, dtype: str = "float32", pin_cpu: int | None = None) -> dict:
+                     control_delay_ms: float = 0.0, dtype: str = "float32", pin_cpu: int | None = None,
+                     graph_time_step: int | None = None) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -260,6 +261,10 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ms queued in every step, so the host waits about as long per step as at 4,096 hypotheses; the
     ratio ``host_cpu_per_loop_step_4096_over_64_gpu_bound`` compares host CPU per step at equal
     waiting (what grows with the hypotheses, apart from what waiting does to the host).
+
+    ``graph_time_step``: the CUDA graphs' history bucket step (``GraphOptions.time_step``; default:
+    the library's; results as ``*-step<N>.json``). The results give the device memory in use once
+    every cell has been built (all graphs captured).
 
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
     as ``*-full-history.json``). ``dtype``: the decoder's float type (``float16``: results as
@@ -288,7 +293,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                                           cuda_graphs=True))
         if not cuda_session.cuda_graphs:
             raise RuntimeError(f"the benchmark decoder cannot be captured: {cuda_session.graph_blocker}")
-        graphs = GraphOptions(enabled=True)
+        graphs = GraphOptions(enabled=True, **({} if graph_time_step is None else {"time_step": graph_time_step}))
     fixed = dict(encoder_length=encoder_length, num_labels=num_labels)
     results = {"benchmark": "decode", "config": {**dims, "encoder_length": encoder_length, "num_labels": num_labels,
                                                  "utterances": num_utts, "cross_attention": "precomputed",
@@ -306,6 +311,9 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     if control_delay_ms > 0:
         cuda_cells.append(SearchCell(cuda_session, reference, "transformer-cuda", 1, num_utts, graphs=graphs,
                                      gpu_delay_ms=control_delay_ms, **fixed))
+    free, total = require_cupy().cuda.runtime.memGetInfo()
+    results["config"]["device_memory_in_use_gb"] = (total - free) / 1e9
+    results["config"]["graph_time_step"] = graphs.time_step if graphs is not None else None
     if pin_cpu is not None:  # the calling thread only (Linux)
         os.sched_setaffinity(0, {pin_cpu})
     measured = measure_interleaved(cuda_cells, rounds)
@@ -334,7 +342,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
             large["host_cpu_ms_per_loop_step"] / control["host_cpu_ms_per_loop_step"])
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
             + ("-tf32" if tf32 else "") + ("" if host_wait == "nap" else f"-{host_wait}")
-            + ("" if pin_cpu is None else "-pin")
+            + ("" if pin_cpu is None else "-pin") + ("" if graph_time_step is None else f"-step{graph_time_step}")
             + ("" if export == "new-step" else f"-{export}") + ("" if dtype == "float32" else f"-{dtype}"))
     return write_results(results, output_dir, name, plot_decode)
 

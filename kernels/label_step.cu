@@ -16,12 +16,13 @@
 //
 // Memory layout
 // -------------
-//   term0 .. term3   [N, V] float32 (contiguous): the combined score Σ scale_s · term_s over the first
+//   term0 .. term3   [N, V] float32 or float16 (bit s of term_half; contiguous), read as float32: the
+//                    combined score Σ scale_s · term_s over the first
 //                    num_terms terms (1 to 4; label_lane_top_<K>_<num_terms>), each product rounded
 //                    to float32 and summed in order, as scorers/combine.py::combine_scores (the host
 //                    leaves out terms of scale 0); lane b of utterance u is row u * beam + b
-//   logp0 .. logp3   [N, V] float32 (contiguous): each scorer's unscaled log-probs (num_scorers <= 4
-//                    used; the others are never read)
+//   logp0 .. logp3   [N, V] float32 or float16 (bit s of logp_half; contiguous): each scorer's unscaled
+//                    log-probs (num_scorers <= 4 used; the others are never read)
 //   score [N] float32, length [N] int64, ended [N] uint8: the lanes before the step
 //   norm             [N] float32, or null for 1: the length normaliser of each lane's candidates
 //   lane_keys        [N, segments, beam] uint64: a segment's best candidates, packed (rank, column
@@ -43,9 +44,11 @@
 #define LABEL_SEGMENT (LANE_UNROLL * LABEL_THREADS)
 
 struct Terms {
-    const float* term[4];
+    const void* term[4];
     float scale[4];
     int count;
+    int half;  // bit s: term s is float16
+    __device__ __forceinline__ float value(int s, long long at) const { return load_score(term[s], at, (half >> s) & 1); }
     __device__ __forceinline__ float combined(long long at) const {  // no contraction into FMAs
         float total = 0.0f;
         bool first = true;
@@ -53,7 +56,7 @@ struct Terms {
         for (int s = 0; s < 4; ++s) {
             if (s >= count) break;
             if (scale[s] == 0.0f) continue;  // left out (a -inf times 0 is no score)
-            const float scaled = __fmul_rn(term[s][at], scale[s]);
+            const float scaled = __fmul_rn(value(s, at), scale[s]);
             total = first ? scaled : __fadd_rn(total, scaled);
             first = false;
         }
@@ -91,7 +94,7 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
         for (int k = 0; k < LANE_UNROLL; ++k) {  // no branch around a load: past V, label V - 1 is read again
             const long long at = row + min(first_label + k * LABEL_THREADS + (int)threadIdx.x, vocab_size - 1);
 #pragma unroll
-            for (int t = 0; t < TERMS; ++t) loaded[k][t] = __ldg(terms.term[t] + at);
+            for (int t = 0; t < TERMS; ++t) loaded[k][t] = terms.value(t, at);
         }
 #pragma unroll
         for (int k = 0; k < LANE_UNROLL; ++k) {  // combine_scores's order and rounding, no FMA
@@ -116,8 +119,8 @@ __device__ __forceinline__ void select_step(
     const Terms& terms, int vocab_size, int beam, const unsigned long long* __restrict__ lane_keys,
     const float* __restrict__ score, const long long* __restrict__ length, const unsigned char* __restrict__ ended,
     int has_threshold, float threshold, long long sentence_end, const long long* __restrict__ deadline,
-    long long step, int num_scorers, const float* __restrict__ logp0, const float* __restrict__ logp1,
-    const float* __restrict__ logp2, const float* __restrict__ logp3, const float* __restrict__ scorer_scores,
+    long long step, int num_scorers, const void* logp0, const void* logp1, const void* logp2, const void* logp3,
+    int logp_half, const float* __restrict__ scorer_scores,
     long long num_lanes, long long* __restrict__ parents, long long* __restrict__ labels,
     float* __restrict__ score_out, long long* __restrict__ length_out, unsigned char* __restrict__ ended_out,
     float* __restrict__ scorer_out) {
@@ -152,19 +155,19 @@ __device__ __forceinline__ void select_step(
                                                      : score[parent] + terms.combined(parent * vocab_size + v);
     length_out[lane] = length[parent] + (emitted ? 1 : 0);
     ended_out[lane] = was_ended || !alive || label == sentence_end || deadline[lane] <= step;
-    const float* logps[4] = {logp0, logp1, logp2, logp3};
+    const void* logps[4] = {logp0, logp1, logp2, logp3};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
         if (s >= num_scorers) break;
-        const float added = emitted ? logps[s][parent * vocab_size + v] : 0.0f;
+        const float added = emitted ? load_score(logps[s], parent * vocab_size + v, (logp_half >> s) & 1) : 0.0f;
         scorer_out[s * num_lanes + lane] = scorer_scores[s * num_lanes + parent] + added;
     }
 }
 
-#define TERMS_PARAMS                                                                                         \
-    const float *term0, const float *term1, const float *term2, const float *term3, float scale0, float scale1, \
-        float scale2, float scale3, int num_terms
-#define TERMS_OF_PARAMS Terms{{term0, term1, term2, term3}, {scale0, scale1, scale2, scale3}, num_terms}
+#define TERMS_PARAMS                                                                                       \
+    const void *term0, const void *term1, const void *term2, const void *term3, float scale0, float scale1, \
+        float scale2, float scale3, int num_terms, int term_half
+#define TERMS_OF_PARAMS Terms{{term0, term1, term2, term3}, {scale0, scale1, scale2, scale3}, num_terms, term_half}
 
 #define LABEL_LANE_TOP(KEPT, TERMS)                                                                              \
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_lane_top_##KEPT##_##TERMS(                \
@@ -178,13 +181,13 @@ __device__ __forceinline__ void select_step(
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_select_##KEPT(                            \
         TERMS_PARAMS, int vocab_size, int beam, const unsigned long long* lane_keys, const float* score,        \
         const long long* length, const unsigned char* ended, int has_threshold, float threshold,                \
-        long long sentence_end, const long long* deadline, long long step, int num_scorers, const float* logp0, \
-        const float* logp1, const float* logp2, const float* logp3, const float* scorer_scores,                \
+        long long sentence_end, const long long* deadline, long long step, int num_scorers, const void* logp0,  \
+        const void* logp1, const void* logp2, const void* logp3, int logp_half, const float* scorer_scores,    \
         long long num_lanes, long long* parents, long long* labels, float* score_out, long long* length_out,    \
         unsigned char* ended_out, float* scorer_out) {                                                          \
         select_step<KEPT>(TERMS_OF_PARAMS, vocab_size, beam, lane_keys, score, length, ended, has_threshold,    \
                           threshold, sentence_end, deadline, step, num_scorers, logp0, logp1, logp2, logp3,     \
-                          scorer_scores, num_lanes, parents, labels, score_out, length_out, ended_out,          \
+                          logp_half, scorer_scores, num_lanes, parents, labels, score_out, length_out, ended_out, \
                           scorer_out);                                                                          \
     }
 

@@ -3,6 +3,37 @@
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// An IEEE float16 (its bits) as float32, exactly: the GPU's own conversion, or (the kernel emulator,
+// compiled as plain C++) the same in integer arithmetic.
+__device__ __forceinline__ float half_bits_to_float(unsigned short bits) {
+#if defined(__CUDA_ARCH__)
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+    return value;
+#else
+    unsigned int sign = (unsigned int)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+    unsigned int out = sign;
+    if (exponent == 0x1fu) {
+        out |= 0x7f800000u | (mantissa << 13);  // inf, nan
+    } else if (exponent != 0) {
+        out |= ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa != 0) {  // subnormal: normalise
+        unsigned int shift = 0;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            ++shift;
+        }
+        out |= ((113u - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    return __int_as_float((int)out);
+#endif
+}
+
+// Element `at` of a float32 ([is_half] 0) or float16 (1) array, as float32.
+__device__ __forceinline__ float load_score(const void* values, long long at, int is_half) {
+    return is_half ? half_bits_to_float(__ldg((const unsigned short*)values + at)) : __ldg((const float*)values + at);
+}
+
 // numpy's npy_logaddexpf
 __device__ __forceinline__ float log_add_exp(float x, float y) {
     if (x == y) return x + 0.693147180559945309417f;

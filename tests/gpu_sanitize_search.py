@@ -61,11 +61,11 @@ def main() -> int:
     from gpudecode.search.label_sync import LabelSyncOptions
     from tests.test_label_step import both_selections
 
-    for beam, vocab, scorers, options in ((3, 17, 2, LabelSyncOptions(beam_size=3, sentence_end=2)),
-                                          (8, 300, 4, LabelSyncOptions(beam_size=8, sentence_end=2,
-                                                                       score_threshold=3.0)),
-                                          (32, 40, 1, LabelSyncOptions(beam_size=32, sentence_end=2))):
-        want, got = both_selections(cupy, beam, beam, vocab, scorers, options, num_groups=5)
+    for beam, vocab, scorers, half, options in ((3, 17, 2, 0, LabelSyncOptions(beam_size=3, sentence_end=2)),
+                                                (8, 300, 4, 2, LabelSyncOptions(beam_size=8, sentence_end=2,
+                                                                                score_threshold=3.0)),
+                                                (32, 40, 1, 0, LabelSyncOptions(beam_size=32, sentence_end=2))):
+        want, got = both_selections(cupy, beam, beam, vocab, scorers, options, num_groups=5, half_scorers=half)
         if not all(np.array_equal(got[name], want[name]) for name in ("parents", "labels", "scores")):
             print(f"MISMATCH: label step beam {beam}", file=sys.stderr)
             return 2

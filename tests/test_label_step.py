@@ -24,10 +24,11 @@ def test_the_kernel_is_used_only_where_it_applies():
     assert not label_step.use_kernel(cupy_like, 8, 5)  # logp0 .. logp3
 
 
-def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: int):
+def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: int, half_scorers: int = 0):
     """A step's inputs with the awkward cases: exact ties (scores on a coarse grid), -inf log-probs,
     terminated lanes, dead lanes (-inf), an utterance with fewer candidates than lanes (its new
-    dead lanes continue its first lane), and lanes at their label limit."""
+    dead lanes continue its first lane), and lanes at their label limit. The first ``half_scorers``
+    scorers' log-probs are float16 (a float16 decoder's), with subnormals among them."""
     rng = np.random.default_rng(seed)
     n = num_groups * beam
     log_probs = [np.round(rng.normal(-3, 2, (n, vocab)), 1).astype(np.float32) for _ in range(num_scorers)]
@@ -46,6 +47,10 @@ def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: 
             logp[beam] = -np.inf
             logp[beam, edges] = 1.0
         scores[beam], ended[beam] = 5.0, False
+    for s in range(half_scorers):
+        log_probs[s] = log_probs[s].astype(np.float16)
+        log_probs[s][rng.random((n, vocab)) < 0.02] = np.float16(6e-8) * rng.integers(-40, 40)  # subnormal
+        terms[s] = (log_probs[s], terms[s][1])
     beam_state = _Beam(scores=scores, scorer_scores=np.round(rng.normal(-4, 2, (num_scorers, n)), 1).astype(np.float32),
                        lengths=rng.integers(0, 9, n).astype(np.int64), ended=ended)
     deadline = rng.integers(3, 8, num_groups).repeat(beam).astype(np.int64)
@@ -53,10 +58,10 @@ def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: 
 
 
 def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, options, num_groups: int = 6,
-                    step: int = 5) -> tuple[dict, dict]:
+                    step: int = 5, half_scorers: int = 0) -> tuple[dict, dict]:
     """The selection of one :func:`random_step` by the array version on numpy and by the kernel on
     ``cupy``: each as host arrays by name (parents, labels and the new lanes' fields)."""
-    state, terms, log_probs, deadline = random_step(seed, num_groups, beam, vocab, num_scorers)
+    state, terms, log_probs, deadline = random_step(seed, num_groups, beam, vocab, num_scorers, half_scorers)
     norm = length_norm(state, options, np)  # both get the same normalisers (powf may differ in the last ulp)
     combined = combine_scores([t for t, _ in terms], [scale for _, scale in terms])
     expected, parents, labels = _select(state, combined, log_probs, norm, deadline <= step,
@@ -71,15 +76,18 @@ def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, op
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("beam, vocab, num_scorers", [(1, 50, 1), (3, 17, 2), (8, 1000, 4), (12, 300, 3),
-                                                      (32, 40, 2), (4, 2500, 2)])
+@pytest.mark.parametrize("beam, vocab, num_scorers, half_scorers", [
+    (1, 50, 1, 0), (3, 17, 2, 0), (8, 1000, 4, 0), (12, 300, 3, 0), (32, 40, 2, 0), (4, 2500, 2, 0),
+    (1, 50, 1, 1), (8, 1000, 4, 2), (4, 2500, 2, 1)])  # float16 log-probs of the first scorers
 @pytest.mark.parametrize("length_norm_scale, threshold", [(0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5)])
-def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, length_norm_scale, threshold):
+def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, half_scorers, length_norm_scale,
+                                                   threshold):
     import cupy
 
     options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm_scale,
                                score_threshold=threshold)
-    want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options)
+    want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options,
+                                half_scorers=half_scorers)
     for name, expected in want.items():
         np.testing.assert_array_equal(got[name], expected, err_msg=name)
     labels = want["labels"]

@@ -68,9 +68,9 @@ def combine_scores(log_probs: Sequence, scales: Sequence[float]):
     return total
 
 
-def checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp):
-    """``log_probs`` as float32 after checking it is [N, V] on the search's array module; the
-    error names the scorer."""
+def checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp, keep_float16: bool = False):
+    """``log_probs`` as float32 (``keep_float16``: float16 stays float16) after checking it is
+    [N, V] on the search's array module; the error names the scorer."""
     if tuple(log_probs.shape) != (num_lanes, vocab_size):
         raise ValueError(f"scorer {entry.name!r}: score() returned shape "
                          f"{tuple(log_probs.shape)}, expected [N={num_lanes}, V={vocab_size}]")
@@ -78,4 +78,6 @@ def checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: in
         raise ValueError(f"scorer {entry.name!r}: score() returned a "
                          f"{type(log_probs).__module__} array, but the search runs on "
                          f"{xp.__name__}")
+    if keep_float16 and log_probs.dtype == np.float16:
+        return log_probs
     return log_probs.astype(np.float32, copy=False)

@@ -5,7 +5,8 @@ best ``beam_size`` per utterance and makes the new lanes in ~40 array operations
 with its own host cost. On CuPy two launches do all of it (the scorers still run before, and
 extend after): one thread block per 1,024 labels of a lane keeps their best ``beam_size``
 candidates, then one per utterance picks from those lists. The combined score Σ scale ·
-log-probs is formed inside, never as an [N, V] array.
+log-probs is formed inside, never as an [N, V] array, and float16 scores are read as they are
+(converted exactly to float32 in the kernels, as ``astype(float32)`` converts them).
 """
 
 from __future__ import annotations
@@ -26,11 +27,22 @@ def use_kernel(xp, beam_size: int, num_scorers: int) -> bool:
     return enabled and xp is not np and beam_size <= MAX_BEAM and 1 <= num_scorers <= MAX_SCORERS
 
 
+def _scores_on_device(cupy, scores):
+    """A contiguous float16 or float32 [N, V] array for the kernels (other types as float32)."""
+    return cupy.ascontiguousarray(scores, dtype=None if scores.dtype == np.float16 else np.float32)
+
+
+def _half_bits(arrays) -> np.int32:
+    """Bit s set where array s is float16 (the kernels' term_half / logp_half)."""
+    return np.int32(sum(1 << s for s, array in enumerate(arrays) if array.dtype == np.float16))
+
+
 def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, options):
     """``label_sync._select`` as two launches: returns (new beam fields as a dict, parents, labels).
 
     ``terms``: up to 4 (array [N, V], scale) whose Σ scale · array is the combined score (as
-    :func:`gpudecode.scorers.combine.combine_scores` sums it); ``log_probs``: each scorer's [N, V];
+    :func:`gpudecode.scorers.combine.combine_scores` sums it); ``log_probs``: each scorer's [N, V]
+    (arrays float32 or float16);
     ``norm``: [N] float32 length normalisers of each lane's candidates, or None for none;
     ``deadline``: [N] int64, a lane ends once ``deadline <= step``."""
     from gpudecode.kernels import load_module
@@ -41,11 +53,12 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     terms = [(t, scale) for t, scale in terms if scale != 0]  # left out, as combine_scores does
     if not terms:  # every scale 0: the combined score is 0
         terms = [(cupy.zeros(log_probs[0].shape, dtype=np.float32), 1.0)]
-    arrays = [cupy.ascontiguousarray(t, dtype=np.float32) for t, _ in terms]
+    arrays = [_scores_on_device(cupy, t) for t, _ in terms]
+    term_half = _half_bits(arrays)
     arrays += [arrays[0]] * (MAX_SCORERS - len(arrays))  # unused ones are never read
     scales = [np.float32(scale) for _, scale in terms] + [np.float32(0)] * (MAX_SCORERS - len(terms))
-    combine = (*arrays, *scales, np.int32(len(terms)))
-    log_probs = [cupy.ascontiguousarray(logp, dtype=np.float32) for logp in log_probs]
+    combine = (*arrays, *scales, np.int32(len(terms)), term_half)
+    log_probs = [_scores_on_device(cupy, logp) for logp in log_probs]
     pointers = log_probs + [log_probs[0]] * (MAX_SCORERS - len(log_probs))
     scores = cupy.ascontiguousarray(beam.scores, dtype=np.float32)
     ended = cupy.ascontiguousarray(beam.ended, dtype=bool).view(np.uint8)
@@ -68,7 +81,8 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
         *combine, np.int32(vocab_size), np.int32(beam_size), lane_keys, scores,
         cupy.ascontiguousarray(beam.lengths, dtype=np.int64), ended, np.int32(threshold is not None),
         np.float32(threshold or 0), np.int64(options.sentence_end), cupy.ascontiguousarray(deadline, dtype=np.int64),
-        np.int64(step), np.int32(len(log_probs)), *pointers, scorer_scores, np.int64(num_lanes), parents, labels,
+        np.int64(step), np.int32(len(log_probs)), *pointers, _half_bits(log_probs), scorer_scores, np.int64(num_lanes),
+        parents, labels,
         new_scores, lengths, ended_out.view(np.uint8), scorer_out,
     ))
     return dict(scores=new_scores, scorer_scores=scorer_out, lengths=lengths, ended=ended_out), parents, labels

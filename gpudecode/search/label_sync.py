@@ -387,8 +387,10 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
     if not full:
         raise ValueError("a partial scorer (scored on pre-beam candidates) needs at least one full scorer")
     log_probs = [None] * len(entries)
+    in_kernel = label_step.use_kernel(xp, layout.beam_size, len(entries))  # it reads float16 as it is
     for i in full:
-        log_probs[i] = checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp)
+        log_probs[i] = checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp,
+                                      keep_float16=in_kernel)
     terms = [(log_probs[i], entries[i].scale) for i in full]
     partial = [i for i in range(len(entries)) if i not in full]
     if not partial:

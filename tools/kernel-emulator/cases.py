@@ -204,22 +204,24 @@ def run_top_labels(num_top, vocab_size, blank, kind, paths):
     return name, problems, f"rows: {counts['fast']} fast path, {counts['fallback']} fallback"
 
 
-LABEL_STEPS = [(beam, vocab, scorers, norm, threshold) for beam, vocab, scorers in
+LABEL_STEPS = [(beam, vocab, scorers, norm, threshold, 0) for beam, vocab, scorers in
                ((1, 50, 1), (3, 17, 2), (8, 300, 4), (12, 40, 3), (32, 40, 2))
                for norm, threshold in ((0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5))]
-LABEL_STEPS += [(4, 2500, 2, 0.7, None), (16, 1100, 1, 0.0, 3.0)]  # V > 1,024: more than one unrolled round
+LABEL_STEPS += [(4, 2500, 2, 0.7, None, 0), (16, 1100, 1, 0.0, 3.0, 0)]  # V > 1,024: more than one unrolled round
+LABEL_STEPS += [(1, 50, 1, 0.0, None, 1), (8, 300, 4, 0.7, 4.0, 2), (4, 2500, 2, 1.0, 2.5, 1)]  # float16 log-probs
 
 
-def run_label_step(beam, vocab, num_scorers, length_norm, threshold):
+def run_label_step(beam, vocab, num_scorers, length_norm, threshold, half_scorers):
     """``label_step.select_kernel`` (kernels/label_step.cu) against ``label_sync._select``, every
     output bit for bit, on tests/test_label_step.py's inputs (ties, -inf, ended and dead lanes)."""
     from gpudecode.search.label_sync import LabelSyncOptions
     from tests.test_label_step import both_selections
 
-    name = f"label step beam={beam} V={vocab} scorers={num_scorers} lns={length_norm} thr={threshold}"
+    name = (f"label step beam={beam} V={vocab} scorers={num_scorers} lns={length_norm} thr={threshold}"
+            + (f" float16={half_scorers}" if half_scorers else ""))
     options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm,
                                score_threshold=threshold)
-    want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options)
+    want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options, half_scorers=half_scorers)
     problems = [f"{what}: {got[what].ravel()[:12].tolist()} expected {expected.ravel()[:12].tolist()}"
                 for what, expected in want.items() if not np.array_equal(got[what], expected)]
     labels = want["labels"]

@@ -138,8 +138,8 @@ class LaggedReads:
 
     :meth:`post` queues an array's copy (on CuPy an asynchronous copy into pinned memory behind
     the work queued so far); :meth:`previous` waits for the array posted ``lag`` posts before it.
-    ``lag + 1`` pinned buffers take turns, and the host waits on blocking-sync events, so it
-    sleeps instead of spinning while the GPU works."""
+    ``lag + 1`` pinned buffers take turns, and the host waits on their events through
+    :func:`gpudecode.backend.wait_for` (napping by default) instead of spinning."""
 
     def __init__(self, xp: ModuleType, size: int = 1, lag: int = 1) -> None:
         self._cupy = None if xp is np else xp
@@ -312,9 +312,10 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
     """
     xp = layout.xp
     vocab_size = int(entries[0].scorer.vocab_size)
-    log_probs, terms = _scores(entries, contexts, layout, options, vocab_size)
+    in_kernel = label_step.use_kernel(xp, layout.beam_size, len(entries))
+    log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel)
     norm = length_norm(beam, options, xp)
-    if label_step.use_kernel(xp, layout.beam_size, len(log_probs)):
+    if in_kernel:
         fields, parents, labels = label_step.select_kernel(beam, terms, log_probs, norm, deadline, step,
                                                            layout, options)
         beam = _Beam(**fields)
@@ -375,9 +376,11 @@ def _select(beam: _Beam, combined, log_probs, norm, at_limit, layout: LaneLayout
     return beam, parents, labels
 
 
-def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vocab_size: int):
+def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vocab_size: int,
+            keep_float16: bool = False):
     """Each scorer's [N, V] log-probs, and the terms (array, scale) whose Σ scale · array is the
-    combined score (:func:`combine_scores`).
+    combined score (:func:`combine_scores`). ``keep_float16``: a full scorer's float16 scores stay
+    float16 (the label-step kernel reads them as they are), else every array is float32.
 
     Partial scorers (``scorer.partial_scoring``) score only the ``pre_beam_size`` best labels per
     lane by the full scorers; every other label gets -inf from them (and in the combination).
@@ -387,10 +390,9 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
     if not full:
         raise ValueError("a partial scorer (scored on pre-beam candidates) needs at least one full scorer")
     log_probs = [None] * len(entries)
-    in_kernel = label_step.use_kernel(xp, layout.beam_size, len(entries))  # it reads float16 as it is
     for i in full:
         log_probs[i] = checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp,
-                                      keep_float16=in_kernel)
+                                      keep_float16=keep_float16)
     terms = [(log_probs[i], entries[i].scale) for i in full]
     partial = [i for i in range(len(entries)) if i not in full]
     if not partial:

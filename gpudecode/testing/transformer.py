@@ -216,6 +216,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     dim = heads * head_dim
     masked = g.const(cfg.masked_logit, dtype)
     scale = None if fused_ops else g.const(1 / np.sqrt(head_dim), dtype)
+    query_factor = np.asarray(1 / np.sqrt(head_dim), dtype)  # fused_ops: folded into the query weights
 
     def split(t: str, perm) -> str:
         return g.op("Transpose", g.reshape(t, [0, 0, heads, head_dim]), perm=perm)
@@ -237,8 +238,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         """The query projection ``key`` of h (fused_ops: its weights and bias scaled by 1/√Dh)."""
         if not fused_ops:
             return g.linear(h, w, key)
-        factor = np.asarray(1 / np.sqrt(head_dim), w[f"{key}.w"].dtype)
-        return g.linear(h, {f"{key}.w": w[f"{key}.w"] * factor, f"{key}.b": w[f"{key}.b"] * factor}, key)
+        return g.linear(h, {f"{key}.w": w[f"{key}.w"] * query_factor, f"{key}.b": w[f"{key}.b"] * query_factor}, key)
 
     def attend(q: str, keys_t: str, values: str, valid: str) -> str:
         logits = g.op("Where", valid, g.op("MatMul", scaled(q), keys_t), masked)
@@ -299,11 +299,9 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             return q_flat, split(q_flat, [0, 2, 1, 3]), g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
         qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
         qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
-        if fused_ops:
-            factor = np.asarray(1 / np.sqrt(head_dim), qkv_w.dtype)
-            qkv_w, qkv_b = qkv_w.copy(), qkv_b.copy()
-            qkv_w[:, :dim] *= factor
-            qkv_b[:dim] *= factor
+        if fused_ops:  # (concatenate made new arrays)
+            qkv_w[:, :dim] *= query_factor
+            qkv_b[:dim] *= query_factor
         qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
         if fused_ops:  # [N, 1, 3·H·Dh] as [N, 3H, 1, Dh]: each third is [N, H, 1, Dh]
             q, k, v = g.ops("Split", [g.reshape(qkv, [0, 3 * heads, 1, head_dim]), g.const([heads] * 3, np.int64)],

@@ -130,6 +130,30 @@ def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, ex
     assert scorer.states.statistics().live_slots == 0  # released after the run
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_decoder_hands_on_float16_scores_and_matches_the_oracle(device):
+    """A float16 decoder's score() returns its log-probs as float16 (no [N, V] float32 copy per
+    step; the label-step kernel reads them as they are, the array version converts), and every
+    n-best score equals the float32 oracle's score of its labels within float16 rounding."""
+    setup = Setup(5, device=device, export=("new", True, "dense", True), dtype=np.float16)
+    scorer = setup.scorer()
+    dtypes, score = [], scorer.score
+
+    def recorded(ctx):
+        scores = score(ctx)
+        dtypes.append(np.dtype(scores.dtype))
+        return scores
+
+    scorer.score = recorded
+    nbest = search([("decoder", scorer, 1.0)], setup.batch(xp=xp_of(device)), xp=xp_of(device), beam_size=4)
+    assert len(dtypes) > 3 and set(dtypes) == {np.dtype(np.float16)}
+    for u, hyps in enumerate(nbest):
+        assert len(hyps) == 4
+        for hyp in hyps:
+            expected = setup.oracle_score(setup.decoder, u, hyp.labels, terminated(hyp))
+            assert hyp.score == pytest.approx(expected, abs=0.05 + 0.01 * len(hyp.labels))
+
+
 @pytest.mark.parametrize("device, attention", [("cpu", "ragged"), ("cpu", "gqa"),
                                                pytest.param("cuda", "ragged", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("max_history, keep_first", [(None, False), (2, False), (3, True)])

@@ -198,7 +198,8 @@ class LabelScorer:
         raise NotImplementedError
 
     def score(self, ctx: Context):
-        """[N, V] float32 log-probabilities of every next label for every lane (on ``xp``).
+        """[N, V] log-probabilities of every next label for every lane (on ``xp``): float32, or
+        float16 where the model computes in float16 (the searches convert what they combine).
 
         Rows of dead lanes may hold anything finite or -inf; they are never used. The array may be
         a buffer that the scorer's next ``score()`` overwrites (a CUDA graph's output): a search

@@ -347,7 +347,8 @@ class OnnxDecoderScorer(LabelScorer):
         return [min(int(m), limit) for m in maxima]
 
     def score(self, ctx: DecoderContext):
-        """[N, V] float32 log-probabilities of the next label for every lane.
+        """[N, V] log-probabilities of the next label for every lane: float32, or float16 as a
+        float16 model outputs log-probabilities (the label-step kernel reads them as they are).
 
         With CUDA graphs and one chunk, a view of the graphs' shared output buffer: the next
         ``score()`` overwrites it (the base class's contract)."""
@@ -532,10 +533,12 @@ class OnnxDecoderScorer(LabelScorer):
         return self.session.tensors.input(self.spec.hypothesis_inputs[logical]).dtype
 
     def _log_probs(self, raw, copy: bool):
-        """``raw`` scores as [N, V] float32 log-probabilities (``copy``: never a view of ``raw``)."""
+        """``raw`` scores as [N, V] log-probabilities (``copy``: never a view of ``raw``); float16
+        log-probabilities stay float16, everything else becomes float32."""
         xp = self.layout.xp
         scores = xp.asarray(raw)
-        scores = scores.reshape(scores.shape[0], -1, scores.shape[-1])[:, -1, :].astype(np.float32, copy=copy)
+        kept = np.float16 if scores.dtype == np.float16 and self.scores_kind == "log-probs" else np.float32
+        scores = scores.reshape(scores.shape[0], -1, scores.shape[-1])[:, -1, :].astype(kept, copy=copy)
         if self.scores_kind == "neg-log-probs":
             return -scores
         if self.scores_kind == "logits":

@@ -262,6 +262,27 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
         size = g.op("Cast", "encoder-states-size", to=onnx_type(np.int64))
         cross_valid = g.op("Less", g.unsqueeze(positions, [0]), g.unsqueeze(size, [1]))
         cross_valid = g.unsqueeze(cross_valid, [1, 2])  # [N, 1, 1, S]
+        if fused_ops:  # the additive mask of MultiHeadAttention: [N, 1, 1, S], grouped [G, 1, N/G, S]
+            rows = g.const(0, dtype)
+            if grouped:  # a zero per hypothesis row, as [G, 1, N/G, 1]
+                zeros = g.op("Cast", g.op("Mul", "prefix-length", g.const(0, np.int32)), to=onnx_type(dtype))
+                shape = g.op("Concat", g.op("Shape", "encoder-states-size"), g.const([1, -1, 1], np.int64), axis=0)
+                rows = g.op("Reshape", zeros, shape)
+            cross_bias = g.op("Where", cross_valid, rows, masked)
+
+    def attend_cross(q: str, i: int) -> str:
+        """Cross-attention of the query [N, 1, D] as one ``MultiHeadAttention`` (com.microsoft), the
+        1/√Dh in the query weights; grouped: each utterance's N/G rows as its query sequence."""
+        if mode == "precomputed":  # [G, H, S, Dh]
+            keys, values = f"cross-key-{i}", f"cross-value-{i}"
+        else:  # [G, S, D]
+            keys, values = (g.linear("encoder-states", w, f"cross_{p}_{i}") for p in ("key", "value"))
+        if grouped:
+            shape = g.op("Concat", g.op("Shape", "encoder-states-size"), g.const([-1, dim], np.int64), axis=0)
+            q = g.op("Reshape", q, shape)
+        att = g.op("MultiHeadAttention", q, keys, values, "", "", cross_bias, domain="com.microsoft",
+                   num_heads=heads, scale=1.0)
+        return g.reshape(att, [-1, 1, dim]) if grouped else att
 
     def attend_past_and_new(q: str, past_keys_t: str, past_values: str, key: str, value: str, valid: str) -> str:
         """``attend`` over the T past positions and the new one (q, key, value [N, H, 1, Dh]) without
@@ -350,7 +371,9 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                 keys_t, values = split(present_k, [0, 2, 3, 1]), split(present_v, [0, 2, 1, 3])
             att = attend(q, keys_t, values, self_valid)
         x, h = residual(x, att, f"self_o_{i}", next_norm[f"self_ln_{i}"])
-        if mode is not None:
+        if mode is not None and fused_ops:
+            x, h = residual(x, attend_cross(query(h, f"cross_query_{i}"), i), f"cross_out_{i}", f"ffn_ln_{i}")
+        elif mode is not None:
             q = step_heads(query(h, f"cross_query_{i}"))
             if mode == "precomputed":
                 keys_t = g.op("Transpose", f"cross-key-{i}", perm=[0, 1, 3, 2])

@@ -124,28 +124,37 @@ class HostClock:
         self.count = 0
 
 
-#: Seconds between polls of a napping wait (:class:`HostWaits`).
+#: Seconds of a napping wait's first sleep, and the longest sleep it doubles up to (:class:`HostWaits`).
 NAP_S = 100e-6
+MAX_NAP_S = 1e-3
 
 
 @dataclasses.dataclass
 class HostWaits(HostClock):
     """How the host waits for the GPU, and what its waits cost (``count``: waits).
 
-    By default the host polls the event or stream every ``nap_s`` seconds and sleeps in between
-    ("nap"). Sleeping in the driver until the work is done (``nap_s`` = 0, "block") cost the
-    host more: on the H200 machine a beam-8 × 512 search step took 2.07 ms of thread CPU time
-    blocking against 1.01 ms napping, at the same step time (session 12). ``spin``: poll without
+    By default the host polls the event or stream and sleeps in between ("nap"): first
+    ``nap_s`` seconds, each further sleep twice as long up to ``max_nap_s``, so a long wait (a
+    GPU-bound step of a large batch) wakes the host a few times rather than every ``nap_s``. A
+    search reads its stop test a few steps late, so a late wake-up leaves the GPU with queued work.
+    Sleeping in the driver until the work is done (``nap_s`` = 0, "block") cost the host more: on
+    the H200 machine a beam-8 × 512 search step took 2.07 ms of thread CPU time blocking against
+    1.01 ms napping (100 µs naps), at the same step time (session 12). ``spin``: poll without
     sleeping (keeps a core busy)."""
 
     spin: bool = False
     nap_s: float = NAP_S
+    max_nap_s: float = MAX_NAP_S
 
-    def set_mode(self, mode: str, nap_s: float = NAP_S) -> None:
-        """"block" (sleep in the driver), "spin" or "nap" (poll every ``nap_s`` seconds)."""
+    def set_mode(self, mode: str, nap_s: float = NAP_S, max_nap_s: float = MAX_NAP_S) -> None:
+        """"block" (sleep in the driver), "spin" or "nap" (sleeps of ``nap_s`` doubling up to
+        ``max_nap_s`` between polls; ``max_nap_s`` = ``nap_s``: every sleep ``nap_s``)."""
         if mode not in HOST_WAIT_MODES:
             raise ValueError(f"host_wait: expected one of {', '.join(HOST_WAIT_MODES)}, got {mode!r}")
+        if mode == "nap" and not 0 < nap_s <= max_nap_s:
+            raise ValueError(f"host_wait nap: expected 0 < nap_s <= max_nap_s, got {nap_s} and {max_nap_s}")
         self.spin, self.nap_s = mode == "spin", (nap_s if mode == "nap" else 0.0)
+        self.max_nap_s = max_nap_s
 
 
 HOST_WAIT_MODES = ("block", "spin", "nap")
@@ -163,8 +172,10 @@ def wait_for(work) -> None:
         while not work.done:
             pass
     elif waits.nap_s > 0:
+        nap = waits.nap_s
         while not work.done:
-            time.sleep(waits.nap_s)
+            time.sleep(nap)
+            nap = min(2 * nap, waits.max_nap_s)
     else:
         work.synchronize()
     waits.add(time.thread_time() - cpu, time.perf_counter() - wall)

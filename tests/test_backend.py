@@ -46,7 +46,7 @@ def test_napping_wait_polls_between_sleeps(waits, monkeypatch):
     naps = []
     monkeypatch.setattr(backend.time, "sleep", naps.append)
     assert (waits.spin, waits.nap_s) == (False, backend.NAP_S) and backend.NAP_S > 0  # the default
-    waits.set_mode("nap", nap_s=2e-4)
+    waits.set_mode("nap", nap_s=2e-4, max_nap_s=2e-4)  # every nap the same
     event = FakeEvent(polls=3)
     backend.wait_for(event)
     assert (event.synchronized, event.queries, naps) == (0, 4, [2e-4] * 3)
@@ -54,6 +54,21 @@ def test_napping_wait_polls_between_sleeps(waits, monkeypatch):
     assert (waits.spin, waits.nap_s) == (False, 0.0)
     with pytest.raises(ValueError, match="host_wait"):
         waits.set_mode("doze")
+    with pytest.raises(ValueError, match="nap_s <= max_nap_s"):
+        waits.set_mode("nap", nap_s=2e-3, max_nap_s=1e-3)
+
+
+def test_napping_wait_doubles_its_naps_up_to_the_longest(waits, monkeypatch):
+    """A long wait wakes the host a few times: naps of nap_s, 2·nap_s, … up to max_nap_s."""
+    naps = []
+    monkeypatch.setattr(backend.time, "sleep", naps.append)
+    assert backend.MAX_NAP_S > backend.NAP_S and waits.max_nap_s == backend.MAX_NAP_S  # the default
+    waits.set_mode("nap", nap_s=1e-4, max_nap_s=5e-4)
+    backend.wait_for(FakeEvent(polls=6))
+    assert naps == pytest.approx([1e-4, 2e-4, 4e-4, 5e-4, 5e-4, 5e-4])
+    naps.clear()
+    backend.wait_for(FakeEvent(polls=2))  # every wait starts again with the shortest nap
+    assert naps == pytest.approx([1e-4, 2e-4])
 
 
 def test_waits_are_accounted_and_reset(waits):

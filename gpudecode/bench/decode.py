@@ -235,7 +235,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
                      host_wait: str = "nap", export: str = "new-step", rounds: int = 5,
                      control_delay_ms: float = 0.0, dtype: str = "float32", pin_cpu: int | None = None,
-                     graph_time_step: int | None = None) -> dict:
+                     graph_time_step: int | None = None, max_nap_us: float | None = None) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -249,9 +249,10 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``use_tf32``; results as ``decode[-graphs]-tf32.json``). Off by default, as in the library: the
     exactness of DESIGN §8 is defined without it.
 
-    ``host_wait``: "nap" (the library's default: the host polls with 100 µs sleeps in between
-    while it waits for the GPU), "block" (it sleeps in the driver; ``*-block.json``) or "spin" (it
-    polls; ``*-spin.json``). ``pin_cpu``: the bench's thread runs on that CPU alone once the cells are built
+    ``host_wait``: "nap" (the library's default: the host polls while it waits for the GPU and
+    sleeps in between, 100 µs first, each sleep twice as long up to ``max_nap_us``: default the
+    library's ``MAX_NAP_S``, 100 keeps every sleep at 100 µs, ``*-nap<N>us.json``), "block" (it
+    sleeps in the driver; ``*-block.json``) or "spin" (it polls; ``*-spin.json``). ``pin_cpu``: the bench's thread runs on that CPU alone once the cells are built
     (``*-pin.json``), so a thread that slept wakes on the core whose caches it left. Host CPU time is reported with and without the waits
     (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
 
@@ -270,14 +271,14 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     as ``*-full-history.json``). ``dtype``: the decoder's float type (``float16``: results as
     ``*-float16.json``).
     """
-    from gpudecode.backend import HOST_WAITS, require_cupy
+    from gpudecode.backend import HOST_WAITS, MAX_NAP_S, NAP_S, require_cupy
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.session.graphs import GraphOptions
     from gpudecode.testing import build_transformer_decoder
 
     if not {1, 8} <= set(beams):
         raise ValueError(f"beams: the ratios need beams 1 and 8, got {list(beams)}")
-    HOST_WAITS.set_mode(host_wait)
+    HOST_WAITS.set_mode(host_wait, max_nap_s=MAX_NAP_S if max_nap_us is None else max_nap_us * 1e-6)
     # before any CUDA work: waiting in the driver must not count as host CPU time
     blocking = _blocking_sync() if host_wait != "spin" else False
     require_cupy()
@@ -301,7 +302,9 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                  "decoder_export": export, "dtype": dtype,
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
-                                                 "host_wait": host_wait, "pinned_cpu": pin_cpu,
+                                                 "host_wait": host_wait,
+                                                 "naps_us": [NAP_S * 1e6, HOST_WAITS.max_nap_s * 1e6]
+                                                 if host_wait == "nap" else None, "pinned_cpu": pin_cpu,
                                                  "timing": f"fastest of {rounds} interleaved rounds (CPU manager: 1)"},
                "cells": []}
 
@@ -342,6 +345,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
             large["host_cpu_ms_per_loop_step"] / control["host_cpu_ms_per_loop_step"])
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
             + ("-tf32" if tf32 else "") + ("" if host_wait == "nap" else f"-{host_wait}")
+            + ("" if max_nap_us is None else f"-nap{max_nap_us:g}us")
             + ("" if pin_cpu is None else "-pin") + ("" if graph_time_step is None else f"-step{graph_time_step}")
             + ("" if export == "new-step" else f"-{export}") + ("" if dtype == "float32" else f"-{dtype}"))
     return write_results(results, output_dir, name, plot_decode)

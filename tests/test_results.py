@@ -1,11 +1,12 @@
 """Host-side n-best construction helpers (gpudecode/search/results.py)."""
 
+import dataclasses
 import gc
 
 import numpy as np
 import pytest
 
-from gpudecode.search.results import label_lists, no_cyclic_gc
+from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
 
 
 def _filtered(tokens, eos):
@@ -43,3 +44,13 @@ def test_no_cyclic_gc_restores_the_collector_state():
         assert not gc.isenabled()  # it was off before: it stays off
     finally:
         gc.enable()
+
+
+def test_hypothesis_without_frames_equals_the_constructed_one():
+    fast = Hypothesis.without_frames([3, 1, 4], -2.5, {"decoder": -2.0, "lm": -1.0}, 4)
+    made = Hypothesis([3, 1, 4], -2.5, {"decoder": -2.0, "lm": -1.0}, 4)
+    assert fast == made and repr(fast) == repr(made) and fast.frames is None
+    assert dataclasses.astuple(fast) == dataclasses.astuple(made)
+    assert fast != Hypothesis([3, 1, 4], -2.5, {"decoder": -2.0, "lm": -1.0}, 5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.score = 0.0

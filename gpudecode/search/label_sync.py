@@ -461,12 +461,12 @@ def _hypotheses(order, ranks, scores, scorer_scores, lengths, labels: list[list[
     names = [e.name for e in entries]
     lane_scores = list(zip(*scorer_scores.tolist()))  # per lane, each scorer's score
     lanes = (np.arange(order.shape[0])[:, None] * beam_size + order[:, :num_best]).tolist()  # [G, num_best]
-    isfinite, results = math.isfinite, []
+    isfinite, hypothesis, results = math.isfinite, Hypothesis.without_frames, []
     for group in lanes:
         nbest = []
         for lane in group:
             if not isfinite(ranks[lane]):
                 break
-            nbest.append(Hypothesis(labels[lane], scores[lane], dict(zip(names, lane_scores[lane])), lengths[lane]))
+            nbest.append(hypothesis(labels[lane], scores[lane], dict(zip(names, lane_scores[lane])), lengths[lane]))
         results.append(nbest)
     return results

@@ -77,7 +77,7 @@ def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, op
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("beam, vocab, num_scorers, half_scorers", [
-    (1, 50, 1, 0), (3, 17, 2, 0), (8, 1000, 4, 0), (12, 300, 3, 0), (32, 40, 2, 0), (4, 2500, 2, 0),
+    (1, 50, 1, 0), (3, 17, 2, 0), (8, 1000, 4, 0), (12, 300, 3, 0), (32, 40, 2, 0), (4, 2500, 2, 0), (16, 4500, 1, 0),
     (1, 50, 1, 1), (8, 1000, 4, 2), (4, 2500, 2, 1)])  # float16 log-probs of the first scorers
 @pytest.mark.parametrize("length_norm_scale, threshold", [(0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5)])
 def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, half_scorers, length_norm_scale,

@@ -3,7 +3,7 @@
 :func:`gpudecode.search.label_sync._select` builds the candidates of a step, ranks them, keeps the
 best ``beam_size`` per utterance and makes the new lanes in ~40 array operations, each a launch
 with its own host cost. On CuPy two launches do all of it (the scorers still run before, and
-extend after): one thread block per 1,024 labels of a lane keeps their best ``beam_size``
+extend after): one thread block per 2,048 labels of a lane keeps their best ``beam_size``
 candidates, then one per utterance picks from those lists. The combined score Σ scale ·
 log-probs is formed inside, never as an [N, V] array, and float16 scores are read as they are
 (converted exactly to float32 in the kernels, as ``astype(float32)`` converts them).
@@ -16,7 +16,7 @@ import numpy as np
 MAX_BEAM = 32  # LABEL_MAX_BEAM of kernels/label_step.cu
 MAX_SCORERS = 4  # logp0 .. logp3
 _THREADS = 256  # LABEL_THREADS
-SEGMENT = 4 * _THREADS  # LABEL_SEGMENT: labels per block of label_lane_top_<K>
+SEGMENT = 8 * _THREADS  # LABEL_SEGMENT: labels per block of label_lane_top_<K>
 
 #: Off: CuPy runs the array version too (the tests compare both).
 enabled = True

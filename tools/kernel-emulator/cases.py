@@ -207,7 +207,7 @@ def run_top_labels(num_top, vocab_size, blank, kind, paths):
 LABEL_STEPS = [(beam, vocab, scorers, norm, threshold, 0) for beam, vocab, scorers in
                ((1, 50, 1), (3, 17, 2), (8, 300, 4), (12, 40, 3), (32, 40, 2))
                for norm, threshold in ((0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5))]
-LABEL_STEPS += [(4, 2500, 2, 0.7, None, 0), (16, 1100, 1, 0.0, 3.0, 0)]  # V > 1,024: more than one unrolled round
+LABEL_STEPS += [(4, 2500, 2, 0.7, None, 0), (16, 4500, 1, 0.0, 3.0, 0)]  # V > 2,048: more than one segment
 LABEL_STEPS += [(1, 50, 1, 0.0, None, 1), (8, 300, 4, 0.7, 4.0, 2), (4, 2500, 2, 1.0, 2.5, 1)]  # float16 log-probs
 
 

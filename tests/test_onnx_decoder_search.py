@@ -30,7 +30,8 @@ class Setup:
         self.decoder = build_transformer_decoder(seed, vocab_size=vocab_size, kv_layout=kv_layout,
                                                  state_outputs=export[0], fused_qkv=export[1],
                                                  attention=export[2] if len(export) > 2 else "dense", dtype=dtype,
-                                                 fused_ops=len(export) > 3 and export[3])
+                                                 fused_ops=len(export) > 3 and export[3],
+                                                 history_alignment=export[4] if len(export) > 4 else "right")
         rng = np.random.default_rng(seed)
         lengths = np.array(frames[:num_utts], np.int32)
         features = rng.standard_normal((num_utts, lengths.max(), 16)).astype(np.float32)
@@ -111,10 +112,11 @@ def test_exhaustive_enumeration_with_a_beam_larger_than_all_candidates():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_layout, export", [("bhtd", ("full", False)), ("btd", ("full", False)),
                                                ("bhtd", ("new", True)), ("btd", ("new", False)),
-                                               ("bhtd", ("new", True, "dense", True))])
+                                               ("bhtd", ("new", True, "dense", True)),
+                                               ("bhtd", ("new", True, "dense", True, "left"))])
 def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, export):
-    """(export: the model outputs the whole history or only the new step, DESIGN §5; the last one
-    with ONNX Runtime's fused ops.)"""
+    """(export: the model outputs the whole history or only the new step, DESIGN §5; the last two
+    with ONNX Runtime's fused ops, the last over left-aligned histories.)"""
     setup = Setup(5, device=device, kv_layout=kv_layout, export=export)
     scorer = setup.scorer()
     nbest = search([("decoder", scorer, 1.0)], setup.batch(xp=xp_of(device)), xp=xp_of(device), beam_size=4)
@@ -135,7 +137,7 @@ def test_float16_decoder_hands_on_float16_scores_and_matches_the_oracle(device):
     """A float16 decoder's score() returns its log-probs as float16 (no [N, V] float32 copy per
     step; the label-step kernel reads them as they are, the array version converts), and every
     n-best score equals the float32 oracle's score of its labels within float16 rounding."""
-    setup = Setup(5, device=device, export=("new", True, "dense", True), dtype=np.float16)
+    setup = Setup(5, device=device, export=("new", True, "dense", True, "left"), dtype=np.float16)
     scorer = setup.scorer()
     dtypes, score = [], scorer.score
 
@@ -154,16 +156,19 @@ def test_float16_decoder_hands_on_float16_scores_and_matches_the_oracle(device):
             assert hyp.score == pytest.approx(expected, abs=0.05 + 0.01 * len(hyp.labels))
 
 
-@pytest.mark.parametrize("device, attention", [("cpu", "ragged"), ("cpu", "gqa"),
-                                               pytest.param("cuda", "ragged", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device, attention", [("cpu", "ragged"), ("cpu", "gqa"), ("cpu", "fused-left"),
+                                               pytest.param("cuda", "ragged", marks=pytest.mark.gpu),
+                                               pytest.param("cuda", "fused-left", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("max_history, keep_first", [(None, False), (2, False), (3, True)])
 def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_history, keep_first, device, attention):
     """A decoder whose attention reads each row's own history length (ONNX Attention opset 24 or
     ONNX Runtime's GroupQueryAttention, metadata HISTORY_ALIGNMENT=left): the manager merges
     histories left-aligned, and the n-best under continuous batching equals the right-aligned
-    decoder's (on the CPU) and the oracle's. (GroupQueryAttention runs on CUDA in float16 only.)"""
+    decoder's (on the CPU) and the oracle's. (GroupQueryAttention runs on CUDA in float16 only;
+    "fused-left": the fused export's dense attention masking the padding after each history.)"""
     frames = (14, 9, 11, 6, 12)
-    ragged = Setup(5, num_utts=5, frames=frames, export=("new", True, attention), device=device)
+    export = ("new", True, "dense", True, "left") if attention == "fused-left" else ("new", True, attention)
+    ragged = Setup(5, num_utts=5, frames=frames, export=export, device=device)
     dense = Setup(5, num_utts=5, frames=frames, export=("new", True))
     options = {} if max_history is None else {"max_history": max_history, "always_include_first_token_state": keep_first}
     scorer = ragged.scorer(**options)

@@ -234,6 +234,28 @@ def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode, attention
         np.testing.assert_allclose(got["scores"], clean["scores"], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("fused_ops", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_dense_decoder_on_left_aligned_histories_matches_oracle(mode, dtype, fused_ops):
+    """history_alignment="left": the dense attention masks the positions after each row's
+    prefix-length (garbage here, as a left-aligned merge leaves them) and attends to the new step."""
+    ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, dtype=dtype,
+                                    fused_ops=fused_ops, history_alignment="left")
+    metadata = {p.key: p.value for p in onnx.load_from_string(ref.serialized()).metadata_props}
+    assert metadata["HISTORY_ALIGNMENT"] == "left"
+    for prefix_length, past_time in [([0, 3, 5, 1], 5), ([0, 0], 0), ([2, 2], 6)]:
+        sizes = [7, 4, 1, 2][: len(prefix_length)]
+        feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True,
+                               left=True)
+        got = _run(ref, feeds)
+        _assert_outputs_close(got, ref.oracle(feeds), dtype)
+        clean = _run(ref, _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, left=True))
+        np.testing.assert_allclose(got["scores"], clean["scores"], atol=1e-6 if dtype == np.float32 else 1e-3, rtol=0)
+    with pytest.raises(ValueError, match="left-aligned histories"):
+        build_transformer_decoder(kv_layout="btd", state_outputs="new", history_alignment="left")
+
+
 def assert_in_place_caches(ref: ReferenceModel, got: dict, feeds: dict, prefix_length, dtype=np.float32) -> None:
     """The ``IN_PLACE_`` outputs (GroupQueryAttention's present) hold each row's history and then
     the new step at position prefix-length; what lies after is not specified."""

@@ -405,6 +405,7 @@ def build_transformer_decoder(
     fused_qkv: bool = False,
     attention: str = "dense",
     fused_ops: bool = False,
+    history_alignment: str = "right",
 ) -> ReferenceModel:
     """Transformer decoder step model, RASR convention (pre-LayerNorm, learned positions).
 
@@ -428,14 +429,21 @@ def build_transformer_decoder(
     ONNX Runtime's transformer optimizer writes (``SkipLayerNormalization``, the attention scale in
     the query weights, reshapes for one-step head splits; see ``_graph_layers``); the same function,
     in fewer kernels per step. Needs state_outputs "new", fused_qkv, kv_layout "bhtd", dense attention.
+    ``history_alignment="left"`` (dense attention, state_outputs "new", "bhtd"): the past is
+    left-aligned (metadata HISTORY_ALIGNMENT=left: the first prefix-length[n] positions are valid,
+    the rest is masked), so the state manager's merge copies each row's history and never writes
+    padding; ragged and gqa attention are always left-aligned.
     """
     if state_outputs not in STATE_OUTPUTS:
         raise ValueError(f"state_outputs: expected one of {STATE_OUTPUTS}, got {state_outputs!r}")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
-    left_aligned = attention in ("ragged", "gqa")
+    if history_alignment not in ("right", "left"):
+        raise ValueError(f"history_alignment: expected 'right' or 'left', got {history_alignment!r}")
+    left_aligned = attention in ("ragged", "gqa") or history_alignment == "left"
     if left_aligned and (state_outputs != "new" or kv_layout != "bhtd"):
-        raise ValueError(f"attention={attention!r} needs state_outputs='new' and kv_layout='bhtd'")
+        raise ValueError(f"left-aligned histories (attention={attention!r}, history_alignment={history_alignment!r}) "
+                         "need state_outputs='new' and kv_layout='bhtd'")
     if cross_attention not in CROSS_ATTENTION_MODES:
         raise ValueError(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
@@ -472,7 +480,12 @@ def build_transformer_decoder(
     num_t1 = g.op("Add", g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1), g.const([1], np.int64))
     ones = g.op("ConstantOfShape", num_t1, value=helper.make_tensor("one", onnx.TensorProto.INT32, [1], [1]))
     distance = g.op("Sub", g.op("CumSum", ones, g.const(0, np.int32), reverse=1), g.const(1, np.int32))
-    self_valid = g.op("LessOrEqual", g.unsqueeze(distance, [0]), g.unsqueeze("prefix-length", [1]))
+    if left_aligned:  # t < prefix-length, or t = T (the new step), with t = CumSum(ones) - 1
+        position = g.op("Sub", g.op("CumSum", ones, g.const(0, np.int32)), g.const(1, np.int32))
+        self_valid = g.op("Or", g.op("Less", g.unsqueeze(position, [0]), g.unsqueeze("prefix-length", [1])),
+                          g.unsqueeze(g.op("Equal", distance, g.const(0, np.int32)), [0]))
+    else:
+        self_valid = g.op("LessOrEqual", g.unsqueeze(distance, [0]), g.unsqueeze("prefix-length", [1]))
     self_valid = g.unsqueeze(self_valid, [1, 2])  # [N, 1, 1, T+1]
     names = [
         (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")

@@ -278,7 +278,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
 
     if not {1, 8} <= set(beams):
         raise ValueError(f"beams: the ratios need beams 1 and 8, got {list(beams)}")
-    HOST_WAITS.set_mode(host_wait, max_nap_s=MAX_NAP_S if max_nap_us is None else max_nap_us * 1e-6)
+    HOST_WAITS.set_mode(host_wait, max_nap_s=MAX_NAP_S if max_nap_us is None else max_nap_us / 1e6)
     # before any CUDA work: waiting in the driver must not count as host CPU time
     blocking = _blocking_sync() if host_wait != "spin" else False
     require_cupy()

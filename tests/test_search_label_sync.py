@@ -241,6 +241,28 @@ def test_nbest_scores_equal_recomputed_sequence_scores():
     assert checked == 15
 
 
+@pytest.mark.parametrize("max_active", [None, 2])
+def test_nbest_below_the_beam_returns_the_best_hypotheses(max_active):
+    """nbest < beam_size: each list is the first nbest of the full beam's list (labels, scores,
+    lengths), static or under continuous batching (only those lanes are traced)."""
+    vocab, eos, input_lengths = 7, 2, [2, 3, 4, 3]
+    tables = random_tables(seed=13, num_utts=4, vocab_size=vocab, eos=eos, eos_bias=-0.5)
+    utts = batch({"table": tables}, input_lengths)
+
+    def decode(nbest):
+        options = LabelSyncOptions(beam_size=5, sentence_end=eos, max_labels_per_input=2.0, nbest=nbest)
+        return label_sync_search([("t", TrigramTableScorer(vocab), 1.0)], utts, options,
+                                 max_active_utterances=max_active)
+
+    full, best2 = decode(None), decode(2)
+    assert [len(h) for h in full] == [5] * 4 and [len(h) for h in best2] == [2] * 4
+    for u, (a, b) in enumerate(zip(full, best2)):
+        assert b == a[:2]
+        assert len({tuple(h.labels) for h in a}) == 5
+        for hyp in b:  # each hypothesis's labels are its own: the table's score of them is its score
+            assert abs(hyp.score - sequence_score(tables, u, full_sequence(hyp, eos))) < TOL
+
+
 # --- (c) beam 1 equals greedy ------------------------------------------------------------------
 def test_beam_one_equals_greedy():
     vocab, eos, input_lengths = 8, 3, [4, 7, 5, 6]

@@ -277,7 +277,8 @@ def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOpt
         for i, item in enumerate(pending):
             utts = item[0].tolist()
             order, ranks, scores, scorer_scores, lengths, tokens = host[6 * i: 6 * i + 6]
-            lists = label_sync._hypotheses(order, ranks, scores, scorer_scores, lengths,
-                                           label_lists(tokens, options.sentence_end), entries, options.num_best)
+            returned = label_sync.returned_lanes(order, options.num_best)
+            lists = label_sync._hypotheses(returned, ranks, scores, scorer_scores, lengths,
+                                           label_lists(tokens[returned.ravel()], options.sentence_end), entries)
             for u, nbest in zip(utts, lists):
                 results[u] = nbest

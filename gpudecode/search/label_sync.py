@@ -438,35 +438,42 @@ def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,
     (order, ranks, scores, scorer_scores, lengths, parents, labels) = _to_host(
         order, ranks, beam.scores, beam.scorer_scores, beam.lengths, parents, labels)
 
-    # Backtrace: one vectorised gather per step over all lanes.
+    # Backtrace of the returned lanes only: one vectorised gather per step.
+    returned = returned_lanes(order, options.num_best)
     num_steps = labels.shape[0]
-    traced = np.empty_like(labels)  # [T, N]: traced[t, lane] = label at step t of lane's path
-    lane = np.arange(layout.num_lanes)
+    lane = returned.ravel()
+    traced = np.empty((num_steps, lane.size), labels.dtype)  # traced[t, j]: step t's label of returned lane j
     for t in range(num_steps - 1, -1, -1):
         traced[t] = labels[t, lane]
         lane = parents[t, lane]
 
     with no_cyclic_gc():
-        return _hypotheses(order, ranks, scores, scorer_scores, lengths, label_lists(traced.T, options.sentence_end),
-                           entries, options.num_best)
+        return _hypotheses(returned, ranks, scores, scorer_scores, lengths,
+                           label_lists(traced.T, options.sentence_end), entries)
 
 
-def _hypotheses(order, ranks, scores, scorer_scores, lengths, labels: list[list[int]], entries,
-                num_best: int) -> list[list[Hypothesis]]:
-    """Per lane group (row g of ``order`` [G, B], lanes g·B + order[g]) its n-best list from host
-    arrays over its lanes: ``ranks``, ``scores``, ``lengths`` [G·B], ``scorer_scores`` [S, G·B], and
-    each lane's ``labels``. Lanes ranked -inf end a list."""
-    beam_size = order.shape[1]
+def returned_lanes(order: np.ndarray, num_best: int) -> np.ndarray:
+    """[G, num_best] host: the lanes of each group's n-best list, best first (row g of ``order``
+    [G, B] ranks lanes g·B + order[g])."""
+    return np.arange(order.shape[0])[:, None] * order.shape[1] + order[:, :num_best]
+
+
+def _hypotheses(returned, ranks, scores, scorer_scores, lengths, labels: list[list[int]],
+                entries) -> list[list[Hypothesis]]:
+    """Per lane group its n-best list: lanes ``returned`` [G, K] (:func:`returned_lanes`) with
+    their ``labels`` (row-major over ``returned``), from host arrays over all lanes: ``ranks``,
+    ``scores``, ``lengths`` [G·B] and ``scorer_scores`` [S, G·B]. Lanes ranked -inf end a list."""
     ranks, scores, lengths = ranks.tolist(), scores.tolist(), lengths.tolist()
     names = [e.name for e in entries]
     lane_scores = list(zip(*scorer_scores.tolist()))  # per lane, each scorer's score
-    lanes = (np.arange(order.shape[0])[:, None] * beam_size + order[:, :num_best]).tolist()  # [G, num_best]
     isfinite, hypothesis, results = math.isfinite, Hypothesis.without_frames, []
-    for group in lanes:
+    j = 0
+    for group in returned.tolist():
         nbest = []
-        for lane in group:
+        for k, lane in enumerate(group):
             if not isfinite(ranks[lane]):
                 break
-            nbest.append(hypothesis(labels[lane], scores[lane], dict(zip(names, lane_scores[lane])), lengths[lane]))
+            nbest.append(hypothesis(labels[j + k], scores[lane], dict(zip(names, lane_scores[lane])), lengths[lane]))
         results.append(nbest)
+        j += len(group)
     return results

@@ -209,8 +209,9 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     attention): the same function as ONNX Runtime's transformer optimizer writes it, in fewer
     kernels: each residual add with its bias and the next LayerNorm as one
     ``SkipLayerNormalization`` (com.microsoft), 1/√Dh folded into the query weights, one-step
-    head splits as reshapes, and the new key/value written by the ``Split`` of the fused
-    projection straight into the present outputs.
+    head splits as reshapes, the new key/value written by the ``Split`` of the fused projection
+    straight into the present outputs, and the cross-attention as one ``MultiHeadAttention``
+    (com.microsoft) per layer with an additive mask made once per step.
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     dim = heads * head_dim
@@ -427,7 +428,8 @@ def build_transformer_decoder(
     read) through ONNX ``Attention`` (opset 24, "ragged") or ONNX Runtime's ``GroupQueryAttention``
     ("gqa": on CUDA float16/bfloat16 only; head size a multiple of 8). ``fused_ops``: the graph
     ONNX Runtime's transformer optimizer writes (``SkipLayerNormalization``, the attention scale in
-    the query weights, reshapes for one-step head splits; see ``_graph_layers``); the same function,
+    the query weights, reshapes for one-step head splits, cross-attention as ``MultiHeadAttention``;
+    see ``_graph_layers``); the same function,
     in fewer kernels per step. Needs state_outputs "new", fused_qkv, kv_layout "bhtd", dense attention.
     ``history_alignment="left"`` (dense attention, state_outputs "new", "bhtd"): the past is
     left-aligned (metadata HISTORY_ALIGNMENT=left: the first prefix-length[n] positions are valid,

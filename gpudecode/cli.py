@@ -143,8 +143,8 @@ _DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16"]), defa
                       help="The decoder's float type (*-float16.json).")
 _HOST_WAIT = click.option("--host-wait", type=click.Choice(["nap", "block", "spin"]), default="nap",
                           show_default=True,
-                          help="How the host waits for the GPU: poll with 100 µs naps between polls (the library's "
-                               "default), sleep in the driver (*-block.json), or poll (*-spin.json).")
+                          help="How the host waits for the GPU: poll with naps between polls, 100 µs doubling up to "
+                               "1 ms (the library's default), sleep in the driver (*-block.json), or poll (*-spin.json).")
 
 
 def _run_bench(module: str, function: str, **options) -> None:

@@ -221,8 +221,8 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     order alternating (a slow spell of the host hits both alike); each mode's fastest round
     counts. Returns (and writes) the results.
     ``host_wait``: "nap" (the library's default: the host polls while it waits for the GPU and
-    sleeps in between, 100 µs first, doubling up to 1 ms), "block" (it sleeps in the driver) or "spin" (it polls); results as
-    ``batching[...]-block.json`` / ``-spin.json``.
+    sleeps in between, 100 µs first, doubling up to 1 ms), "block" (it sleeps in the driver) or
+    "spin" (it polls); results as ``batching[...]-block.json`` / ``-spin.json``.
     ``utterance_rows``: the decoder's cross-attention inputs per utterance or ("lane", results
     as ``batching[...]-lane.json``) per hypothesis.
     ``cuda_graphs`` (CUDA only): the decoder step runs as CUDA graphs in both modes.

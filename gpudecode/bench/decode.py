@@ -252,9 +252,11 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``host_wait``: "nap" (the library's default: the host polls while it waits for the GPU and
     sleeps in between, 100 µs first, each sleep twice as long up to ``max_nap_us``: default the
     library's ``MAX_NAP_S``, 100 keeps every sleep at 100 µs, ``*-nap<N>us.json``), "block" (it
-    sleeps in the driver; ``*-block.json``) or "spin" (it polls; ``*-spin.json``). ``pin_cpu``: the bench's thread runs on that CPU alone once the cells are built
-    (``*-pin.json``), so a thread that slept wakes on the core whose caches it left. Host CPU time is reported with and without the waits
-    (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside the waits).
+    sleeps in the driver; ``*-block.json``) or "spin" (it polls; ``*-spin.json``). ``pin_cpu``:
+    the bench's thread runs on that CPU alone once the cells are built (``*-pin.json``), so a
+    thread that slept wakes on the core whose caches it left. Host CPU time is reported with and
+    without the waits (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside
+    the waits).
 
     ``rounds``: timed rounds of each CUDA-manager cell, interleaved (each cell's fastest counts).
 

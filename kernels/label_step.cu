@@ -16,12 +16,14 @@
 //
 // Memory layout
 // -------------
-//   term0 .. term3   [N, V] float32 or float16 (bit s of term_half; contiguous), read as float32: the
+//   term0 .. term3   [N, V] float32 or float16 (bit s of term_half; contiguous), or one row [V] that
+//                    every lane shares (bit s of term_row: a scorer's broadcast row), read as float32: the
 //                    combined score Σ scale_s · term_s over the first
 //                    num_terms terms (1 to 4; label_lane_top_<K>_<num_terms>), each product rounded
 //                    to float32 and summed in order, as scorers/combine.py::combine_scores (the host
 //                    leaves out terms of scale 0); lane b of utterance u is row u * beam + b
-//   logp0 .. logp3   [N, V] float32 or float16 (bit s of logp_half; contiguous): each scorer's unscaled
+//   logp0 .. logp3   [N, V] float32 or float16 (bit s of logp_half; contiguous), or one row [V] (bit s
+//                    of logp_row): each scorer's unscaled
 //                    log-probs (num_scorers <= 4 used; the others are never read)
 //   score [N] float32, length [N] int64, ended [N] uint8: the lanes before the step
 //   norm             [N] float32, or null for 1: the length normaliser of each lane's candidates
@@ -48,15 +50,19 @@ struct Terms {
     float scale[4];
     int count;
     int half;  // bit s: term s is float16
-    __device__ __forceinline__ float value(int s, long long at) const { return load_score(term[s], at, (half >> s) & 1); }
-    __device__ __forceinline__ float combined(long long at) const {  // no contraction into FMAs
+    int row;   // bit s: term s is one row [V] for every lane
+    // label v of the lane whose row starts at row_start (= lane * V)
+    __device__ __forceinline__ float value(int s, long long row_start, int v) const {
+        return load_score(term[s], ((row >> s) & 1) ? (long long)v : row_start + v, (half >> s) & 1);
+    }
+    __device__ __forceinline__ float combined(long long row_start, int v) const {  // no contraction into FMAs
         float total = 0.0f;
         bool first = true;
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             if (s >= count) break;
             if (scale[s] == 0.0f) continue;  // left out (a -inf times 0 is no score)
-            const float scaled = __fmul_rn(value(s, at), scale[s]);
+            const float scaled = __fmul_rn(value(s, row_start, v), scale[s]);
             total = first ? scaled : __fadd_rn(total, scaled);
             first = false;
         }
@@ -92,9 +98,9 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
         float loaded[LANE_UNROLL][TERMS], values[LANE_UNROLL];
 #pragma unroll
         for (int k = 0; k < LANE_UNROLL; ++k) {  // no branch around a load: past V, label V - 1 is read again
-            const long long at = row + min(first_label + k * LABEL_THREADS + (int)threadIdx.x, vocab_size - 1);
+            const int v = min(first_label + k * LABEL_THREADS + (int)threadIdx.x, vocab_size - 1);
 #pragma unroll
-            for (int t = 0; t < TERMS; ++t) loaded[k][t] = terms.value(t, at);
+            for (int t = 0; t < TERMS; ++t) loaded[k][t] = terms.value(t, row, v);
         }
 #pragma unroll
         for (int k = 0; k < LANE_UNROLL; ++k) {  // combine_scores's order and rounding, no FMA
@@ -120,7 +126,7 @@ __device__ __forceinline__ void select_step(
     const float* __restrict__ score, const long long* __restrict__ length, const unsigned char* __restrict__ ended,
     int has_threshold, float threshold, long long sentence_end, const long long* __restrict__ deadline,
     long long step, int num_scorers, const void* logp0, const void* logp1, const void* logp2, const void* logp3,
-    int logp_half, const float* __restrict__ scorer_scores,
+    int logp_half, int logp_row, const float* __restrict__ scorer_scores,
     long long num_lanes, long long* __restrict__ parents, long long* __restrict__ labels,
     float* __restrict__ score_out, long long* __restrict__ length_out, unsigned char* __restrict__ ended_out,
     float* __restrict__ scorer_out) {
@@ -152,22 +158,24 @@ __device__ __forceinline__ void select_step(
     parents[lane] = parent;
     labels[lane] = label;
     score_out[lane] = !alive ? neg_inf() : was_ended ? score[parent]
-                                                     : score[parent] + terms.combined(parent * vocab_size + v);
+                                                     : score[parent] + terms.combined(parent * vocab_size, v);
     length_out[lane] = length[parent] + (emitted ? 1 : 0);
     ended_out[lane] = was_ended || !alive || label == sentence_end || deadline[lane] <= step;
     const void* logps[4] = {logp0, logp1, logp2, logp3};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
         if (s >= num_scorers) break;
-        const float added = emitted ? load_score(logps[s], parent * vocab_size + v, (logp_half >> s) & 1) : 0.0f;
+        const long long at = ((logp_row >> s) & 1) ? (long long)v : parent * vocab_size + v;
+        const float added = emitted ? load_score(logps[s], at, (logp_half >> s) & 1) : 0.0f;
         scorer_out[s * num_lanes + lane] = scorer_scores[s * num_lanes + parent] + added;
     }
 }
 
 #define TERMS_PARAMS                                                                                       \
     const void *term0, const void *term1, const void *term2, const void *term3, float scale0, float scale1, \
-        float scale2, float scale3, int num_terms, int term_half
-#define TERMS_OF_PARAMS Terms{{term0, term1, term2, term3}, {scale0, scale1, scale2, scale3}, num_terms, term_half}
+        float scale2, float scale3, int num_terms, int term_half, int term_row
+#define TERMS_OF_PARAMS                                                                                    \
+    Terms{{term0, term1, term2, term3}, {scale0, scale1, scale2, scale3}, num_terms, term_half, term_row}
 
 #define LABEL_LANE_TOP(KEPT, TERMS)                                                                              \
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_lane_top_##KEPT##_##TERMS(                \
@@ -182,12 +190,13 @@ __device__ __forceinline__ void select_step(
         TERMS_PARAMS, int vocab_size, int beam, const unsigned long long* lane_keys, const float* score,        \
         const long long* length, const unsigned char* ended, int has_threshold, float threshold,                \
         long long sentence_end, const long long* deadline, long long step, int num_scorers, const void* logp0,  \
-        const void* logp1, const void* logp2, const void* logp3, int logp_half, const float* scorer_scores,    \
+        const void* logp1, const void* logp2, const void* logp3, int logp_half, int logp_row,                  \
+        const float* scorer_scores,                                                                             \
         long long num_lanes, long long* parents, long long* labels, float* score_out, long long* length_out,    \
         unsigned char* ended_out, float* scorer_out) {                                                          \
         select_step<KEPT>(TERMS_OF_PARAMS, vocab_size, beam, lane_keys, score, length, ended, has_threshold,    \
                           threshold, sentence_end, deadline, step, num_scorers, logp0, logp1, logp2, logp3,     \
-                          logp_half, scorer_scores, num_lanes, parents, labels, score_out, length_out, ended_out, \
+                          logp_half, logp_row, scorer_scores, num_lanes, parents, labels, score_out, length_out, ended_out, \
                           scorer_out);                                                                          \
     }
 

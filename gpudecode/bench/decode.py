@@ -39,10 +39,13 @@ class FixedLengthScorer(LabelScorer):
             from gpudecode.kernels import load_module
 
             self._delay = load_module("bench_delay", (), xp.cuda.Device().id).get_function("gpu_delay")
-        self._forbid = xp.zeros((layout.num_lanes, self.vocab_size), np.float32)
-        self._forbid[:, EOS] = -1e9
-        self._force = xp.full((layout.num_lanes, self.vocab_size), -1e9, np.float32)
-        self._force[:, EOS] = 0.0
+        forbid = xp.zeros(self.vocab_size, np.float32)
+        forbid[EOS] = -1e9
+        force = xp.full(self.vocab_size, -1e9, np.float32)
+        force[EOS] = 0.0
+        # one row for every lane (a broadcast view): the label step reads the row, never an [N, V] array
+        self._forbid = xp.broadcast_to(forbid, (layout.num_lanes, self.vocab_size))
+        self._force = xp.broadcast_to(force, (layout.num_lanes, self.vocab_size))
 
     def initial_context(self, groups, ctx=None):
         return 0

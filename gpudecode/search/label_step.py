@@ -28,13 +28,23 @@ def use_kernel(xp, beam_size: int, num_scorers: int) -> bool:
 
 
 def _scores_on_device(cupy, scores):
-    """A contiguous float16 or float32 [N, V] array for the kernels (other types as float32)."""
-    return cupy.ascontiguousarray(scores, dtype=None if scores.dtype == np.float16 else np.float32)
+    """A contiguous float16 or float32 [N, V] array for the kernels (other types as float32), or its
+    one row [V] where every lane's row is the same memory (a broadcast view, stride 0 over the
+    lanes: a length reward's row is read once, never copied to [N, V])."""
+    dtype = None if scores.dtype == np.float16 else np.float32
+    if scores.ndim == 2 and scores.shape[0] > 1 and scores.strides[0] == 0:
+        return cupy.ascontiguousarray(scores[0], dtype=dtype)
+    return cupy.ascontiguousarray(scores, dtype=dtype)
 
 
 def _half_bits(arrays) -> np.int32:
     """Bit s set where array s is float16 (the kernels' term_half / logp_half)."""
     return np.int32(sum(1 << s for s, array in enumerate(arrays) if array.dtype == np.float16))
+
+
+def _row_bits(arrays) -> np.int32:
+    """Bit s set where array s is one row [V] for every lane (the kernels' term_row / logp_row)."""
+    return np.int32(sum(1 << s for s, array in enumerate(arrays) if array.ndim == 1))
 
 
 def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, options):
@@ -49,15 +59,15 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
 
     cupy = layout.xp
     num_lanes, beam_size = layout.num_lanes, layout.beam_size
-    vocab_size = int(log_probs[0].shape[1])
+    vocab_size = int(log_probs[0].shape[-1])
     terms = [(t, scale) for t, scale in terms if scale != 0]  # left out, as combine_scores does
-    if not terms:  # every scale 0: the combined score is 0
-        terms = [(cupy.zeros(log_probs[0].shape, dtype=np.float32), 1.0)]
+    if not terms:  # every scale 0: the combined score is 0 (one row of zeros for every lane)
+        terms = [(cupy.broadcast_to(cupy.zeros(log_probs[0].shape[1], dtype=np.float32), log_probs[0].shape), 1.0)]
     arrays = [_scores_on_device(cupy, t) for t, _ in terms]
-    term_half = _half_bits(arrays)
+    term_half, term_row = _half_bits(arrays), _row_bits(arrays)
     arrays += [arrays[0]] * (MAX_SCORERS - len(arrays))  # unused ones are never read
     scales = [np.float32(scale) for _, scale in terms] + [np.float32(0)] * (MAX_SCORERS - len(terms))
-    combine = (*arrays, *scales, np.int32(len(terms)), term_half)
+    combine = (*arrays, *scales, np.int32(len(terms)), term_half, term_row)
     log_probs = [_scores_on_device(cupy, logp) for logp in log_probs]
     pointers = log_probs + [log_probs[0]] * (MAX_SCORERS - len(log_probs))
     scores = cupy.ascontiguousarray(beam.scores, dtype=np.float32)
@@ -81,7 +91,8 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
         *combine, np.int32(vocab_size), np.int32(beam_size), lane_keys, scores,
         cupy.ascontiguousarray(beam.lengths, dtype=np.int64), ended, np.int32(threshold is not None),
         np.float32(threshold or 0), np.int64(options.sentence_end), cupy.ascontiguousarray(deadline, dtype=np.int64),
-        np.int64(step), np.int32(len(log_probs)), *pointers, _half_bits(log_probs), scorer_scores, np.int64(num_lanes),
+        np.int64(step), np.int32(len(log_probs)), *pointers, _half_bits(log_probs), _row_bits(log_probs), scorer_scores,
+        np.int64(num_lanes),
         parents, labels,
         new_scores, lengths, ended_out.view(np.uint8), scorer_out,
     ))

@@ -60,6 +60,10 @@ MUTANTS = {  # name: (file, old, new) -- old must occur exactly once
                                       "const float rank = norm != nullptr ? lane_score / lane_norm : lane_score;",
                                       "const float rank = lane_score;"),
     "label-step-no-deadline": ("kernels/label_step.cu", " || deadline[lane] <= step;", ";"),
+    "label-step-term-row-ignored": ("kernels/label_step.cu", "((row >> s) & 1) ? (long long)v : row_start + v",
+                                    "row_start + v"),
+    "label-step-logp-row-ignored": ("kernels/label_step.cu", "((logp_row >> s) & 1) ? (long long)v : parent * vocab_size + v",
+                                    "parent * vocab_size + v"),
     # robustness of the harness itself: a crash, a deadlock, an endless loop must FAIL (not hang)
     "crash-trace-oob": ("kernels/emission_tree.cu", "n = node_parent[n];", "n = node_parent[n + 100000000000LL];"),
     "deadlock-divergent-barrier": ("kernels/ctc_frame.cu", "            s_tie[j] = tie;\n", "            s_tie[j] = tie;\n            __syncthreads();\n"),

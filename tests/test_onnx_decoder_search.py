@@ -23,15 +23,16 @@ class Setup:
     """An encoder + attention decoder pair, encoded utterances and the oracle's sequence scores."""
 
     def __init__(self, seed, *, vocab_size=12, num_utts=3, device="cpu", kv_layout="bhtd", frames=(14, 9, 11, 6),
-                 export=("full", False), dtype=np.float32):
+                 export=("full", False), dtype=np.float32, model_dim=32):
         self.device = device
         self.dtype = np.dtype(dtype)
-        self.encoder = build_encoder(seed, num_decoder_layers=2, num_heads=2)
+        self.encoder = build_encoder(seed, num_decoder_layers=2, num_heads=2, decoder_dim=model_dim)
         self.decoder = build_transformer_decoder(seed, vocab_size=vocab_size, kv_layout=kv_layout,
                                                  state_outputs=export[0], fused_qkv=export[1],
                                                  attention=export[2] if len(export) > 2 else "dense", dtype=dtype,
                                                  fused_ops=len(export) > 3 and export[3],
-                                                 history_alignment=export[4] if len(export) > 4 else "right")
+                                                 history_alignment=export[4] if len(export) > 4 else "right",
+                                                 ft_keys=len(export) > 5 and export[5], model_dim=model_dim)
         rng = np.random.default_rng(seed)
         lengths = np.array(frames[:num_utts], np.int32)
         features = rng.standard_normal((num_utts, lengths.max(), 16)).astype(np.float32)
@@ -156,7 +157,7 @@ def test_float16_decoder_hands_on_float16_scores_and_matches_the_oracle(device):
             assert hyp.score == pytest.approx(expected, abs=0.05 + 0.01 * len(hyp.labels))
 
 
-@pytest.mark.parametrize("device, attention", [("cpu", "ragged"), ("cpu", "gqa"), ("cpu", "fused-left"),
+@pytest.mark.parametrize("device, attention", [("cpu", "ragged"), ("cpu", "gqa"), ("cpu", "fused-left"), ("cpu", "dmmha"),
                                                pytest.param("cuda", "ragged", marks=pytest.mark.gpu),
                                                pytest.param("cuda", "fused-left", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("max_history, keep_first", [(None, False), (2, False), (3, True)])
@@ -168,8 +169,9 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
     "fused-left": the fused export's dense attention masking the padding after each history.)"""
     frames = (14, 9, 11, 6, 12)
     export = ("new", True, "dense", True, "left") if attention == "fused-left" else ("new", True, attention)
-    ragged = Setup(5, num_utts=5, frames=frames, export=export, device=device)
-    dense = Setup(5, num_utts=5, frames=frames, export=("new", True))
+    dims = {"model_dim": 64} if attention == "dmmha" else {}  # (CUDA: head size 32, 64 or 128)
+    ragged = Setup(5, num_utts=5, frames=frames, export=export, device=device, **dims)
+    dense = Setup(5, num_utts=5, frames=frames, export=("new", True), **dims)
     options = {} if max_history is None else {"max_history": max_history, "always_include_first_token_state": keep_first}
     scorer = ragged.scorer(**options)
     assert scorer.states.options.history_alignment == "left"
@@ -196,17 +198,20 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
 @pytest.mark.gpu
 @pytest.mark.parametrize("manager, cuda_graphs", [("transformer-cuda", False), ("transformer-cuda", True),
                                                   ("transformer-cpu", False)])
-def test_gqa_decoder_in_float16_on_cuda_scores_like_the_oracle(manager, cuda_graphs):
-    """ONNX Runtime's GroupQueryAttention (float16 on CUDA) with its present outputs bound to the
-    past buffers, so the new step is written in place: under continuous batching every n-best
-    score equals the float32 oracle's score of its labels, within float16 rounding. With the CPU
-    manager the past comes from the host and the present outputs are left to ONNX Runtime."""
+@pytest.mark.parametrize("export", [("new", True, "gqa"), ("new", True, "dmmha", True, "left", True)],
+                         ids=["gqa", "dmmha-ft"])
+def test_in_place_decoder_in_float16_on_cuda_scores_like_the_oracle(manager, cuda_graphs, export):
+    """ONNX Runtime's GroupQueryAttention, or DecoderMaskedMultiHeadAttention over keys in the
+    layout its CUDA kernel reads (float16 on CUDA), with its present outputs bound to the past
+    buffers, so the new step is written in place: under continuous batching every n-best score
+    equals the float32 oracle's score of its labels, within float16 rounding. With the CPU manager
+    the past comes from the host and the present outputs are left to ONNX Runtime."""
     import cupy
 
     from gpudecode.session.graphs import GraphOptions
 
-    setup = Setup(5, num_utts=5, frames=(14, 9, 11, 6, 12), export=("new", True, "gqa"), device="cuda",
-                  dtype=np.float16)
+    setup = Setup(5, num_utts=5, frames=(14, 9, 11, 6, 12), export=export, device="cuda", dtype=np.float16,
+                  model_dim=64)
     scorer = OnnxDecoderScorer(model=setup.decoder.serialized(), vocab_size=setup.decoder.vocab_size,
                                start_labels=[BOS], state_manager=StateManagerOptions(type=manager),
                                session_options=SessionOptions(device="cuda", cuda_graphs=cuda_graphs),

@@ -256,6 +256,64 @@ def test_dense_decoder_on_left_aligned_histories_matches_oracle(mode, dtype, fus
         build_transformer_decoder(kv_layout="btd", state_outputs="new", history_alignment="left")
 
 
+def _to_ft_keys(state: np.ndarray, chunk: int) -> np.ndarray:
+    """[N, H, T, Dh] keys in FasterTransformer's layout [N, H, Dh/x, T, x], as [N, H·Dh/x, T, x]."""
+    rows, heads, num_t, head_dim = state.shape
+    ft = state.reshape(rows, heads, num_t, head_dim // chunk, chunk).transpose(0, 1, 3, 2, 4)
+    return np.ascontiguousarray(ft).reshape(rows, heads * head_dim // chunk, num_t, chunk)
+
+
+@pytest.mark.parametrize("provider, ft_keys", [("CPUExecutionProvider", False),
+                                               pytest.param("CUDAExecutionProvider", True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fused_ops", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_dmmha_decoder_matches_oracle_on_left_aligned_histories(mode, dtype, fused_ops, provider, ft_keys):
+    """ONNX Runtime's DecoderMaskedMultiHeadAttention over each row's first prefix-length positions
+    (garbage after them is never read); it writes the new step into its in-place present outputs at
+    position T - 1, after every row's history. Head size 32 (CUDA takes 32, 64 or 128). On CUDA the
+    past keys are declared in the layout its kernel reads (ft_keys)."""
+    ft_keys = ft_keys and fused_ops
+    ref = build_transformer_decoder(cross_attention=mode, dtype=dtype, model_dim=64, num_heads=2, state_outputs="new",
+                                    fused_qkv=True, attention="dmmha", fused_ops=fused_ops, ft_keys=ft_keys)
+    chunk = 16 // np.dtype(dtype).itemsize
+    for prefix_length, past_time in [([0, 3, 5, 1], 6), ([0, 0], 1), ([2, 2], 7)]:
+        sizes = [7, 4, 1, 2][: len(prefix_length)]
+        feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True, left=True)
+        if ft_keys:
+            feeds = {k: _to_ft_keys(v, chunk) if k.startswith("past-key-") else v for k, v in feeds.items()}
+        got = _run(ref, feeds, provider)
+        expected = ref.oracle(feeds)
+        _assert_outputs_close({k: got[k] for k in expected}, expected, dtype)
+        for past, present in ref.states.items():
+            cache = got[past.replace("past-", "kv-cache-")].reshape(feeds[past].shape)  # the past's bytes
+            for row, length in enumerate(prefix_length):
+                np.testing.assert_array_equal(cache[row, :, :length], feeds[past][row, :, :length])
+            np.testing.assert_allclose(cache[:, :, past_time - 1].astype(np.float32),
+                                       got[present][:, :, 0].astype(np.float32), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ft_keys_oracle_reads_fastertransformer_layout(dtype):
+    """The ft_keys export's oracle on keys in [N, H·Dh/x, T, x] equals the plain one's on the same
+    keys as [N, H, T, Dh]; its new key is the plain new key's bytes."""
+    options = dict(cross_attention="precomputed", dtype=dtype, model_dim=64, num_heads=2, state_outputs="new",
+                   fused_qkv=True, attention="dmmha", fused_ops=True)
+    ft, plain = build_transformer_decoder(**options, ft_keys=True), build_transformer_decoder(**options)
+    feeds = _decoder_feeds(plain, "precomputed", [0, 3, 5, 1], 6, [7, 4, 1, 2], 7, seed=3, garbage=True, left=True)
+    chunk = 16 // np.dtype(dtype).itemsize
+    got = ft.oracle({k: _to_ft_keys(v, chunk) if k.startswith("past-key-") else v for k, v in feeds.items()})
+    want = plain.oracle(feeds)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value.reshape(got[name].shape), err_msg=name)
+    assert got["present-key-0"].shape == (4, 64 // chunk, 1, chunk)
+
+
+def test_ft_keys_need_the_fused_dmmha_export():
+    with pytest.raises(ValueError, match="ft_keys needs"):
+        build_transformer_decoder(model_dim=64, state_outputs="new", fused_qkv=True, ft_keys=True)
+
+
 def assert_in_place_caches(ref: ReferenceModel, got: dict, feeds: dict, prefix_length, dtype=np.float32) -> None:
     """The ``IN_PLACE_`` outputs (GroupQueryAttention's present) hold each row's history and then
     the new step at position prefix-length; what lies after is not specified."""

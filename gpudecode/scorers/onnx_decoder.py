@@ -456,7 +456,15 @@ class OnnxDecoderScorer(LabelScorer):
         bound)."""
         if self.session.provider != "cuda" or self.states.device == "cpu":
             return {}
-        return {output: state_inputs[name] for output, name in self.spec.in_place_outputs.items()}
+        bound = {}
+        for output, name in self.spec.in_place_outputs.items():
+            buffer = state_inputs[name]
+            # the output may declare the same bytes in another shape (keys declared in the layout an
+            # attention kernel reads): its own static dims, the buffer's batch and time
+            declared = self.session.tensors.output(output).shape
+            shape = tuple(d if isinstance(d, int) else n for d, n in zip(declared, buffer.shape))
+            bound[output] = buffer if shape == tuple(buffer.shape) else buffer.reshape(shape)
+        return bound
 
     def _static_io(self, bucket) -> "_StaticInputs":
         """The static inputs of ``bucket``: views of the graph buffers (and of the lane buffers),

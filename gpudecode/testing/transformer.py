@@ -26,7 +26,7 @@ from gpudecode.testing.reference import Feeds, ReferenceModel
 CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
 KV_LAYOUTS = ("bhtd", "btd")
 STATE_OUTPUTS = ("full", "new")
-ATTENTIONS = ("dense", "ragged", "gqa")
+ATTENTIONS = ("dense", "ragged", "gqa", "dmmha")
 
 
 def cross_projection_weights(seed: int, num_layers: int, encoder_dim: int, model_dim: int) -> dict:
@@ -185,7 +185,8 @@ def _sequence_oracle(w, cfg: _Config, mode):
 def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, states, layout, mode,
                   out: str | None = None, grouped: bool = False, state_outputs: str = "full",
                   fused_qkv: bool = False, ragged: tuple[str, str] | None = None,
-                  gqa: tuple[str, str] | None = None, fused_ops: bool = False) -> str:
+                  gqa: tuple[str, str] | None = None, fused_ops: bool = False,
+                  dmmha: tuple[str, str] | None = None, ft_keys: bool = False) -> str:
     """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
     ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
@@ -205,6 +206,15 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     present outputs, ``kv-cache-key-{i}`` / ``kv-cache-value-{i}`` shaped like the past: bound to
     the past's own buffer (metadata ``IN_PLACE_``) the op appends in place instead of copying the
     past. T must exceed every history length.
+    ``dmmha`` = (key mask [N, T] int32, T - 1 as a scalar int32 in host memory): the same
+    left-aligned past read by ONNX Runtime's ``DecoderMaskedMultiHeadAttention`` (com.microsoft;
+    CUDA: head size 32, 64 or 128), one kernel per layer. It writes the new step at position T - 1
+    of its present outputs ``kv-cache-*`` (shaped like the past, bound in place like
+    GroupQueryAttention's), and the mask keeps each row's first prefix-length positions and that
+    last one. ``ft_keys``: the past keys are declared [N, H·Dh/x, T, x] (x = 16 bytes / element
+    size), the layout ONNX Runtime's CUDA kernel reads ([N, H, Dh/x, T, x], FasterTransformer's),
+    which a state manager's merge then writes; the new key is declared the same way with T = 1
+    (the same bytes as [N, H, 1, Dh]). The CPU kernel reads [N, H, T, Dh]: ``ft_keys`` is CUDA only.
     ``fused_ops`` (one new step per row; state_outputs "new", fused_qkv, layout "bhtd", dense
     attention): the same function as ONNX Runtime's transformer optimizer writes it, in fewer
     kernels: each residual add with its bias and the next LayerNorm as one
@@ -215,6 +225,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     dim = heads * head_dim
+    ft_chunk = 16 // dtype.itemsize  # elements of a FasterTransformer key chunk (ft_keys)
     masked = g.const(cfg.masked_logit, dtype)
     scale = None if fused_ops else g.const(1 / np.sqrt(head_dim), dtype)
     query_factor = np.asarray(1 / np.sqrt(head_dim), dtype)  # fused_ops: folded into the query weights
@@ -326,8 +337,11 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             qkv_b[:dim] *= query_factor
         qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
         if fused_ops:  # [N, 1, 3·H·Dh] as [N, 3H, 1, Dh]: each third is [N, H, 1, Dh]
+            key_out = g.fresh("key") if ft_keys else present_k
             q, k, v = g.ops("Split", [g.reshape(qkv, [0, 3 * heads, 1, head_dim]), g.const([heads] * 3, np.int64)],
-                            3, out=[g.fresh("query"), present_k, present_v], axis=1)
+                            3, out=[g.fresh("query"), key_out, present_v], axis=1)
+            if ft_keys:  # [N, H, 1, Dh] declared as [N, H·Dh/x, 1, x]: the same bytes
+                g.op("Reshape", k, g.const([0, dim // ft_chunk, 1, ft_chunk], np.int64), out=present_k)
             return q, q, k, v
         q, k, v = g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
         return q, split(q, [0, 2, 1, 3]), k, v
@@ -344,7 +358,15 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                 k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
                 g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
                 g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
-            if gqa is not None:  # (bhtd only)
+            if dmmha is not None:  # (bhtd only) [N, 1, H·Dh] in and out
+                mask, past_length = dmmha
+                caches = [past.replace("past-", "kv-cache-") for past in (past_k, past_v)]
+                step = [g.reshape(t, [0, 1, dim]) for t in (q, k_heads, v_heads)] if fused_ops else [q_flat, k, v]
+                keys = g.reshape(past_k, [0, heads, -1, head_dim]) if ft_keys else past_k  # the same bytes
+                att = g.ops("DecoderMaskedMultiHeadAttention", [*step, mask, "", keys, past_v, past_length], 3,
+                            out=[g.fresh("attention"), *caches], domain="com.microsoft", num_heads=heads,
+                            past_present_share_buffer=1, **({"scale": 1.0} if fused_ops else {}))[0]
+            elif gqa is not None:  # (bhtd only)
                 seqlens, total = gqa
                 caches = [past.replace("past-", "kv-cache-") for past in (past_k, past_v)]
                 att = g.ops("GroupQueryAttention", [q_flat, k, v, past_k, past_v, seqlens, total], 3,
@@ -407,6 +429,7 @@ def build_transformer_decoder(
     attention: str = "dense",
     fused_ops: bool = False,
     history_alignment: str = "right",
+    ft_keys: bool = False,
 ) -> ReferenceModel:
     """Transformer decoder step model, RASR convention (pre-LayerNorm, learned positions).
 
@@ -426,11 +449,14 @@ def build_transformer_decoder(
     function. ``attention``: "dense" (the above), or the past left-aligned (metadata
     ``HISTORY_ALIGNMENT=left``: the first prefix-length[n] positions are valid, the rest is never
     read) through ONNX ``Attention`` (opset 24, "ragged") or ONNX Runtime's ``GroupQueryAttention``
-    ("gqa": on CUDA float16/bfloat16 only; head size a multiple of 8). ``fused_ops``: the graph
+    ("gqa": on CUDA float16/bfloat16 only; head size a multiple of 8) or ``DecoderMaskedMultiHeadAttention``
+    ("dmmha": one kernel per layer, in place; CUDA: head size 32, 64 or 128; ``ft_keys``: the past
+    keys in the layout its CUDA kernel reads, see ``_graph_layers``; CUDA only). ``fused_ops``: the graph
     ONNX Runtime's transformer optimizer writes (``SkipLayerNormalization``, the attention scale in
     the query weights, reshapes for one-step head splits, cross-attention as ``MultiHeadAttention``;
     see ``_graph_layers``); the same function,
-    in fewer kernels per step. Needs state_outputs "new", fused_qkv, kv_layout "bhtd", dense attention.
+    in fewer kernels per step. Needs state_outputs "new", fused_qkv, kv_layout "bhtd", attention
+    "dense" or "dmmha".
     ``history_alignment="left"`` (dense attention, state_outputs "new", "bhtd"): the past is
     left-aligned (metadata HISTORY_ALIGNMENT=left: the first prefix-length[n] positions are valid,
     the rest is masked), so the state manager's merge copies each row's history and never writes
@@ -442,7 +468,7 @@ def build_transformer_decoder(
         raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
     if history_alignment not in ("right", "left"):
         raise ValueError(f"history_alignment: expected 'right' or 'left', got {history_alignment!r}")
-    left_aligned = attention in ("ragged", "gqa") or history_alignment == "left"
+    left_aligned = attention in ("ragged", "gqa", "dmmha") or history_alignment == "left"
     if left_aligned and (state_outputs != "new" or kv_layout != "bhtd"):
         raise ValueError(f"left-aligned histories (attention={attention!r}, history_alignment={history_alignment!r}) "
                          "need state_outputs='new' and kv_layout='bhtd'")
@@ -450,8 +476,12 @@ def build_transformer_decoder(
         raise ValueError(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
         )
-    if fused_ops and (state_outputs, fused_qkv, kv_layout, attention) != ("new", True, "bhtd", "dense"):
-        raise ValueError("fused_ops needs state_outputs='new', fused_qkv=True, kv_layout='bhtd' and attention='dense'")
+    if fused_ops and ((state_outputs, fused_qkv, kv_layout) != ("new", True, "bhtd")
+                      or attention not in ("dense", "dmmha")):
+        raise ValueError("fused_ops needs state_outputs='new', fused_qkv=True, kv_layout='bhtd' and attention "
+                         "'dense' or 'dmmha'")
+    if ft_keys and not (fused_ops and attention == "dmmha"):
+        raise ValueError("ft_keys needs attention='dmmha' and fused_ops")
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {kv_layout!r}")
     if utterance_rows not in ("lane", "utterance"):
@@ -500,9 +530,19 @@ def build_transformer_decoder(
     elif attention == "gqa":  # total_sequence_length T, a shape value (host memory for the op)
         num_t = g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1)
         gqa_inputs = ("prefix-length", g.op("Squeeze", g.op("Cast", num_t, to=onnx_type(np.int32))))
+    dmmha_inputs = None
+    if attention == "dmmha":  # keep t < prefix-length and t = T - 1 (the new step's slot), made on the device
+        num_t = g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1)
+        ones_t = g.op("ConstantOfShape", num_t, value=helper.make_tensor("one", onnx.TensorProto.INT32, [1], [1]))
+        position = g.op("Sub", g.op("CumSum", ones_t, g.const(0, np.int32)), g.const(1, np.int32))
+        last = g.op("Equal", g.op("CumSum", ones_t, g.const(0, np.int32), reverse=1), g.const(1, np.int32))
+        keep = g.op("Or", g.op("Less", g.unsqueeze(position, [0]), g.unsqueeze("prefix-length", [1])),
+                    g.unsqueeze(last, [0]))
+        past_length = g.op("Squeeze", g.op("Cast", g.op("Sub", num_t, g.const([1], np.int64)), to=onnx_type(np.int32)))
+        dmmha_inputs = (g.op("Cast", keep, to=onnx_type(np.int32)), past_length)  # T - 1: host memory for the op
     logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped,
                            state_outputs=state_outputs, fused_qkv=fused_qkv, ragged=ragged_inputs, gqa=gqa_inputs,
-                           fused_ops=fused_ops)
+                           fused_ops=fused_ops, dmmha=dmmha_inputs, ft_keys=ft_keys)
     g.op("LogSoftmax", logits, axis=-1, out="scores")
 
     inputs = [
@@ -512,9 +552,14 @@ def build_transformer_decoder(
     ]
     outputs = [("scores", dtype, ["batch", 1, vocab_size])]
     metadata, states = {}, {}
+    chunk = 16 // cfg.dtype.itemsize
+    key_shape, present_key_shape = state_shape, present_shape
+    if ft_keys:  # FasterTransformer's key layout [N, H, Dh/x, T, x] as [N, H·Dh/x, T, x]
+        key_shape = ["batch", model_dim // chunk, "time", chunk]
+        present_key_shape = ["batch", model_dim // chunk, 1, chunk]
     for past_k, past_v, present_k, present_v in names:
-        inputs += [(past_k, dtype, state_shape), (past_v, dtype, state_shape)]
-        outputs += [(present_k, dtype, present_shape), (present_v, dtype, present_shape)]
+        inputs += [(past_k, dtype, key_shape), (past_v, dtype, state_shape)]
+        outputs += [(present_k, dtype, present_key_shape), (present_v, dtype, present_shape)]
         states.update({past_k: present_k, past_v: present_v})
     metadata.update({f"STATE_{k}": v for k, v in states.items()})
     if mode == "precomputed":
@@ -533,7 +578,7 @@ def build_transformer_decoder(
         metadata["PER_UTTERANCE_ROWS"] = "utterance"
     if left_aligned:
         metadata[HISTORY_ALIGNMENT_KEY] = "left"
-    if attention == "gqa":  # the op's present outputs, bound to the past's buffers
+    if attention in ("gqa", "dmmha"):  # the op's present outputs, bound to the past's buffers
         for past_k, past_v, _, _ in names:
             for past in (past_k, past_v):
                 cache = past.replace("past-", "kv-cache-")
@@ -551,10 +596,18 @@ def build_transformer_decoder(
     def from_bhtd(state: np.ndarray) -> np.ndarray:
         return (state if kv_layout == "bhtd" else _merge_heads(state)).astype(dtype)
 
+    def keys_to_bhtd(state: np.ndarray) -> np.ndarray:
+        """Past keys as [N, H, T, Dh] (ft_keys: from [N, H·Dh/x, T, x], i.e. [N, H, Dh/x, T, x])."""
+        if ft_keys:
+            rows, _, num_t, _ = state.shape
+            state = state.reshape(rows, num_heads, cfg.head_dim // chunk, num_t, chunk).transpose(0, 1, 3, 2, 4)
+            state = state.reshape(rows, num_heads, num_t, cfg.head_dim)
+        return to_bhtd(state)
+
     def oracle(feeds: Feeds) -> Feeds:
         token, prefix = feeds["token"][:, 0], feeds["prefix-length"].astype(np.int64)
         x = (w32["tok_emb"][token] + w32["pos_emb"][prefix])[:, None]
-        past = [(to_bhtd(feeds[k]), to_bhtd(feeds[v])) for k, v, _, _ in names]
+        past = [(keys_to_bhtd(feeds[k]), to_bhtd(feeds[v])) for k, v, _, _ in names]
         num_t = past[0][0].shape[2]
         t = np.arange(num_t + 1)[None, :]
         if left_aligned:  # the history first; the new step is appended last here
@@ -571,6 +624,8 @@ def build_transformer_decoder(
         for (past_k, past_v, present_k, present_v), (k, v) in zip(names, new):
             for past, present, new_step in ((past_k, present_k, k), (past_v, present_v, v)):
                 result[present] = from_bhtd(new_step)
+                if ft_keys and present == present_k:  # [N, H, 1, Dh] as [N, H·Dh/x, 1, x]: the same bytes
+                    result[present] = result[present].reshape(len(token), model_dim // chunk, 1, chunk)
                 if state_outputs == "full":
                     result[present] = np.concatenate([feeds[past], result[present]], time_axis)
         return result

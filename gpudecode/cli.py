@@ -132,12 +132,13 @@ def bench() -> None:
 
 #: Options of both decoder benches.
 _DECODER_EXPORT = click.option(
-    "--decoder-export", "export", type=click.Choice(["new-step", "fused", "dmmha", "full-history", "ragged", "gqa"]),
+    "--decoder-export", "export", type=click.Choice(["new-step", "fused", "dmmha", "fused-gqa", "full-history",
+                                                      "ragged", "gqa"]),
     default="new-step", show_default=True,
     help="The decoder's state outputs: the new step alone with fused QKV, the same as ONNX Runtime's transformer "
          "optimizer writes it (SkipLayerNormalization, cross-attention as MultiHeadAttention, left-aligned "
          "histories; *-fused.json), fused with ONNX Runtime's DecoderMaskedMultiHeadAttention (CUDA; "
-         "*-dmmha.json), the past with the new step appended "
+         "*-dmmha.json) or GroupQueryAttention (float16, CUDA; *-fused-gqa.json), the past with the new step appended "
          "(*-full-history.json), or new-step with attention over each row's own history: ONNX Attention "
          "(*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA (*-gqa.json).")
 _DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,

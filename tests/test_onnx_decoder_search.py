@@ -198,8 +198,8 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
 @pytest.mark.gpu
 @pytest.mark.parametrize("manager, cuda_graphs", [("transformer-cuda", False), ("transformer-cuda", True),
                                                   ("transformer-cpu", False)])
-@pytest.mark.parametrize("export", [("new", True, "gqa"), ("new", True, "dmmha", True, "left", True)],
-                         ids=["gqa", "dmmha-ft"])
+@pytest.mark.parametrize("export", [("new", True, "gqa"), ("new", True, "gqa", True),
+                                    ("new", True, "dmmha", True, "left", True)], ids=["gqa", "fused-gqa", "dmmha-ft"])
 def test_in_place_decoder_in_float16_on_cuda_scores_like_the_oracle(manager, cuda_graphs, export):
     """ONNX Runtime's GroupQueryAttention, or DecoderMaskedMultiHeadAttention over keys in the
     layout its CUDA kernel reads (float16 on CUDA), with its present outputs bound to the past

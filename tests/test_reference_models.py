@@ -212,13 +212,15 @@ def test_fused_decoder_matches_oracle_in_fewer_nodes(mode, dtype, utterance_rows
         build_transformer_decoder(kv_layout="btd", state_outputs="new", fused_qkv=True, fused_ops=True)
 
 
-@pytest.mark.parametrize("attention", ["ragged", "gqa"])
+@pytest.mark.parametrize("attention, fused_ops", [("ragged", False), ("gqa", False), ("gqa", True)])
 @pytest.mark.parametrize("mode", MODES)
-def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode, attention):
+def test_ragged_decoder_matches_oracle_on_left_aligned_histories(mode, attention, fused_ops):
     """ONNX Attention (opset 24) or ONNX Runtime's GroupQueryAttention over each row's first
     prefix-length + 1 positions: padding after them (garbage here) is never read, and the new
-    step's own slot is written by the model."""
-    ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention=attention)
+    step's own slot is written by the model. (fused_ops: GroupQueryAttention on the packed
+    projection.)"""
+    ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention=attention,
+                                    fused_ops=fused_ops)
     metadata = {p.key: p.value for p in onnx.load_from_string(ref.serialized()).metadata_props}
     assert metadata["HISTORY_ALIGNMENT"] == "left"
     room = attention == "gqa"  # GroupQueryAttention writes the new step into the past: T > history
@@ -330,12 +332,13 @@ def assert_in_place_caches(ref: ReferenceModel, got: dict, feeds: dict, prefix_l
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_ops", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_gqa_decoder_on_cuda_matches_oracle_in_float16(mode):
+def test_gqa_decoder_on_cuda_matches_oracle_in_float16(mode, fused_ops):
     """GroupQueryAttention runs on ONNX Runtime's CUDA provider in float16 only: there too it
     reads each row's own positions and never the (garbage) padding."""
     ref = build_transformer_decoder(cross_attention=mode, state_outputs="new", fused_qkv=True, attention="gqa",
-                                    dtype=np.float16)
+                                    dtype=np.float16, fused_ops=fused_ops)
     for prefix_length, past_time in [([0, 3, 5, 1], 6), ([2, 2], 6)]:
         sizes = [7, 4, 1, 2][: len(prefix_length)]
         feeds = _decoder_feeds(ref, mode, prefix_length, past_time, sizes, 7, seed=past_time, garbage=True,

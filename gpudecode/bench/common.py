@@ -73,10 +73,12 @@ def save_figure(plt, fig, path) -> str:
 #: splits as reshapes, cross-attention as one MultiHeadAttention: 40% fewer kernels per step), over
 #: left-aligned histories (the merge never writes padding); "dmmha": fused, with the self-attention as
 #: ONNX Runtime's DecoderMaskedMultiHeadAttention (one kernel per layer, in place; the keys declared in
-#: the layout its CUDA kernel reads: CUDA only). The same function every way.
+#: the layout its CUDA kernel reads: CUDA only); "fused-gqa": fused, with GroupQueryAttention on the
+#: packed projection (CUDA: float16 only). The same function every way.
 DECODER_EXPORTS = {"new-step": dict(state_outputs="new", fused_qkv=True),
                    "fused": dict(state_outputs="new", fused_qkv=True, fused_ops=True, history_alignment="left"),
                    "dmmha": dict(state_outputs="new", fused_qkv=True, fused_ops=True, attention="dmmha", ft_keys=True),
+                   "fused-gqa": dict(state_outputs="new", fused_qkv=True, fused_ops=True, attention="gqa"),
                    "full-history": dict(state_outputs="full", fused_qkv=False),
                    "ragged": dict(state_outputs="new", fused_qkv=True, attention="ragged"),
                    "gqa": dict(state_outputs="new", fused_qkv=True, attention="gqa")}

@@ -342,7 +342,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                             3, out=[g.fresh("query"), key_out, present_v], axis=1)
             if ft_keys:  # [N, H, 1, Dh] declared as [N, H·Dh/x, 1, x]: the same bytes
                 g.op("Reshape", k, g.const([0, dim // ft_chunk, 1, ft_chunk], np.int64), out=present_k)
-            return q, q, k, v
+            return qkv, q, k, v  # (GroupQueryAttention takes the packed [N, 1, 3·H·Dh])
         q, k, v = g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
         return q, split(q, [0, 2, 1, 3]), k, v
 
@@ -369,9 +369,10 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             elif gqa is not None:  # (bhtd only)
                 seqlens, total = gqa
                 caches = [past.replace("past-", "kv-cache-") for past in (past_k, past_v)]
-                att = g.ops("GroupQueryAttention", [q_flat, k, v, past_k, past_v, seqlens, total], 3,
+                step = [q_flat, "", ""] if fused_ops else [q_flat, k, v]  # fused_ops: the packed projection
+                att = g.ops("GroupQueryAttention", [*step, past_k, past_v, seqlens, total], 3,
                             out=[g.fresh("attention"), *caches], domain="com.microsoft", num_heads=heads,
-                            kv_num_heads=heads)[0]
+                            kv_num_heads=heads, **({"scale": 1.0} if fused_ops else {}))[0]
             elif ragged is not None:  # (bhtd only)
                 write_index, valid_length = ragged
                 caches = [g.op("TensorScatter", g.op("Concat", past, new, axis=2), new, write_index, axis=2)
@@ -456,7 +457,7 @@ def build_transformer_decoder(
     the query weights, reshapes for one-step head splits, cross-attention as ``MultiHeadAttention``;
     see ``_graph_layers``); the same function,
     in fewer kernels per step. Needs state_outputs "new", fused_qkv, kv_layout "bhtd", attention
-    "dense" or "dmmha".
+    "dense", "dmmha" or "gqa" (which then takes the packed query-key-value projection).
     ``history_alignment="left"`` (dense attention, state_outputs "new", "bhtd"): the past is
     left-aligned (metadata HISTORY_ALIGNMENT=left: the first prefix-length[n] positions are valid,
     the rest is masked), so the state manager's merge copies each row's history and never writes
@@ -477,9 +478,9 @@ def build_transformer_decoder(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
         )
     if fused_ops and ((state_outputs, fused_qkv, kv_layout) != ("new", True, "bhtd")
-                      or attention not in ("dense", "dmmha")):
+                      or attention not in ("dense", "dmmha", "gqa")):
         raise ValueError("fused_ops needs state_outputs='new', fused_qkv=True, kv_layout='bhtd' and attention "
-                         "'dense' or 'dmmha'")
+                         "'dense', 'dmmha' or 'gqa'")
     if ft_keys and not (fused_ops and attention == "dmmha"):
         raise ValueError("ft_keys needs attention='dmmha' and fused_ops")
     if kv_layout not in KV_LAYOUTS:

@@ -56,6 +56,8 @@
 // cache hint.  Everything else (dtype conversions, narrower alignment, a token whose slab address is
 // not 16-byte aligned) takes the generic per-vector path (copy_raw / copy_convert / zero_raw, widest
 // aligned unit), in a second pass over the warp's range that runs only where such tokens exist.
+// A merged variable whose spans are single 16-byte vectors (keys in FasterTransformer's layout) is
+// copied lane per token instead (merge_lane_token), so that the stores to a span are contiguous.
 
 #define MAX_STATE_VARIABLES 128
 #define GEOMETRY_FIELDS 8
@@ -512,6 +514,42 @@ __device__ __forceinline__ void zero_slow(const long long* geo, unsigned long lo
 #define KIND_SLOW 2
 #define KIND_SKIP 3   // merge, left-aligned padding: left as it is
 
+// Merge of a variable whose spans are one 16-byte vector (keys in FasterTransformer's layout
+// [N, H·Dh/x, T, x], x = 16 bytes / itemsize). Copying token by token, as copy_walk does, would
+// scatter a warp's stores T·16 bytes apart; here lane j copies its own token j of the batch instead,
+// span by span, so that the lanes' stores to one span (consecutive time positions of a row) are
+// contiguous, and each lane reads LANE_TOKEN_UNROLL consecutive vectors of its token at a time.
+#ifndef LANE_TOKEN_UNROLL
+#define LANE_TOKEN_UNROLL 4
+#endif
+__device__ __forceinline__ void merge_lane_token(const VarPlan& p, int kind, unsigned long long token,
+                                                 unsigned long long ten) {
+    if (kind != KIND_FAST && kind != KIND_NONE) return;  // a skipped or slow-path token
+    const uint4* src = reinterpret_cast<const uint4*>(token);
+    uint4* dst = reinterpret_cast<uint4*>(ten);
+    const int total = p.w.total;              // spans (one vector each)
+    const int stride_m = p.w.carry_iv + 1;    // vectors between consecutive mid indices
+    int m = 0, off = 0;
+#pragma unroll 1
+    for (int q0 = 0; q0 < total; q0 += LANE_TOKEN_UNROLL) {
+        uint4 v[LANE_TOKEN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < LANE_TOKEN_UNROLL; ++u)
+            v[u] = (kind == KIND_FAST && q0 + u < total) ? load_once(src + q0 + u) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < LANE_TOKEN_UNROLL; ++u) {
+            if (q0 + u < total) {
+                store_vec(dst + off, v[u]);
+                off += stride_m;
+                if (++m == p.w.mid) {
+                    m = 0;
+                    off += p.w.carry_m;
+                }
+            }
+        }
+    }
+}
+
 // The warp's tokens of one batch: lane j resolved token j (kind, token address, tensor index).  Two
 // passes keep the generic path's registers out of the fast loop: SLOW = false copies the fast
 // tokens (and zero-fills those of fast variables) and returns whether any token was left for the
@@ -531,6 +569,10 @@ __device__ __forceinline__ bool copy_batch(const VarPlan& p, const long long* ge
         return false;
     }
     const bool left = __any_sync(0xffffffffu, lane < n && (kind == KIND_SLOW || (TO_TENSOR && kind == KIND_NONE && !p.fast)));
+    if (TO_TENSOR && p.fast && p.w.V == 1) {
+        if (lane < n) merge_lane_token(p, kind, token, tensor + (unsigned long long)(index * p.span_bytes));
+        return left;
+    }
     for (int j = 0; j < n;) {
         const int kind_j = __shfl_sync(0xffffffffu, kind, j);
         const unsigned long long token_j = __shfl_sync(0xffffffffu, token, j);

@@ -57,6 +57,7 @@ def main() -> int:
             ("layered", np.float16, None, 2, False),
             ("heads", np.float32, "float16", 4, True),
             ("flat", np.float16, "float32", None, False),
+            ("chunks", np.float16, None, 3, True),  # one 16-byte vector per span: a lane per token
         ]:
             variables = kv_variables(2, dtype, layout)
             stored = (lambda a, s=storage, d=dtype: a.astype(s).astype(d)) if storage else (lambda a: a)
@@ -70,7 +71,8 @@ def main() -> int:
         for limit in (None, 2):
             run("transformer", aligned, Reference(aligned, max_history=limit), steps=6, max_history=limit,
                 slots_per_chunk=8)
-        left_aligned_merge_keeps_the_padding("transformer-cuda", "cuda", cupy)  # padding left unwritten
+        for layout in ("heads", "chunks"):  # padding left unwritten
+            left_aligned_merge_keeps_the_padding("transformer-cuda", "cuda", cupy, layout)
         for layered in (False, True):
             variables = lstm_variables(np.float32, layered)
             run("lstm", variables, Reference(variables, lstm=True), steps=6, slots_per_chunk=4)

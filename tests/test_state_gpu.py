@@ -323,7 +323,8 @@ def test_extend_histories_kernel_equals_the_host_version(max_history, with_appen
         np.testing.assert_array_equal(cupy.asnumpy(device.table), host.table)
 
 
-def test_cuda_left_aligned_merge_keeps_the_padding():
+@pytest.mark.parametrize("layout", ["heads", "chunks"])
+def test_cuda_left_aligned_merge_keeps_the_padding(layout):
     import cupy
 
-    left_aligned_merge_keeps_the_padding("transformer-cuda", "cuda", cupy)
+    left_aligned_merge_keeps_the_padding("transformer-cuda", "cuda", cupy, layout)

@@ -32,11 +32,13 @@ from gpudecode.states.pool import StatePool
 
 
 def kv_variables(num_layers: int, dtype, layout: str) -> list[StateVariable]:
-    """Key/value states: ``heads`` [N, H, T, D], ``flat`` [N, T, H*D], ``layered`` [2, N, 3, T, 2]."""
+    """Key/value states: ``heads`` [N, H, T, D], ``flat`` [N, T, H*D], ``layered`` [2, N, 3, T, 2],
+    ``chunks`` [N, 5, T, x] with 16-byte spans (x = 16 / itemsize: FasterTransformer's key layout)."""
     shapes = {
         "heads": ((None, 2, None, 3), 0, 2),
         "flat": ((None, None, 6), 0, 1),
         "layered": ((2, None, 3, None, 2), 1, 3),
+        "chunks": ((None, 5, None, 16 // np.dtype(dtype).itemsize), 0, 2),
     }
     shape, batch_axis, time_axis = shapes[layout]
     variables = []
@@ -300,6 +302,9 @@ TRANSFORMER_CASES = [
     ("flat", np.float16, None, None, False),
     ("layered", np.float32, None, 3, True),
     ("heads", np.float32, "float16", 3, False),
+    ("chunks", np.float16, None, None, False),
+    ("chunks", np.float32, None, 3, True),
+    ("chunks", np.float32, "float16", 2, False),
     ("flat", np.float16, "float32", None, False),
 ]
 
@@ -356,10 +361,10 @@ def test_merge_default_time_size_is_longest_kept_history():
     assert not merged.inputs["past_key_0"][1, :, :2].any() and merged.inputs["past_key_0"][1, :, 2].any()
 
 
-def left_aligned_merge_keeps_the_padding(manager_type: str, execution_provider: str, xp) -> None:
+def left_aligned_merge_keeps_the_padding(manager_type: str, execution_provider: str, xp, layout="heads") -> None:
     """A left-aligned merge writes each row's kept states first, exactly the right-aligned ones,
     and leaves every position after them, and the rows past N, as the buffer held them."""
-    variables = kv_variables(1, np.float32, "heads")
+    variables = kv_variables(1, np.float32, layout)
     managers = {alignment: create_state_manager(
         StateManagerOptions(type=manager_type, max_history=4, history_alignment=alignment), variables,
         execution_provider=execution_provider) for alignment in ("right", "left")}
@@ -371,8 +376,7 @@ def left_aligned_merge_keeps_the_padding(manager_type: str, execution_provider: 
             slots = manager.split(random_outputs(rng, variables, 3, 1))
             histories = manager.extend(histories, slots, np.array([0, 1, 2]),
                                        append=np.array([True, step < 2, step < 5]))
-        out = {"past_key_0": xp.full((5, 2, 6, 3), 7.0, np.float32),
-               "past_value_0": xp.full((5, 2, 6, 3), 7.0, np.float32)}
+        out = {v.input_name: xp.full(batched_shape(v, 5, 6), 7.0, np.float32) for v in variables}
         merged[alignment] = manager.merge(histories, out=out)
     right, left = (to_host(merged[a].inputs["past_key_0"]) for a in ("right", "left"))
     kept = to_host(merged["left"].prefix_lengths).tolist()
@@ -385,8 +389,9 @@ def left_aligned_merge_keeps_the_padding(manager_type: str, execution_provider: 
     assert (left[3:] == 7.0).all() and not right[3:].any()
 
 
-def test_left_aligned_merge_keeps_the_padding():
-    left_aligned_merge_keeps_the_padding("transformer-cpu", "cpu", np)
+@pytest.mark.parametrize("layout", ["heads", "chunks"])
+def test_left_aligned_merge_keeps_the_padding(layout):
+    left_aligned_merge_keeps_the_padding("transformer-cpu", "cpu", np, layout)
 
 
 def test_merge_into_smaller_time_truncates_like_max_history():

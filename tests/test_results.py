@@ -6,6 +6,7 @@ import gc
 import numpy as np
 import pytest
 
+from gpudecode.search import results
 from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
 
 
@@ -26,6 +27,24 @@ def test_label_lists_equal_a_plain_filter(eos):
         got = label_lists(tokens, eos)
         assert got == _filtered(tokens, eos)
         assert all(type(x) is int for row in got for x in row)
+
+
+@pytest.mark.parametrize("max_shared", [1 << 20, 100])
+def test_label_lists_of_large_labels_are_plain_ints(monkeypatch, max_shared):
+    """Labels up to 70,000 (through the shared int objects, or one by one above MAX_SHARED_INTS):
+    the same values as Python ints, each row its own list."""
+    monkeypatch.setattr(results, "MAX_SHARED_INTS", max_shared)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 70_000, (5, 9))
+    tokens[1, 4:] = -1
+    tokens[2, 6:] = 7
+    tokens[3, :] = -1
+    got = label_lists(tokens, 7)
+    assert got == _filtered(tokens, 7)
+    assert all(type(x) is int for row in got for x in row)
+    got[0].append(1)
+    assert got[0] == _filtered(tokens, 7)[0] + [1] and got[1:] == _filtered(tokens, 7)[1:]
+    assert results.python_ints(70_000)[69_999] == 69_999 and len(results.python_ints(70_000)) == 1 << 17
 
 
 def test_no_cyclic_gc_restores_the_collector_state():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from itertools import repeat
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -462,18 +463,15 @@ def _hypotheses(returned, ranks, scores, scorer_scores, lengths, labels: list[li
                 entries) -> list[list[Hypothesis]]:
     """Per lane group its n-best list: lanes ``returned`` [G, K] (:func:`returned_lanes`) with
     their ``labels`` (row-major over ``returned``), from host arrays over all lanes: ``ranks``,
-    ``scores``, ``lengths`` [G·B] and ``scorer_scores`` [S, G·B]. Lanes ranked -inf end a list."""
-    ranks, scores, lengths = ranks.tolist(), scores.tolist(), lengths.tolist()
+    ``scores``, ``lengths`` [G·B] and ``scorer_scores`` [S, G·B]. Lanes ranked -inf end a list.
+    The per-hypothesis values are gathered by numpy and the objects made by ``map`` (thousands
+    per search: no interpreted loop over them)."""
+    num_best = returned.shape[1]
+    lanes = returned.ravel()
+    finite = np.isfinite(ranks[returned])
+    counts = np.where(finite.all(axis=1), num_best, finite.argmin(axis=1)).tolist()  # up to the first -inf
     names = [e.name for e in entries]
-    lane_scores = list(zip(*scorer_scores.tolist()))  # per lane, each scorer's score
-    isfinite, hypothesis, results = math.isfinite, Hypothesis.without_frames, []
-    j = 0
-    for group in returned.tolist():
-        nbest = []
-        for k, lane in enumerate(group):
-            if not isfinite(ranks[lane]):
-                break
-            nbest.append(hypothesis(labels[j + k], scores[lane], dict(zip(names, lane_scores[lane])), lengths[lane]))
-        results.append(nbest)
-        j += len(group)
-    return results
+    per_scorer = zip(*scorer_scores[:, lanes].tolist())  # per returned lane, each scorer's score
+    hyps = list(map(Hypothesis.without_frames, labels, scores[lanes].tolist(),
+                    map(dict, map(zip, repeat(names), per_scorer)), lengths[lanes].tolist()))
+    return [hyps[g * num_best:g * num_best + count] for g, count in enumerate(counts)]

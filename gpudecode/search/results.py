@@ -6,6 +6,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -59,6 +60,21 @@ def no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
+MAX_SHARED_INTS = 1 << 20  # larger label values are converted one by one
+
+
+@lru_cache(maxsize=8)
+def _python_ints(size: int) -> np.ndarray:
+    return np.array(range(size), dtype=object)
+
+
+def python_ints(size: int) -> np.ndarray:
+    """An object array whose entry i is the Python int i, for i < ``size``: indexing it with a
+    label array and calling ``tolist()`` gives lists of ints without making an int object per
+    label (thousands of n-best labels per search). Cached for sizes rounded up to a power of 2."""
+    return _python_ints(1 << max(size - 1, 0).bit_length())
+
+
 def label_lists(tokens: np.ndarray, sentence_end: int | None) -> list[list[int]]:
     """Per row of ``tokens`` [N, T] (host), its labels in order as a Python list: the entries that
     are >= 0 and not ``sentence_end``."""
@@ -67,7 +83,9 @@ def label_lists(tokens: np.ndarray, sentence_end: int | None) -> list[list[int]]
         valid &= tokens != sentence_end
     if bool((valid[:, 1:] <= valid[:, :-1]).all()):  # every row's labels come first (the usual case)
         counts = valid.sum(axis=1)
-        rows = tokens[:, :int(counts.max(initial=0))].tolist()  # no Python ints past the longest row
+        head = np.maximum(tokens[:, :int(counts.max(initial=0))], 0)  # (the clipped entries are dropped)
+        size = int(head.max(initial=0)) + 1
+        rows = (python_ints(size)[head] if size <= MAX_SHARED_INTS else head).tolist()
         for row, n in zip(rows, counts.tolist()):
             del row[n:]
         return rows

@@ -125,6 +125,13 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
 
 
+def _stop_test(text: str) -> tuple[int, int]:
+    values = _int_list(text)
+    if len(values) != 2 or min(values) < 1:
+        raise click.BadParameter(f"expected LAG,EVERY, two integers >= 1, got {text!r}", param_hint="--stop-test")
+    return values
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks; each measures its baseline in the same run and reports ratios (JSON + PNG)."""
@@ -206,18 +213,22 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @click.option("--max-nap-us", type=float, default=None,
               help="--host-wait nap: the longest sleep of a wait in µs (sleeps double from 100 µs up to it; "
                    "100: every sleep 100 µs; *-nap<N>us.json); default: the library's.")
+@click.option("--stop-test", default=None, metavar="LAG,EVERY",
+              help="Read the search's stop flag LAG posts late and post it every EVERY steps "
+                   "(*-stop<LAG>x<EVERY>.json); default: the library's (2,1).")
 @_DECODER_EXPORT
 @_DTYPE
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
                  cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str,
                  control_delay_ms: float, rounds: int, graph_time_step: int | None, pin_cpu: int | None,
-                 max_nap_us: float | None, export: str, dtype: str) -> None:
+                 max_nap_us: float | None, stop_test: str | None, export: str, dtype: str) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
                num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
                utterance_rows=utterance_rows, tf32=tf32, host_wait=host_wait, beams=_int_list(beams),
                rounds=rounds, export=export, control_delay_ms=control_delay_ms, dtype=dtype, pin_cpu=pin_cpu,
-               graph_time_step=graph_time_step, max_nap_us=max_nap_us)
+               graph_time_step=graph_time_step, max_nap_us=max_nap_us,
+               stop_test=None if stop_test is None else _stop_test(stop_test))
 
 
 @bench.command("graphs")

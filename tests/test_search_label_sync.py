@@ -607,6 +607,33 @@ def test_lagged_stop_test_gives_the_same_nbest_after_lag_more_steps(monkeypatch,
         assert [h.length for h in got] == [h.length for h in expected]
 
 
+@pytest.mark.parametrize("lag, every", [(1, 2), (2, 3)])
+def test_stop_test_every_few_steps_gives_the_same_nbest(monkeypatch, lag, every):
+    """Posting the stop flag every few steps: the same n-best, at most lag · every + every - 1
+    steps after the unlagged search stops, and never past the length cap."""
+    vocab, eos = 6, 0
+    tables = random_tables(seed=7, num_utts=4, vocab_size=vocab, eos=eos, eos_bias=3.0)
+    opts = LabelSyncOptions(beam_size=3, sentence_end=eos, max_labels_per_input=1.0)
+    monkeypatch.setattr(label_sync, "STOP_TEST_LAG", lag)
+    results, steps = {}, {}
+    for every in (1, every):
+        monkeypatch.setattr(label_sync, "STOP_TEST_EVERY", every)
+        for lagged in (False, True):
+            events: list = []
+            monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
+            utterances = batch({"table": tables}, [20, 20, 12, 20])
+            results[every, lagged] = run([("t", TrigramTableScorer(vocab, events=events), 1.0)], utterances, opts)
+            steps[every, lagged] = events.count("score")
+    assert steps[1, False] == steps[every, False] < 20  # the unlagged search ignores STOP_TEST_EVERY
+    assert steps[1, True] == steps[1, False] + lag
+    assert steps[1, True] <= steps[every, True] <= min(steps[1, False] + lag * every + every - 1, 20)
+    assert steps[every, True] % every == 0 or steps[every, True] == 20
+    for key in [(1, True), (every, True)]:
+        for got, expected in zip(results[key], results[1, False]):
+            assert [(h.labels, h.score, h.scores, h.length) for h in got] == \
+                [(h.labels, h.score, h.scores, h.length) for h in expected]
+
+
 @pytest.mark.parametrize("lag", [1, 2])
 def test_lagged_stop_test_never_steps_past_the_length_cap(monkeypatch, lag):
     vocab, eos = 6, 0

@@ -238,7 +238,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
                      host_wait: str = "nap", export: str = "new-step", rounds: int = 5,
                      control_delay_ms: float = 0.0, dtype: str = "float32", pin_cpu: int | None = None,
-                     graph_time_step: int | None = None, max_nap_us: float | None = None) -> dict:
+                     graph_time_step: int | None = None, max_nap_us: float | None = None,
+                     stop_test: tuple[int, int] | None = None) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -272,11 +273,16 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     the library's; results as ``*-step<N>.json``). The results give the device memory in use once
     every cell has been built (all graphs captured).
 
+    ``stop_test`` = (lag, every): the search reads its stop flag ``lag`` posts late and posts it
+    every ``every`` steps (``label_sync.STOP_TEST_LAG`` / ``STOP_TEST_EVERY``; default the
+    library's; results as ``*-stop<lag>x<every>.json``).
+
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
     as ``*-full-history.json``). ``dtype``: the decoder's float type (``float16``: results as
     ``*-float16.json``).
     """
     from gpudecode.backend import HOST_WAITS, MAX_NAP_S, NAP_S, require_cupy
+    from gpudecode.search import label_sync
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.session.graphs import GraphOptions
     from gpudecode.testing import build_transformer_decoder
@@ -324,10 +330,18 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     results["config"]["graph_time_step"] = graphs.time_step if graphs is not None else None
     if pin_cpu is not None:  # the calling thread only (Linux)
         os.sched_setaffinity(0, {pin_cpu})
-    measured = measure_interleaved(cuda_cells, rounds)
-    control = measured.pop() if control_delay_ms > 0 else None
-    results["cells"] = measured
-    results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts, **fixed))
+    library_stop_test = label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY
+    if stop_test is not None:
+        label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY = stop_test
+    results["config"]["stop_test_lag_every"] = [label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY]
+    try:
+        measured = measure_interleaved(cuda_cells, rounds)
+        control = measured.pop() if control_delay_ms > 0 else None
+        results["cells"] = measured
+        results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts,
+                                                           **fixed))
+    finally:
+        label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY = library_stop_test
     HOST_WAITS.set_mode("nap")
     if control is not None:
         results["control_cell"] = control
@@ -351,6 +365,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
             + ("-tf32" if tf32 else "") + ("" if host_wait == "nap" else f"-{host_wait}")
             + ("" if max_nap_us is None else f"-nap{max_nap_us:g}us")
+            + ("" if stop_test is None else f"-stop{stop_test[0]}x{stop_test[1]}")
             + ("" if pin_cpu is None else "-pin") + ("" if graph_time_step is None else f"-step{graph_time_step}")
             + ("" if export == "new-step" else f"-{export}") + ("" if dtype == "float32" else f"-{dtype}"))
     return write_results(results, output_dir, name, plot_decode)

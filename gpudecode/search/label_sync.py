@@ -132,6 +132,11 @@ STEP_LOOP = HostClock()
 #: lane ends, which change nothing (ended lanes only carry themselves).
 LAGGED_STOP_TEST: bool | None = None
 STOP_TEST_LAG = 2
+#: With lagged reads, post the stop flag every STOP_TEST_EVERY steps: between two waits the host
+#: then queues that many steps back to back, so a host that naps through long GPU steps wakes once
+#: per STOP_TEST_EVERY steps. Up to STOP_TEST_LAG · STOP_TEST_EVERY + STOP_TEST_EVERY - 1 steps
+#: may follow the one where the last lane ended.
+STOP_TEST_EVERY = 1
 
 
 class LaggedReads:
@@ -292,6 +297,8 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
         if flags is None:
             if _all_ended(beam.ended):
                 break
+            continue
+        if step % STOP_TEST_EVERY:
             continue
         flags.post(beam.ended.all().reshape(1))
         previous = flags.previous()

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from itertools import repeat
 from dataclasses import dataclass
+from itertools import repeat
 from types import ModuleType
 
 import numpy as np

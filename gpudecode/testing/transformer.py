@@ -189,8 +189,8 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                   dmmha: tuple[str, str] | None = None, ft_keys: bool = False) -> str:
     """Adds the decoder layers to ``g``; returns the name (``out``) of the logits [N, 1, V].
 
-    ``self_valid`` is a bool [N, 1, 1, T+1]; ``states`` per layer (past-key, past-value,
-    present-key, present-value) names. ``grouped``: the per-utterance inputs have G rows and the
+    ``self_valid`` is a bool [N, 1, 1, T+1] (dense attention only); ``states`` per layer
+    (past-key, past-value, present-key, present-value) names. ``grouped``: the per-utterance inputs have G rows and the
     N rows are G groups of N / G consecutive rows (cross-attention as one batched product per
     utterance). ``state_outputs``: "full" — present = past with the new step appended (a Concat
     of the whole history per state variable); "new" — present is the new step alone, and the
@@ -507,19 +507,24 @@ def build_transformer_decoder(
     x = g.op("Gather", g.weight("tok_emb", w["tok_emb"]), "token")  # [N, 1, D]
     pos = g.op("Gather", g.weight("pos_emb", w["pos_emb"]), "prefix-length")  # [N, D]
     x = g.op("Add", x, g.unsqueeze(pos, [1]))
-    # Position t of T+1 is valid when T - t <= prefix-length. T - t comes from a reverse CumSum
-    # of ones made on the device: no shape value is copied from the host, so the model can be
-    # captured in a CUDA graph.
-    num_t1 = g.op("Add", g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1), g.const([1], np.int64))
-    ones = g.op("ConstantOfShape", num_t1, value=helper.make_tensor("one", onnx.TensorProto.INT32, [1], [1]))
-    distance = g.op("Sub", g.op("CumSum", ones, g.const(0, np.int32), reverse=1), g.const(1, np.int32))
-    if left_aligned:  # t < prefix-length, or t = T (the new step), with t = CumSum(ones) - 1
+    def kept_positions(num_positions: str, left: bool) -> str:
+        """[N, num_positions] bool, the last position the new step's: left-aligned, t < prefix-length
+        or the last; else the last prefix-length positions before the last, and the last. Made from
+        CumSums of ones on the device: no shape value is copied from the host, so the model can be
+        captured in a CUDA graph."""
+        ones = g.op("ConstantOfShape", num_positions, value=helper.make_tensor("one", onnx.TensorProto.INT32, [1], [1]))
+        to_end = g.op("CumSum", ones, g.const(0, np.int32), reverse=1)  # 1 at the last position
+        if not left:
+            distance = g.op("Sub", to_end, g.const(1, np.int32))
+            return g.op("LessOrEqual", g.unsqueeze(distance, [0]), g.unsqueeze("prefix-length", [1]))
         position = g.op("Sub", g.op("CumSum", ones, g.const(0, np.int32)), g.const(1, np.int32))
-        self_valid = g.op("Or", g.op("Less", g.unsqueeze(position, [0]), g.unsqueeze("prefix-length", [1])),
-                          g.unsqueeze(g.op("Equal", distance, g.const(0, np.int32)), [0]))
-    else:
-        self_valid = g.op("LessOrEqual", g.unsqueeze(distance, [0]), g.unsqueeze("prefix-length", [1]))
-    self_valid = g.unsqueeze(self_valid, [1, 2])  # [N, 1, 1, T+1]
+        return g.op("Or", g.op("Less", g.unsqueeze(position, [0]), g.unsqueeze("prefix-length", [1])),
+                    g.unsqueeze(g.op("Equal", to_end, g.const(1, np.int32)), [0]))
+
+    num_t = g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1)
+    self_valid = None  # only the dense attention reads it: [N, 1, 1, T+1] over the past and the new step
+    if attention == "dense":
+        self_valid = g.unsqueeze(kept_positions(g.op("Add", num_t, g.const([1], np.int64)), left_aligned), [1, 2])
     names = [
         (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")
         for i in range(num_layers)
@@ -529,16 +534,10 @@ def build_transformer_decoder(
         write_index = g.op("Cast", "prefix-length", to=onnx_type(np.int64))
         ragged_inputs = (write_index, g.op("Add", write_index, g.const([1], np.int64)))
     elif attention == "gqa":  # total_sequence_length T, a shape value (host memory for the op)
-        num_t = g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1)
         gqa_inputs = ("prefix-length", g.op("Squeeze", g.op("Cast", num_t, to=onnx_type(np.int32))))
     dmmha_inputs = None
-    if attention == "dmmha":  # keep t < prefix-length and t = T - 1 (the new step's slot), made on the device
-        num_t = g.op("Shape", "past-key-0", start=time_axis, end=time_axis + 1)
-        ones_t = g.op("ConstantOfShape", num_t, value=helper.make_tensor("one", onnx.TensorProto.INT32, [1], [1]))
-        position = g.op("Sub", g.op("CumSum", ones_t, g.const(0, np.int32)), g.const(1, np.int32))
-        last = g.op("Equal", g.op("CumSum", ones_t, g.const(0, np.int32), reverse=1), g.const(1, np.int32))
-        keep = g.op("Or", g.op("Less", g.unsqueeze(position, [0]), g.unsqueeze("prefix-length", [1])),
-                    g.unsqueeze(last, [0]))
+    if attention == "dmmha":  # keep t < prefix-length and t = T - 1 (the new step's slot)
+        keep = kept_positions(num_t, left=True)
         past_length = g.op("Squeeze", g.op("Cast", g.op("Sub", num_t, g.const([1], np.int64)), to=onnx_type(np.int32)))
         dmmha_inputs = (g.op("Cast", keep, to=onnx_type(np.int32)), past_length)  # T - 1: host memory for the op
     logits = _graph_layers(g, w, cfg, x, self_valid, names, kv_layout, mode, grouped=grouped,

@@ -92,8 +92,6 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
         cupy.ascontiguousarray(beam.lengths, dtype=np.int64), ended, np.int32(threshold is not None),
         np.float32(threshold or 0), np.int64(options.sentence_end), cupy.ascontiguousarray(deadline, dtype=np.int64),
         np.int64(step), np.int32(len(log_probs)), *pointers, _half_bits(log_probs), _row_bits(log_probs), scorer_scores,
-        np.int64(num_lanes),
-        parents, labels,
-        new_scores, lengths, ended_out.view(np.uint8), scorer_out,
+        np.int64(num_lanes), parents, labels, new_scores, lengths, ended_out.view(np.uint8), scorer_out,
     ))
     return dict(scores=new_scores, scorer_scores=scorer_out, lengths=lengths, ended=ended_out), parents, labels

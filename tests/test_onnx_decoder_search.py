@@ -158,6 +158,7 @@ def test_float16_decoder_hands_on_float16_scores_and_matches_the_oracle(device):
 
 
 @pytest.mark.parametrize("device, attention", [("cpu", "ragged"), ("cpu", "gqa"), ("cpu", "fused-left"), ("cpu", "dmmha"),
+                                               ("cpu", "fused-dmmha"),
                                                pytest.param("cuda", "ragged", marks=pytest.mark.gpu),
                                                pytest.param("cuda", "fused-left", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("max_history, keep_first", [(None, False), (2, False), (3, True)])
@@ -168,8 +169,9 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
     decoder's (on the CPU) and the oracle's. (GroupQueryAttention runs on CUDA in float16 only;
     "fused-left": the fused export's dense attention masking the padding after each history.)"""
     frames = (14, 9, 11, 6, 12)
-    export = ("new", True, "dense", True, "left") if attention == "fused-left" else ("new", True, attention)
-    dims = {"model_dim": 64} if attention == "dmmha" else {}  # (CUDA: head size 32, 64 or 128)
+    export = {"fused-left": ("new", True, "dense", True, "left"),
+              "fused-dmmha": ("in-place", True, "dmmha", True)}.get(attention, ("new", True, attention))
+    dims = {"model_dim": 64} if "dmmha" in attention else {}  # (CUDA: head size 32, 64 or 128)
     ragged = Setup(5, num_utts=5, frames=frames, export=export, device=device, **dims)
     dense = Setup(5, num_utts=5, frames=frames, export=("new", True), **dims)
     options = {} if max_history is None else {"max_history": max_history, "always_include_first_token_state": keep_first}
@@ -199,7 +201,7 @@ def test_ragged_decoder_with_left_aligned_histories_equals_the_oracle(max_histor
 @pytest.mark.parametrize("manager, cuda_graphs", [("transformer-cuda", False), ("transformer-cuda", True),
                                                   ("transformer-cpu", False)])
 @pytest.mark.parametrize("export", [("new", True, "gqa"), ("new", True, "gqa", True),
-                                    ("new", True, "dmmha", True, "left", True)], ids=["gqa", "fused-gqa", "dmmha-ft"])
+                                    ("in-place", True, "dmmha", True, "left", True)], ids=["gqa", "fused-gqa", "dmmha-ft"])
 def test_in_place_decoder_in_float16_on_cuda_scores_like_the_oracle(manager, cuda_graphs, export):
     """ONNX Runtime's GroupQueryAttention, or DecoderMaskedMultiHeadAttention over keys in the
     layout its CUDA kernel reads (float16 on CUDA), with its present outputs bound to the past

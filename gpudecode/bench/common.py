@@ -72,12 +72,13 @@ def save_figure(plt, fig, path) -> str:
 #: writes it (SkipLayerNormalization, the attention scale in the query weights, one-step head
 #: splits as reshapes, cross-attention as one MultiHeadAttention: 40% fewer kernels per step), over
 #: left-aligned histories (the merge never writes padding); "dmmha": fused, with the self-attention as
-#: ONNX Runtime's DecoderMaskedMultiHeadAttention (one kernel per layer, in place; the keys declared in
-#: the layout its CUDA kernel reads: CUDA only); "fused-gqa": fused, with GroupQueryAttention on the
+#: ONNX Runtime's DecoderMaskedMultiHeadAttention (one kernel per layer on the packed projection, its
+#: bias added inside; in place, and those caches are the state outputs; the keys declared in the layout
+#: its CUDA kernel reads: CUDA only); "fused-gqa": fused, with GroupQueryAttention on the
 #: packed projection (CUDA: float16 only). The same function every way.
 DECODER_EXPORTS = {"new-step": dict(state_outputs="new", fused_qkv=True),
                    "fused": dict(state_outputs="new", fused_qkv=True, fused_ops=True, history_alignment="left"),
-                   "dmmha": dict(state_outputs="new", fused_qkv=True, fused_ops=True, attention="dmmha", ft_keys=True),
+                   "dmmha": dict(state_outputs="in-place", fused_qkv=True, fused_ops=True, attention="dmmha", ft_keys=True),
                    "fused-gqa": dict(state_outputs="new", fused_qkv=True, fused_ops=True, attention="gqa"),
                    "full-history": dict(state_outputs="full", fused_qkv=False),
                    "ragged": dict(state_outputs="new", fused_qkv=True, attention="ragged"),

@@ -391,10 +391,9 @@ class OnnxDecoderScorer(LabelScorer):
                 feeds[names["position_ids"]] = positions
         for name, buffer in self._lane_inputs.items():
             feeds[name] = buffer[self._input_rows(rows)]
-        state_outputs = [v.output_name for v in spec.state_variables]
         in_place = self._in_place(merged.inputs)
-        outputs = self.session.run(feeds, [spec.scores_output, *state_outputs, *in_place], outputs=in_place)
-        new_slots = self.states.split({k: outputs[k] for k in state_outputs})
+        outputs = self.session.run(feeds, self._output_names(in_place), outputs=in_place)
+        new_slots = self.states.split(self._state_outputs(outputs))
         return self._log_probs(outputs[spec.scores_output], copy=False), new_slots  # the run's own array
 
     def _run_bucketed(self, ctx: DecoderContext, rows: slice, time_size: int | None = None, copy_scores: bool = True):
@@ -430,12 +429,11 @@ class OnnxDecoderScorer(LabelScorer):
             for name, value in ((names.get("attention_mask"), mask), (names.get("position_ids"), positions)):
                 if name is not None:
                     feeds[name][...] = value
-        state_outputs = [v.output_name for v in spec.state_variables]
         in_place = self._in_place(static.states)
-        outputs = graphs.run(static.key, feeds, [spec.scores_output, *state_outputs, *in_place],
+        outputs = graphs.run(static.key, feeds, self._output_names(in_place),
                              lambda name, dtype, shape: in_place[name] if name in in_place
                              else buffers.view(name, dtype, shape, bucket))
-        states_out = {k: outputs[k] for k in state_outputs}
+        states_out = self._state_outputs(outputs)
         if self._rows_outermost:
             states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
                           for v in spec.state_variables}
@@ -443,6 +441,30 @@ class OnnxDecoderScorer(LabelScorer):
         else:
             new_slots = self.states.split(states_out)[:num_rows]
         return self._log_probs(outputs[spec.scores_output][:num_rows], copy=copy_scores), new_slots
+
+    def _output_names(self, in_place: dict) -> list[str]:
+        """The scores, the state outputs and the bound in-place outputs, each once."""
+        state_outputs = [v.output_name for v in self.spec.state_variables]
+        return list(dict.fromkeys([self.spec.scores_output, *state_outputs, *in_place]))
+
+    def _state_outputs(self, outputs: dict) -> dict:
+        """The state outputs for the split. One written in place (``spec.in_place_outputs``) holds
+        its state input's bytes, new step last, and is read in that input's shape (its declared
+        shape may differ, as keys declared in the layout an attention kernel reads); a host manager
+        gets only its new step, not the whole history."""
+        states = {}
+        for layout in self.states.layouts:
+            name = layout.variable.output_name
+            array = outputs[name]
+            if name in self.spec.in_place_outputs:
+                rows = array.shape[layout.variable.batch_axis]
+                array = array.reshape(layout.tensor_shape(rows, array.size // (rows * layout.token_size)))
+                if self.states.device == "cpu":
+                    index = [slice(None)] * array.ndim
+                    index[layout.variable.time_axis] = slice(-1, None)
+                    array = array[tuple(index)]
+            states[name] = array
+        return states
 
     def _natural_time(self, histories: StateHistory, time_size: int | None) -> int:
         """T of a call: the longest kept history (or ``time_size``), plus the position an in-place

@@ -25,7 +25,7 @@ from gpudecode.testing.reference import Feeds, ReferenceModel
 
 CROSS_ATTENTION_MODES = ("precomputed", "encoder-states", None)
 KV_LAYOUTS = ("bhtd", "btd")
-STATE_OUTPUTS = ("full", "new")
+STATE_OUTPUTS = ("full", "new", "in-place")
 ATTENTIONS = ("dense", "ragged", "gqa", "dmmha")
 
 
@@ -195,6 +195,8 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     utterance). ``state_outputs``: "full" — present = past with the new step appended (a Concat
     of the whole history per state variable); "new" — present is the new step alone, and the
     self-attention takes the past and the new step as two parts (no copy of the history).
+    "in-place" (fused dmmha only) — the state outputs are the op's present outputs themselves, the
+    past's buffers with the new step at position T - 1 (the split reads that last position).
     ``fused_qkv``: one [D, 3D] product for the self-attention's query, key and value.
     ``ragged`` = (write index [N] int64, valid length [N] int64): the past is left-aligned (each
     row's history first, then padding that is never read); the new step is written into its row's
@@ -213,19 +215,21 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     GroupQueryAttention's), and the mask keeps each row's first prefix-length positions and that
     last one. ``ft_keys``: the past keys are declared [N, H·Dh/x, T, x] (x = 16 bytes / element
     size), the layout ONNX Runtime's CUDA kernel reads ([N, H, Dh/x, T, x], FasterTransformer's),
-    which a state manager's merge then writes; the new key is declared the same way with T = 1
-    (the same bytes as [N, H, 1, Dh]). The CPU kernel reads [N, H, T, Dh]: ``ft_keys`` is CUDA only.
-    ``fused_ops`` (one new step per row; state_outputs "new", fused_qkv, layout "bhtd", dense
-    attention): the same function as ONNX Runtime's transformer optimizer writes it, in fewer
+    which a state manager's merge then writes (fused_ops, whose state outputs are the present
+    outputs, declared [N, H, T, Dh] as the op makes them). The CPU kernel reads [N, H, T, Dh]:
+    ``ft_keys`` is CUDA only.
+    ``fused_ops`` (one new step per row; state_outputs "new" (dmmha: "in-place"), fused_qkv, layout
+    "bhtd"): the same function as ONNX Runtime's transformer optimizer writes it, in fewer
     kernels: each residual add with its bias and the next LayerNorm as one
     ``SkipLayerNormalization`` (com.microsoft), 1/√Dh folded into the query weights, one-step
     head splits as reshapes, the new key/value written by the ``Split`` of the fused projection
     straight into the present outputs, and the cross-attention as one ``MultiHeadAttention``
-    (com.microsoft) per layer with an additive mask made once per step.
+    (com.microsoft) per layer with an additive mask made once per step; with dmmha, the projection's
+    bias added by the op itself, which takes the packed projection on CUDA (``ft_keys``; its CPU
+    kernel reads only a split one).
     """
     heads, head_dim, dtype = cfg.num_heads, cfg.head_dim, cfg.dtype
     dim = heads * head_dim
-    ft_chunk = 16 // dtype.itemsize  # elements of a FasterTransformer key chunk (ft_keys)
     masked = g.const(cfg.masked_logit, dtype)
     scale = None if fused_ops else g.const(1 / np.sqrt(head_dim), dtype)
     query_factor = np.asarray(1 / np.sqrt(head_dim), dtype)  # fused_ops: folded into the query weights
@@ -337,20 +341,36 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
             qkv_b[:dim] *= query_factor
         qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
         if fused_ops:  # [N, 1, 3·H·Dh] as [N, 3H, 1, Dh]: each third is [N, H, 1, Dh]
-            key_out = g.fresh("key") if ft_keys else present_k
             q, k, v = g.ops("Split", [g.reshape(qkv, [0, 3 * heads, 1, head_dim]), g.const([heads] * 3, np.int64)],
-                            3, out=[g.fresh("query"), key_out, present_v], axis=1)
-            if ft_keys:  # [N, H, 1, Dh] declared as [N, H·Dh/x, 1, x]: the same bytes
-                g.op("Reshape", k, g.const([0, dim // ft_chunk, 1, ft_chunk], np.int64), out=present_k)
+                            3, out=[g.fresh("query"), present_k, present_v], axis=1)
             return qkv, q, k, v  # (GroupQueryAttention takes the packed [N, 1, 3·H·Dh])
         q, k, v = g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
         return q, split(q, [0, 2, 1, 3]), k, v
+
+    def dmmha_in_place(h: str, i: int, past_k: str, past_v: str, cache_k: str, cache_v: str) -> str:
+        """The self-attention as one ``DecoderMaskedMultiHeadAttention`` that adds the projection's
+        bias itself and writes the new step into the caches (the state outputs) at T - 1."""
+        qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
+        qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
+        qkv_w[:, :dim] *= query_factor
+        qkv_b[:dim] *= query_factor
+        qkv = g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w))  # [N, 1, 3·H·Dh]
+        step = [qkv, "", ""] if ft_keys else g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
+        mask, past_length = dmmha
+        keys = g.reshape(past_k, [0, heads, -1, head_dim]) if ft_keys else past_k  # the same bytes
+        return g.ops("DecoderMaskedMultiHeadAttention",
+                     [*step, mask, "", keys, past_v, past_length, "", "", g.weight(f"self_qkv_{i}.b", qkv_b)], 3,
+                     out=[g.fresh("attention"), cache_k, cache_v], domain="com.microsoft", num_heads=heads,
+                     past_present_share_buffer=1, scale=1.0)[0]
 
     norms = [f"{n}_ln_{i}" for i in range(len(states)) for n in ("self", "cross", "ffn") if mode or n != "cross"]
     next_norm = dict(zip(norms, [*norms[1:], "final_ln"]))
     h = g.layer_norm(x, w, norms[0])
     for i, (past_k, past_v, present_k, present_v) in enumerate(states):
-        q_flat, q, k, v = self_qkv(h, i, present_k, present_v)
+        if state_outputs == "in-place":
+            att = dmmha_in_place(h, i, past_k, past_v, present_k, present_v)
+        else:
+            q_flat, q, k, v = self_qkv(h, i, present_k, present_v)
         if state_outputs == "new":
             if fused_ops:
                 k_heads, v_heads = k, v
@@ -358,14 +378,12 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                 k_heads, v_heads = split(k, [0, 2, 1, 3]), split(v, [0, 2, 1, 3])
                 g.op("Identity", k_heads if layout == "bhtd" else k, out=present_k)
                 g.op("Identity", v_heads if layout == "bhtd" else v, out=present_v)
-            if dmmha is not None:  # (bhtd only) [N, 1, H·Dh] in and out
+            if dmmha is not None:  # (bhtd, not fused) [N, 1, H·Dh] in and out
                 mask, past_length = dmmha
                 caches = [past.replace("past-", "kv-cache-") for past in (past_k, past_v)]
-                step = [g.reshape(t, [0, 1, dim]) for t in (q, k_heads, v_heads)] if fused_ops else [q_flat, k, v]
-                keys = g.reshape(past_k, [0, heads, -1, head_dim]) if ft_keys else past_k  # the same bytes
-                att = g.ops("DecoderMaskedMultiHeadAttention", [*step, mask, "", keys, past_v, past_length], 3,
+                att = g.ops("DecoderMaskedMultiHeadAttention", [q_flat, k, v, mask, "", past_k, past_v, past_length], 3,
                             out=[g.fresh("attention"), *caches], domain="com.microsoft", num_heads=heads,
-                            past_present_share_buffer=1, **({"scale": 1.0} if fused_ops else {}))[0]
+                            past_present_share_buffer=1)[0]
             elif gqa is not None:  # (bhtd only)
                 seqlens, total = gqa
                 caches = [past.replace("past-", "kv-cache-") for past in (past_k, past_v)]
@@ -384,7 +402,7 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                 else:
                     past_keys_t, past_values = split(past_k, [0, 2, 3, 1]), split(past_v, [0, 2, 1, 3])
                 att = attend_past_and_new(q, past_keys_t, past_values, k_heads, v_heads, self_valid)
-        else:
+        elif state_outputs == "full":
             if layout == "bhtd":
                 g.op("Concat", past_k, split(k, [0, 2, 1, 3]), axis=2, out=present_k)
                 g.op("Concat", past_v, split(v, [0, 2, 1, 3]), axis=2, out=present_v)
@@ -470,17 +488,20 @@ def build_transformer_decoder(
     if history_alignment not in ("right", "left"):
         raise ValueError(f"history_alignment: expected 'right' or 'left', got {history_alignment!r}")
     left_aligned = attention in ("ragged", "gqa", "dmmha") or history_alignment == "left"
-    if left_aligned and (state_outputs != "new" or kv_layout != "bhtd"):
+    if left_aligned and (state_outputs == "full" or kv_layout != "bhtd"):
         raise ValueError(f"left-aligned histories (attention={attention!r}, history_alignment={history_alignment!r}) "
-                         "need state_outputs='new' and kv_layout='bhtd'")
+                         "need state_outputs='new' or 'in-place' and kv_layout='bhtd'")
     if cross_attention not in CROSS_ATTENTION_MODES:
         raise ValueError(
             f"cross_attention: expected one of {CROSS_ATTENTION_MODES}, got {cross_attention!r}"
         )
-    if fused_ops and ((state_outputs, fused_qkv, kv_layout) != ("new", True, "bhtd")
-                      or attention not in ("dense", "dmmha", "gqa")):
-        raise ValueError("fused_ops needs state_outputs='new', fused_qkv=True, kv_layout='bhtd' and attention "
-                         "'dense', 'dmmha' or 'gqa'")
+    if fused_ops and ((fused_qkv, kv_layout) != (True, "bhtd") or attention not in ("dense", "dmmha", "gqa")):
+        raise ValueError("fused_ops needs fused_qkv=True, kv_layout='bhtd' and attention 'dense', 'dmmha' or 'gqa'")
+    if (state_outputs == "in-place") != (fused_ops and attention == "dmmha"):
+        raise ValueError("state_outputs='in-place' goes with the fused dmmha export (fused_ops, attention='dmmha') "
+                         "and it alone")
+    if fused_ops and attention != "dmmha" and state_outputs != "new":
+        raise ValueError("fused_ops needs state_outputs='new' (with attention='dmmha': 'in-place')")
     if ft_keys and not (fused_ops and attention == "dmmha"):
         raise ValueError("ft_keys needs attention='dmmha' and fused_ops")
     if kv_layout not in KV_LAYOUTS:
@@ -500,7 +521,8 @@ def build_transformer_decoder(
         state_shape = ["batch", num_heads, "time", cfg.head_dim]
     else:
         state_shape = ["batch", "time", model_dim]
-    present_shape = [d if d != "time" else ("present-time" if state_outputs == "full" else 1) for d in state_shape]
+    present_time = {"full": "present-time", "new": 1, "in-place": "time"}[state_outputs]
+    present_shape = [d if d != "time" else present_time for d in state_shape]
     time_axis = state_shape.index("time")
 
     g = GraphBuilder()
@@ -525,8 +547,9 @@ def build_transformer_decoder(
     self_valid = None  # only the dense attention reads it: [N, 1, 1, T+1] over the past and the new step
     if attention == "dense":
         self_valid = g.unsqueeze(kept_positions(g.op("Add", num_t, g.const([1], np.int64)), left_aligned), [1, 2])
+    present = "kv-cache" if state_outputs == "in-place" else "present"
     names = [
-        (f"past-key-{i}", f"past-value-{i}", f"present-key-{i}", f"present-value-{i}")
+        (f"past-key-{i}", f"past-value-{i}", f"{present}-key-{i}", f"{present}-value-{i}")
         for i in range(num_layers)
     ]
     ragged_inputs = gqa_inputs = None
@@ -553,13 +576,12 @@ def build_transformer_decoder(
     outputs = [("scores", dtype, ["batch", 1, vocab_size])]
     metadata, states = {}, {}
     chunk = 16 // cfg.dtype.itemsize
-    key_shape, present_key_shape = state_shape, present_shape
+    key_shape = state_shape
     if ft_keys:  # FasterTransformer's key layout [N, H, Dh/x, T, x] as [N, H·Dh/x, T, x]
         key_shape = ["batch", model_dim // chunk, "time", chunk]
-        present_key_shape = ["batch", model_dim // chunk, 1, chunk]
     for past_k, past_v, present_k, present_v in names:
         inputs += [(past_k, dtype, key_shape), (past_v, dtype, state_shape)]
-        outputs += [(present_k, dtype, present_key_shape), (present_v, dtype, present_shape)]
+        outputs += [(present_k, dtype, present_shape), (present_v, dtype, present_shape)]
         states.update({past_k: present_k, past_v: present_v})
     metadata.update({f"STATE_{k}": v for k, v in states.items()})
     if mode == "precomputed":
@@ -582,7 +604,8 @@ def build_transformer_decoder(
         for past_k, past_v, _, _ in names:
             for past in (past_k, past_v):
                 cache = past.replace("past-", "kv-cache-")
-                outputs.append((cache, dtype, state_shape))
+                if state_outputs != "in-place":  # (else they are the state outputs)
+                    outputs.append((cache, dtype, state_shape))
                 metadata[f"{IN_PLACE_PREFIX}{cache}"] = past
     model = g.build(inputs, outputs, name="reference-transformer-decoder", metadata=metadata,
                     opset=24 if attention == "ragged" else OPSET)
@@ -624,10 +647,12 @@ def build_transformer_decoder(
         for (past_k, past_v, present_k, present_v), (k, v) in zip(names, new):
             for past, present, new_step in ((past_k, present_k, k), (past_v, present_v, v)):
                 result[present] = from_bhtd(new_step)
-                if ft_keys and present == present_k:  # [N, H, 1, Dh] as [N, H·Dh/x, 1, x]: the same bytes
-                    result[present] = result[present].reshape(len(token), model_dim // chunk, 1, chunk)
                 if state_outputs == "full":
                     result[present] = np.concatenate([feeds[past], result[present]], time_axis)
+                elif state_outputs == "in-place":  # the past's bytes, the new step at T - 1 (ft_keys: as
+                    cache = feeds[past].copy()  # [N, H, Dh/x, 1, x], the bytes of [N, H·Dh/x, x])
+                    cache[:, :, -1] = result[present].reshape(cache[:, :, -1].shape)
+                    result[present] = cache.reshape(len(token), num_heads, -1, cfg.head_dim)
         return result
 
     return ReferenceModel(

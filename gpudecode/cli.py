@@ -144,8 +144,8 @@ _DECODER_EXPORT = click.option(
     default="new-step", show_default=True,
     help="The decoder's state outputs: the new step alone with fused QKV, the same as ONNX Runtime's transformer "
          "optimizer writes it (SkipLayerNormalization, cross-attention as MultiHeadAttention, left-aligned "
-         "histories; *-fused.json), fused with ONNX Runtime's DecoderMaskedMultiHeadAttention (CUDA; "
-         "*-dmmha.json) or GroupQueryAttention (float16, CUDA; *-fused-gqa.json), the past with the new step appended "
+         "histories; *-fused.json), fused with ONNX Runtime's DecoderMaskedMultiHeadAttention (CUDA; its in-place "
+         "caches are the state outputs; *-dmmha.json) or GroupQueryAttention (float16, CUDA; *-fused-gqa.json), the past with the new step appended "
          "(*-full-history.json), or new-step with attention over each row's own history: ONNX Attention "
          "(*-ragged.json) or ONNX Runtime's GroupQueryAttention, float16 on CUDA (*-gqa.json).")
 _DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,

@@ -322,6 +322,14 @@ def test_ft_keys_need_the_fused_dmmha_export():
         build_transformer_decoder(model_dim=64, state_outputs="new", fused_qkv=True, ft_keys=True)
 
 
+@pytest.mark.parametrize("options", [dict(state_outputs="in-place", attention="dmmha"),
+                                     dict(state_outputs="in-place", attention="gqa", fused_ops=True),
+                                     dict(state_outputs="new", attention="dmmha", fused_ops=True)])
+def test_in_place_state_outputs_go_with_the_fused_dmmha_export_alone(options):
+    with pytest.raises(ValueError, match="'in-place' goes with the fused dmmha export"):
+        build_transformer_decoder(model_dim=64, fused_qkv=True, **options)
+
+
 def assert_in_place_caches(ref: ReferenceModel, got: dict, feeds: dict, prefix_length, dtype=np.float32) -> None:
     """The ``IN_PLACE_`` outputs (GroupQueryAttention's present) hold each row's history and then
     the new step at position prefix-length; what lies after is not specified."""

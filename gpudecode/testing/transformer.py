@@ -328,18 +328,24 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
                          epsilon=LN_EPSILON)
         return (None if last else rest[-1]), h
 
+    def packed_qkv(i: int) -> tuple[str, str]:
+        """The self-attention's query, key and value projections as one [D, 3D] weight and [3D] bias
+        (fused_ops: the query's scaled by 1/√Dh)."""
+        qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
+        qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
+        if fused_ops:  # (concatenate made new arrays)
+            qkv_w[:, :dim] *= query_factor
+            qkv_b[:dim] *= query_factor
+        return g.weight(f"self_qkv_{i}.w", qkv_w), g.weight(f"self_qkv_{i}.b", qkv_b)
+
     def self_qkv(h: str, i: int, present_k: str, present_v: str) -> tuple[str, str, str, str]:
         """(the query for GroupQueryAttention, the query [N, H, 1, Dh], k, v) of the self-attention;
         with fused_ops k and v are the present outputs [N, H, 1, Dh] (and no GroupQueryAttention)."""
         if not fused_qkv:
             q_flat = g.linear(h, w, f"self_q_{i}")
             return q_flat, split(q_flat, [0, 2, 1, 3]), g.linear(h, w, f"self_k_{i}"), g.linear(h, w, f"self_v_{i}")
-        qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
-        qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
-        if fused_ops:  # (concatenate made new arrays)
-            qkv_w[:, :dim] *= query_factor
-            qkv_b[:dim] *= query_factor
-        qkv = g.op("Add", g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w)), g.weight(f"self_qkv_{i}.b", qkv_b))
+        qkv_w, qkv_b = packed_qkv(i)
+        qkv = g.op("Add", g.op("MatMul", h, qkv_w), qkv_b)
         if fused_ops:  # [N, 1, 3·H·Dh] as [N, 3H, 1, Dh]: each third is [N, H, 1, Dh]
             q, k, v = g.ops("Split", [g.reshape(qkv, [0, 3 * heads, 1, head_dim]), g.const([heads] * 3, np.int64)],
                             3, out=[g.fresh("query"), present_k, present_v], axis=1)
@@ -350,16 +356,13 @@ def _graph_layers(g: GraphBuilder, w, cfg: _Config, x: str, self_valid: str, sta
     def dmmha_in_place(h: str, i: int, past_k: str, past_v: str, cache_k: str, cache_v: str) -> str:
         """The self-attention as one ``DecoderMaskedMultiHeadAttention`` that adds the projection's
         bias itself and writes the new step into the caches (the state outputs) at T - 1."""
-        qkv_w = np.concatenate([w[f"self_{p}_{i}.w"] for p in "qkv"], axis=1)
-        qkv_b = np.concatenate([w[f"self_{p}_{i}.b"] for p in "qkv"])
-        qkv_w[:, :dim] *= query_factor
-        qkv_b[:dim] *= query_factor
-        qkv = g.op("MatMul", h, g.weight(f"self_qkv_{i}.w", qkv_w))  # [N, 1, 3·H·Dh]
+        qkv_w, qkv_b = packed_qkv(i)
+        qkv = g.op("MatMul", h, qkv_w)  # [N, 1, 3·H·Dh]
         step = [qkv, "", ""] if ft_keys else g.ops("Split", [qkv, g.const([dim] * 3, np.int64)], 3, axis=-1)
         mask, past_length = dmmha
         keys = g.reshape(past_k, [0, heads, -1, head_dim]) if ft_keys else past_k  # the same bytes
         return g.ops("DecoderMaskedMultiHeadAttention",
-                     [*step, mask, "", keys, past_v, past_length, "", "", g.weight(f"self_qkv_{i}.b", qkv_b)], 3,
+                     [*step, mask, "", keys, past_v, past_length, "", "", qkv_b], 3,
                      out=[g.fresh("attention"), cache_k, cache_v], domain="com.microsoft", num_heads=heads,
                      past_present_share_buffer=1, scale=1.0)[0]
 

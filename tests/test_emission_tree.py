@@ -4,7 +4,8 @@ a node-by-node walk."""
 import numpy as np
 import pytest
 
-from gpudecode.search.emission_tree import trace_paths
+from gpudecode.search.emission_tree import emission_tree_nbest, trace_paths
+from gpudecode.search.results import Hypothesis
 
 
 def random_tree(seed: int, num_lanes: int = 6, steps: int = 9):
@@ -134,3 +135,37 @@ def test_group_kernel_flags_paths_that_leave_their_group():
     for a, b in zip(expected, got):
         np.testing.assert_array_equal(a[0::2], b.get()[0::2])
     assert (got[0].get()[1::2] == -1).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_nbest_lists_equal_a_lane_by_lane_build(seed):
+    """emission_tree_nbest's lists, made by numpy and ``map``, against one Hypothesis built per
+    traced lane in a loop: labels and frames cut to the path, the rank as the score, each score
+    by name, and each utterance's list ending at its first -inf rank."""
+    num_utts, beam, num_best = 3, 4, 3
+    node, node_parent, node_label, node_frames = random_tree(seed, num_lanes=num_utts * beam)
+    rng = np.random.default_rng(seed)
+    ranks = rng.standard_normal(num_utts * beam).astype(np.float32)
+    ranks[beam + 1:2 * beam] = -np.inf  # utterance 1 has one live lane: its list ends after it
+    order = np.argsort(-ranks.reshape(num_utts, beam), axis=1, kind="stable")
+    own = {"ctc": rng.standard_normal(num_utts * beam).astype(np.float32)}
+    lm = rng.standard_normal((1, num_utts * beam)).astype(np.float32)
+
+    class Entry:
+        name = "lm"
+
+    got = emission_tree_nbest(order, ranks, own, lm, [Entry()], node, node_parent, node_label, node_frames,
+                              num_best, transfer=lambda *arrays: arrays)
+    lanes = (np.arange(num_utts)[:, None] * beam + order[:, :num_best]).reshape(-1)
+    labels, frames, lengths = trace_paths(lanes, node, node_parent, node_label, node_frames, num_utts * beam)
+    for u in range(num_utts):
+        expected = []
+        for row in range(u * num_best, (u + 1) * num_best):
+            lane, n = lanes[row], lengths[row]
+            if not np.isfinite(ranks[lane]):
+                break
+            expected.append(Hypothesis(labels=[int(x) for x in labels[row, :n]], score=float(ranks[lane]),
+                                       scores={"ctc": float(own["ctc"][lane]), "lm": float(lm[0, lane])},
+                                       length=int(n), frames=[int(x) for x in frames[row, :n]]))
+        assert got[u] == expected
+    assert [len(nbest) for nbest in got] == [3, 1, 3]

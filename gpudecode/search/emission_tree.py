@@ -8,13 +8,13 @@ on CuPy) and come to the host in one transfer with their scores.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 import numpy as np
 
 from gpudecode.backend import get_array_module
-from gpudecode.search.results import Hypothesis, no_cyclic_gc
+from gpudecode.search.results import Hypothesis, int_rows, no_cyclic_gc
 
 _THREADS = 128  # trace_emission_paths, and trace_emission_groups' TRACE_THREADS
 _GROUP_CHUNK = 2048  # TRACE_CHUNK of kernels/emission_tree.cu
@@ -106,18 +106,12 @@ def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node
 
 
 def _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores) -> list[list[Hypothesis]]:
-    ranks_list, lengths_list = ranks.tolist(), lengths.tolist()
-    label_rows, frame_rows = labels.tolist(), frames.tolist()
-    score_lists = [values.tolist() for values in scores]
-    results = []
-    for u in range(num_utts):
-        nbest = []
-        for k in range(u * num_best, (u + 1) * num_best):
-            if not math.isfinite(ranks_list[k]):
-                break
-            n = lengths_list[k]
-            nbest.append(Hypothesis(labels=label_rows[k][:n], score=ranks_list[k],
-                                    scores={name: values[k] for name, values in zip(names, score_lists)},
-                                    length=n, frames=frame_rows[k][:n]))
-        results.append(nbest)
-    return results
+    """Per utterance its n-best list from the traced rows [U·num_best] (host), each utterance's
+    list ending at its first -inf rank; the objects are made by ``map`` over values gathered by
+    numpy (no interpreted loop over the hypotheses)."""
+    finite = np.isfinite(ranks.reshape(num_utts, num_best))
+    counts = np.where(finite.all(axis=1), num_best, finite.argmin(axis=1)).tolist()
+    per_scorer = zip(*(values.tolist() for values in scores)) if scores else repeat(())
+    hyps = list(map(Hypothesis.made, int_rows(labels, lengths), ranks.tolist(),
+                    map(dict, map(zip, repeat(names), per_scorer)), lengths.tolist(), int_rows(frames, lengths)))
+    return [hyps[u * num_best:u * num_best + count] for u, count in enumerate(counts)]

@@ -39,10 +39,17 @@ class Hypothesis:
         """The same hypothesis as the constructor makes (``frames`` None), in half its time: a
         search's n-best lists hold thousands (the dataclass's frozen ``__init__`` sets each field
         through ``object.__setattr__``)."""
+        return cls.made(labels, score, scores, length, None)
+
+    @classmethod
+    def made(cls, labels: list[int], score: float, scores: dict[str, float], length: int,
+             frames: list[int] | None) -> Hypothesis:
+        """The constructor's hypothesis without its checks, for values that hold them by
+        construction (``frames`` None or as long as ``labels``)."""
         hyp = object.__new__(cls)
         fields = hyp.__dict__
         fields["labels"], fields["score"], fields["scores"], fields["length"], fields["frames"] = (
-            labels, score, scores, length, None)
+            labels, score, scores, length, frames)
         return hyp
 
 
@@ -82,11 +89,16 @@ def label_lists(tokens: np.ndarray, sentence_end: int | None) -> list[list[int]]
     if sentence_end is not None:
         valid &= tokens != sentence_end
     if bool((valid[:, 1:] <= valid[:, :-1]).all()):  # every row's labels come first (the usual case)
-        counts = valid.sum(axis=1)
-        head = np.maximum(tokens[:, :int(counts.max(initial=0))], 0)  # (the clipped entries are dropped)
-        size = int(head.max(initial=0)) + 1
-        rows = (python_ints(size)[head] if size <= MAX_SHARED_INTS else head).tolist()
-        for row, n in zip(rows, counts.tolist()):
-            del row[n:]
-        return rows
+        return int_rows(tokens, valid.sum(axis=1))
     return [[x for x, keep in zip(row, mask) if keep] for row, mask in zip(tokens.tolist(), valid.tolist())]
+
+
+def int_rows(values: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    """Row n of ``values`` [N, K] (host, non-negative where kept) cut to its first ``counts[n]``
+    entries, as a list of Python ints (shared int objects, see :func:`python_ints`)."""
+    head = np.maximum(values[:, :int(counts.max(initial=0))], 0)  # (the clipped entries are dropped)
+    size = int(head.max(initial=0)) + 1
+    rows = (python_ints(size)[head] if size <= MAX_SHARED_INTS else head).tolist()
+    for row, n in zip(rows, counts.tolist()):
+        del row[n:]
+    return rows

@@ -56,15 +56,11 @@ struct Terms {
         return load_score(term[s], ((row >> s) & 1) ? (long long)v : row_start + v, (half >> s) & 1);
     }
     __device__ __forceinline__ float combined(long long row_start, int v) const {  // no contraction into FMAs
-        float total = 0.0f;
-        bool first = true;
+        float total = __fmul_rn(value(0, row_start, v), scale[0]);
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
+        for (int s = 1; s < 4; ++s) {
             if (s >= count) break;
-            if (scale[s] == 0.0f) continue;  // left out (a -inf times 0 is no score)
-            const float scaled = __fmul_rn(value(s, row_start, v), scale[s]);
-            total = first ? scaled : __fadd_rn(total, scaled);
-            first = false;
+            total = __fadd_rn(total, __fmul_rn(value(s, row_start, v), scale[s]));
         }
         return total;
     }

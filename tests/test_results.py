@@ -65,8 +65,8 @@ def test_no_cyclic_gc_restores_the_collector_state():
         gc.enable()
 
 
-def test_hypothesis_without_frames_equals_the_constructed_one():
-    fast = Hypothesis.without_frames([3, 1, 4], -2.5, {"decoder": -2.0, "lm": -1.0}, 4)
+def test_hypothesis_made_without_frames_equals_the_constructed_one():
+    fast = Hypothesis.made([3, 1, 4], -2.5, {"decoder": -2.0, "lm": -1.0}, 4, None)
     made = Hypothesis([3, 1, 4], -2.5, {"decoder": -2.0, "lm": -1.0}, 4)
     assert fast == made and repr(fast) == repr(made) and fast.frames is None
     assert dataclasses.astuple(fast) == dataclasses.astuple(made)

@@ -9,12 +9,11 @@ on CuPy) and come to the host in one transfer with their scores.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 
 import numpy as np
 
 from gpudecode.backend import get_array_module
-from gpudecode.search.results import Hypothesis, int_rows, no_cyclic_gc
+from gpudecode.search.results import Hypothesis, int_rows, nbest_lists, no_cyclic_gc
 
 _THREADS = 128  # trace_emission_paths, and trace_emission_groups' TRACE_THREADS
 _GROUP_CHUNK = 2048  # TRACE_CHUNK of kernels/emission_tree.cu
@@ -106,12 +105,8 @@ def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node
 
 
 def _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores) -> list[list[Hypothesis]]:
-    """Per utterance its n-best list from the traced rows [U·num_best] (host), each utterance's
-    list ending at its first -inf rank; the objects are made by ``map`` over values gathered by
-    numpy (no interpreted loop over the hypotheses)."""
-    finite = np.isfinite(ranks.reshape(num_utts, num_best))
-    counts = np.where(finite.all(axis=1), num_best, finite.argmin(axis=1)).tolist()
-    per_scorer = zip(*(values.tolist() for values in scores)) if scores else repeat(())
-    hyps = list(map(Hypothesis.made, int_rows(labels, lengths), ranks.tolist(),
-                    map(dict, map(zip, repeat(names), per_scorer)), lengths.tolist(), int_rows(frames, lengths)))
-    return [hyps[u * num_best:u * num_best + count] for u, count in enumerate(counts)]
+    """Per utterance its n-best list (:func:`nbest_lists`) from the traced rows [U·num_best] (host),
+    each hypothesis scored by its rank."""
+    scorer_scores = np.stack(scores) if scores else np.empty((0, len(ranks)), np.float32)
+    return nbest_lists(ranks.reshape(num_utts, num_best), int_rows(labels, lengths), ranks, names, scorer_scores,
+                       lengths, int_rows(frames, lengths))

@@ -22,7 +22,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from types import ModuleType
 
 import numpy as np
@@ -44,7 +43,7 @@ from gpudecode.scorers.combine import (
 )
 from gpudecode.search import label_step
 from gpudecode.search.options import coerce_ints, option_error
-from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
+from gpudecode.search.results import Hypothesis, label_lists, nbest_lists, no_cyclic_gc
 from gpudecode.search.topk import top_k_indices
 
 _NEG_INF = np.float32(-np.inf)
@@ -468,17 +467,9 @@ def returned_lanes(order: np.ndarray, num_best: int) -> np.ndarray:
 
 def _hypotheses(returned, ranks, scores, scorer_scores, lengths, labels: list[list[int]],
                 entries) -> list[list[Hypothesis]]:
-    """Per lane group its n-best list: lanes ``returned`` [G, K] (:func:`returned_lanes`) with
-    their ``labels`` (row-major over ``returned``), from host arrays over all lanes: ``ranks``,
-    ``scores``, ``lengths`` [G·B] and ``scorer_scores`` [S, G·B]. Lanes ranked -inf end a list.
-    The per-hypothesis values are gathered by numpy and the objects made by ``map`` (thousands
-    per search: no interpreted loop over them)."""
-    num_best = returned.shape[1]
+    """Per lane group its n-best list (:func:`nbest_lists`): lanes ``returned`` [G, K]
+    (:func:`returned_lanes`) with their ``labels`` (row-major over ``returned``), from host arrays
+    over all lanes: ``ranks``, ``scores``, ``lengths`` [G·B] and ``scorer_scores`` [S, G·B]."""
     lanes = returned.ravel()
-    finite = np.isfinite(ranks[returned])
-    counts = np.where(finite.all(axis=1), num_best, finite.argmin(axis=1)).tolist()  # up to the first -inf
-    names = [e.name for e in entries]
-    per_scorer = zip(*scorer_scores[:, lanes].tolist())  # per returned lane, each scorer's score
-    hyps = list(map(Hypothesis.without_frames, labels, scores[lanes].tolist(),
-                    map(dict, map(zip, repeat(names), per_scorer)), lengths[lanes].tolist()))
-    return [hyps[g * num_best:g * num_best + count] for g, count in enumerate(counts)]
+    return nbest_lists(ranks[returned], labels, scores[lanes], [e.name for e in entries], scorer_scores[:, lanes],
+                       lengths[lanes])

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import repeat
 
 import numpy as np
 
@@ -35,17 +36,12 @@ class Hypothesis:
             raise ValueError(f"{len(self.frames)} frame indices for {len(self.labels)} labels")
 
     @classmethod
-    def without_frames(cls, labels: list[int], score: float, scores: dict[str, float], length: int) -> Hypothesis:
-        """The same hypothesis as the constructor makes (``frames`` None), in half its time: a
-        search's n-best lists hold thousands (the dataclass's frozen ``__init__`` sets each field
-        through ``object.__setattr__``)."""
-        return cls.made(labels, score, scores, length, None)
-
-    @classmethod
     def made(cls, labels: list[int], score: float, scores: dict[str, float], length: int,
              frames: list[int] | None) -> Hypothesis:
         """The constructor's hypothesis without its checks, for values that hold them by
-        construction (``frames`` None or as long as ``labels``)."""
+        construction (``frames`` None or as long as ``labels``), in half its time: a search's
+        n-best lists hold thousands (the dataclass's frozen ``__init__`` sets each field through
+        ``object.__setattr__``)."""
         hyp = object.__new__(cls)
         fields = hyp.__dict__
         fields["labels"], fields["score"], fields["scores"], fields["length"], fields["frames"] = (
@@ -80,6 +76,23 @@ def python_ints(size: int) -> np.ndarray:
     label array and calling ``tolist()`` gives lists of ints without making an int object per
     label (thousands of n-best labels per search). Cached for sizes rounded up to a power of 2."""
     return _python_ints(1 << max(size - 1, 0).bit_length())
+
+
+def nbest_lists(ranks: np.ndarray, labels: list[list[int]], scores: np.ndarray, names: list[str],
+                scorer_scores: np.ndarray, lengths: np.ndarray,
+                frames: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+    """Per group its n-best list from host values of its K returned lanes, best first: ``ranks``
+    [G, K] (a -inf rank ends a group's list), and per lane, row-major over [G, K], its ``labels``
+    (and ``frames``), ``scores`` and ``lengths`` [G·K] and each scorer's score ``scorer_scores``
+    [S, G·K] by ``names``. The values are gathered by numpy and the objects made by ``map``
+    (thousands per search: no interpreted loop over them)."""
+    num_best = ranks.shape[1]
+    finite = np.isfinite(ranks)
+    counts = np.where(finite.all(axis=1), num_best, finite.argmin(axis=1)).tolist()  # up to the first -inf
+    per_scorer = zip(*scorer_scores.tolist()) if len(names) else repeat(())  # per lane, each scorer's score
+    hyps = list(map(Hypothesis.made, labels, scores.tolist(), map(dict, map(zip, repeat(names), per_scorer)),
+                    lengths.tolist(), repeat(None) if frames is None else frames))
+    return [hyps[g * num_best:g * num_best + count] for g, count in enumerate(counts)]
 
 
 def label_lists(tokens: np.ndarray, sentence_end: int | None) -> list[list[int]]:

@@ -139,7 +139,7 @@ class HostWaits(HostClock):
     search reads its stop test a few steps late, so a late wake-up leaves the GPU with queued work.
     Sleeping in the driver until the work is done (``nap_s`` = 0, "block") cost the host more: on
     the H200 machine a beam-8 × 512 search step took 2.07 ms of thread CPU time blocking against
-    1.01 ms napping (100 µs naps), at the same step time (session 12). ``spin``: poll without
+    1.01 ms napping (100 µs naps), at the same step time. ``spin``: poll without
     sleeping (keeps a core busy)."""
 
     spin: bool = False

@@ -13,24 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from gpudecode.engines.base import EngineError, import_ray
+
 __all__ = ["EngineError", "import_ray", "run_on_engine"]
-
-
-class EngineError(RuntimeError):
-    """An engine that cannot run (Ray not installed, a cluster without the resources asked
-    for), or a worker that failed in a way the engine cannot recover from."""
-
-
-def import_ray():
-    """The ``ray`` module (with Ray Data), or an ``EngineError`` naming the extra to install."""
-    try:
-        import ray
-        import ray.data  # noqa: F401
-    except ImportError as exc:
-        raise EngineError(
-            "runtime.engine.type 'ray' needs Ray (with Ray Data), which cannot be imported here: "
-            f"{exc}. Install the `ray` extra: pip install 'gpudecode[ray]'") from exc
-    return ray
 
 
 def run_on_engine(config, *, done: set[str], resume: bool,

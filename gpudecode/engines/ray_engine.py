@@ -41,7 +41,7 @@ import numpy as np
 from gpudecode import backend, defaults
 from gpudecode.config import Config, ConfigError, dump_resolved
 from gpudecode.decoder import Decoder
-from gpudecode.engines import EngineError, import_ray
+from gpudecode.engines.base import EngineError, import_ray
 from gpudecode.io import (
     FeatureError,
     InputError,
@@ -52,7 +52,7 @@ from gpudecode.io import (
     open_features,
     score_wer,
 )
-from gpudecode.run import OutOfMemory, RunSummary, _decode_fitting
+from gpudecode.job import OutOfMemory, RunSummary, decode_fitting
 from gpudecode.search import Hypothesis
 
 __all__ = ["BatchResult", "DecodeWorker", "RaySummary", "WorkerStatus", "plan_shards", "run_decode_ray"]
@@ -212,7 +212,7 @@ class DecodeWorker:
         if not utterances:
             return
         scratch = RunSummary()
-        for utterance, nbest in _decode_fitting(self.decoder, utterances, scratch, on_bad_input):
+        for utterance, nbest in decode_fitting(self.decoder, utterances, scratch, on_bad_input):
             result.utterances.append((utterance.id, utterance.num_frames, list(nbest)))
         result.skipped += scratch.skipped
         result.retried_batches = scratch.retried_batches

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from gpudecode.config import load_config
-from gpudecode.engines import import_ray
+from gpudecode.engines.base import import_ray
 from gpudecode.io import open_features
 from gpudecode.run import run_decode
 

@@ -20,7 +20,7 @@ from typing import IO
 from gpudecode import defaults
 from gpudecode.io.errors import ResultFileError
 from gpudecode.io.vocabulary import Vocabulary, Word, merge_words
-from gpudecode.search.results import Hypothesis
+from gpudecode.hypothesis import Hypothesis
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,48 +5,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import repeat
 
 import numpy as np
 
+from gpudecode.hypothesis import Hypothesis
 
-@dataclass(frozen=True)
-class Hypothesis:
-    """One entry of an utterance's n-best list.
-
-    - ``labels``: label indices, without sentence-begin and sentence-end;
-    - ``score``: the combined log score Σ scale · score (not length-normalised);
-    - ``scores``: each scorer's own (unscaled) log score of the sequence, by scorer name;
-    - ``length``: labels counted for length normalisation (including sentence-end when the
-      hypothesis emitted it; a hypothesis force-ended at the length cap has none);
-    - ``frames``: per label, the input frame at which it was emitted (time-synchronous
-      searches), else ``None``.
-    """
-
-    labels: list[int]
-    score: float
-    scores: dict[str, float] = field(default_factory=dict)
-    length: int | None = None
-    frames: list[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.frames is not None and len(self.frames) != len(self.labels):
-            raise ValueError(f"{len(self.frames)} frame indices for {len(self.labels)} labels")
-
-    @classmethod
-    def made(cls, labels: list[int], score: float, scores: dict[str, float], length: int,
-             frames: list[int] | None) -> Hypothesis:
-        """The constructor's hypothesis without its checks, for values that hold them by
-        construction (``frames`` None or as long as ``labels``), in half its time: a search's
-        n-best lists hold thousands (the dataclass's frozen ``__init__`` sets each field through
-        ``object.__setattr__``)."""
-        hyp = object.__new__(cls)
-        fields = hyp.__dict__
-        fields["labels"], fields["score"], fields["scores"], fields["length"], fields["frames"] = (
-            labels, score, scores, length, frames)
-        return hyp
+__all__ = ["Hypothesis", "int_rows", "label_lists", "nbest_lists", "no_cyclic_gc", "python_ints"]
 
 
 @contextmanager

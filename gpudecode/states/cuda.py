@@ -179,31 +179,3 @@ class CudaStateCopy:
                 ),
             )
         self.num_launches += 1
-
-
-def extend_histories_on_device(histories: StateHistory, new_slots, parents, append) -> StateHistory:
-    """``extend_histories`` on CuPy arrays in one launch (``kernels/state_pool.cu``)."""
-    cupy = require_cupy()
-    device_id = histories.table.device.id
-    with on_shared_stream(device_id):
-        table = cupy.ascontiguousarray(histories.table, dtype=np.int32)
-        lengths = cupy.ascontiguousarray(histories.lengths, dtype=np.int32)
-        new_slots = cupy.ascontiguousarray(new_slots, dtype=np.int32)
-        parents = cupy.ascontiguousarray(parents, dtype=np.int64)
-        num_children, width, max_tokens = int(parents.shape[0]), int(table.shape[1]), int(new_slots.shape[1])
-        children = cupy.empty((num_children, width + max_tokens), dtype=np.int32)
-        total = num_children * (width + max_tokens)
-        # the kernel writes every length when a child has at least one position
-        child_lengths = (cupy.empty if total else cupy.zeros)(num_children, dtype=np.int32)
-        if append is not None:
-            append = cupy.ascontiguousarray(cupy.asarray(append, dtype=bool)).view(np.uint8)
-        if total:
-            from gpudecode.kernels import load_module
-
-            kernel = load_module("state_pool", (), device_id).get_function("extend_histories")
-            grid = min(-(-total // THREADS_PER_BLOCK), 4096)
-            kernel((grid,), (THREADS_PER_BLOCK,), (
-                table, np.int32(width), lengths, new_slots, np.int32(max_tokens), parents,
-                append if append is not None else np.uint64(0), np.int32(num_children), children, child_lengths,
-            ))
-    return StateHistory(table=children, lengths=child_lengths)

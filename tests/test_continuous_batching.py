@@ -332,9 +332,9 @@ def test_a_shorter_admission_clears_the_frames_the_longer_one_left():
         index[axis] = slice(0, 5)
         short[name] = long_batch.inputs[name][tuple(index)]
     scorer.admit(UtteranceBatch(ids=["short"], input_lengths=[5], inputs=short), [1])
-    first_row = 1 if scorer._grouped else 3  # group 1's row: one per utterance, or its first lane
+    first_row = 1 if scorer.lanes.grouped else 3  # group 1's row: one per utterance, or its first lane
     for name, axis in inputs.items():
-        row = scorer._lane_inputs[name][first_row]
+        row = scorer.lanes.buffers[name][first_row]
         tail = [slice(None)] * row.ndim
         tail[axis - 1] = slice(5, None)
         assert not row[tuple(tail)].any(), name  # the long utterance's frames 5.. are gone

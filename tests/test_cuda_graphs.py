@@ -116,7 +116,7 @@ def test_cpu_sessions_never_capture_and_the_scorer_runs_padded():
     setup = Setup(3)
     scorer = graph_scorer(setup, "cpu", GraphOptions(enabled=True))
     assert not scorer.session.cuda_graphs
-    assert isinstance(scorer._graphs, PaddedRuns)
+    assert isinstance(scorer.runner.graphs.runs, PaddedRuns)
 
 
 # --- exactness ---------------------------------------------------------------------------------------
@@ -166,9 +166,9 @@ def test_bucketed_decoder_equals_the_oracle_and_the_unbucketed_run(device, kv_la
         for hyp in hyps:
             expected = setup.oracle_score(setup.decoder, u, hyp.labels, terminated(hyp))
             assert hyp.score == pytest.approx(expected, abs=TOL)
-    assert scorer._graphs.num_graphs + scorer.captured_graphs >= 3  # several history buckets (3 steps pad to 4)
+    assert scorer.runner.graphs.num_graphs + scorer.captured_graphs >= 3  # several history buckets (3 steps pad to 4)
     if device == "cuda":
-        assert scorer.session.cuda_graphs and scorer._graphs.captures >= 3
+        assert scorer.session.cuda_graphs and scorer.runner.graphs.captures >= 3
     assert scorer.states.statistics().live_slots == 0
 
 
@@ -184,7 +184,7 @@ def test_chunks_padded_to_buckets_and_continuous_batching_stay_exact(device):
     scorer = graph_scorer(setup, device, graphs, max_batch_size=5)
     chunked = search([("decoder", scorer, 1.0)], setup.batch(xp=xp), xp, beam_size=3, max_active_utterances=2)
     assert_same(plain, chunked)
-    assert scorer._lane_rows == 8  # chunks at 0 and 5 with buckets 8 and 1
+    assert scorer.lanes.rows == 8  # chunks at 0 and 5 with buckets 8 and 1
     assert scorer.states.statistics().live_slots == 0
 
 
@@ -230,7 +230,7 @@ def test_bucketed_prefix_lm_equals_the_unbucketed_run(device):
     plain = search([("lm", scorer(GraphOptions()), 1.0)], batch, xp, beam_size=3)
     bucketed = scorer(GraphOptions(enabled=True, time_step=4, warm_up_time=16))
     assert_same(plain, search([("lm", bucketed, 1.0)], batch, xp, beam_size=3))
-    assert max(bucketed._graphs.num_graphs, bucketed.captured_graphs) >= len(time_buckets(16, 4))  # warmed up
+    assert max(bucketed.runner.graphs.num_graphs, bucketed.captured_graphs) >= len(time_buckets(16, 4))  # warmed up
 
 
 # --- configuration -----------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_replay_follows_new_inputs_and_bucket_switches():
         off = search([("decoder", graph_scorer(setup, "cuda", GraphOptions()), 1.0)], setup.batch(xp=cupy), cupy,
                      beam_size=beam)
         assert_same(off, on)
-        assert scorer._graphs.captures >= 3
+        assert scorer.runner.graphs.captures >= 3
 
 
 @pytest.mark.gpu
@@ -324,8 +324,8 @@ def test_shared_buffers_save_the_non_largest_buckets_in_device_memory():
         free_before = cupy.cuda.runtime.memGetInfo()[0]
         scorer.warm_up(128)
         cupy.cuda.runtime.deviceSynchronize()
-        held[shared] = (free_before - cupy.cuda.runtime.memGetInfo()[0], scorer._graphs.buffers.nbytes)
-        assert scorer._graphs.captures == len(time_buckets(128, 32))
+        held[shared] = (free_before - cupy.cuda.runtime.memGetInfo()[0], scorer.runner.graphs.buffers.nbytes)
+        assert scorer.runner.graphs.captures == len(time_buckets(128, 32))
         scorer.close()
         del scorer
     predicted = held[False][1] - held[True][1]  # what the non-largest buckets' tensors hold

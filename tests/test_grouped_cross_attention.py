@@ -111,11 +111,11 @@ def test_grouped_search_equals_the_per_lane_search_and_the_oracle(device, beam, 
     got = _search(grouped, setup.batch(xp=xp), xp, beam)
     _assert_same_nbest(got, expected, setup, setup.decoder)
     # one row per utterance (max_batch_size rounds down to whole utterances, at least one)
-    rows = {name: buffer.shape[0] for name, buffer in grouped._lane_inputs.items()}
+    rows = {name: buffer.shape[0] for name, buffer in grouped.lanes.buffers.items()}
     assert set(rows.values()) == {len(setup.ids)}
     num_lanes = beam * len(setup.ids)
     size = num_lanes if max_batch_size is None else max(beam, max_batch_size // beam * beam)
-    assert [rows for _, rows in grouped._chunks()] == [slice(s, min(s + size, num_lanes)) for s in range(0, num_lanes, size)]
+    assert grouped._chunks() == [slice(s, min(s + size, num_lanes)) for s in range(0, num_lanes, size)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,7 +128,7 @@ def test_grouped_search_through_graph_buckets_equals_the_per_lane_search(device)
     grouped = setup.scorer_of(setup.grouped, graphs=graphs)
     got = _search(grouped, setup.batch(xp=xp), xp, 3)
     _assert_same_nbest(got, expected, setup, setup.decoder)
-    assert grouped._padded_rows(9) == 12 and grouped._padded_rows(3) == 6  # 4 utterances; floor 2
+    assert grouped.runner.graphs.rows(9, grouped.lanes.group_size) == 12 and grouped.runner.graphs.rows(3, grouped.lanes.group_size) == 6  # 4 utterances; floor 2
     if device == "cuda":
         assert grouped.captured_graphs > 0
 

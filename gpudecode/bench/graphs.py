@@ -40,7 +40,7 @@ def _graph_memory(reference, *, utts: int, beam: int, encoder_length: int, max_t
     cupy.cuda.runtime.deviceSynchronize()
     held = free_before - cupy.cuda.runtime.memGetInfo()[0]
     result = {"shared_buffers": shared, "graphs": decoder.captured_graphs, "device_bytes": held,
-              "buffer_bytes": decoder._graphs.buffers.nbytes}
+              "buffer_bytes": decoder.runner.graphs.buffers.nbytes}
     decoder.close()
     del decoder, session
     cupy.get_default_memory_pool().free_all_blocks()

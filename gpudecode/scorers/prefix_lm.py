@@ -39,9 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from gpudecode import defaults
 from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import Context, LaneLayout, UtteranceBatch
-from gpudecode.scorers.onnx_decoder import SCORES_KINDS, DecoderContext, OnnxDecoderScorer
+from gpudecode.scorers.onnx_decoder import DecoderContext, OnnxDecoderScorer, converted_scores
 from gpudecode.scorers.registry import register_scorer
 from gpudecode.session import OnnxSession, SessionOptions
 from gpudecode.session.graphs import GraphOptions
@@ -86,7 +87,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
         prefill_session_options: SessionOptions | None = None,
         io_map: Mapping[str, str] | None = None,
         prefill_io_map: Mapping[str, str] | None = None,
-        scores_kind: str = "log-probs",
+        scores_kind: str = defaults.SCORES_KIND,
         prefill_scores_kind: str | None = None,
         max_batch_size: int | None = None,
         state_patterns: Sequence[tuple[str, str]] = (),
@@ -100,8 +101,8 @@ class PrefixLmScorer(OnnxDecoderScorer):
             utterance_patterns=utterance_patterns, graphs=graphs,
         )
         prefill_scores_kind = prefill_scores_kind or scores_kind
-        if prefill_scores_kind not in SCORES_KINDS:
-            raise ValueError(f"prefill_scores_kind: expected one of {', '.join(SCORES_KINDS)}, "
+        if prefill_scores_kind not in defaults.SCORES_KINDS:
+            raise ValueError(f"prefill_scores_kind: expected one of {', '.join(defaults.SCORES_KINDS)}, "
                              f"got {prefill_scores_kind!r}")
         self.prefill_scores_kind = prefill_scores_kind
         self.initial_prompt_labels = [int(label) for label in initial_prompt_labels]
@@ -262,13 +263,13 @@ class PrefixLmScorer(OnnxDecoderScorer):
         raw = raw.reshape(raw.shape[0], -1, raw.shape[-1])
         last = xp.clip(_on(xp, counts).astype(np.int64) - 1, 0, raw.shape[1] - 1) if raw.shape[1] > 1 else None
         raw = raw[:, -1] if last is None else raw[xp.arange(raw.shape[0]), last]
-        scores = self._convert(raw, self.prefill_scores_kind)
+        scores = converted_scores(xp, raw, self.prefill_scores_kind)
         lanes = xp.asarray(self.layout.lanes_of(groups))
         self._prefill_scores[lanes] = xp.repeat(scores, self.layout.beam_size, axis=0)
         produced = {name: outputs[name] for name in self._produced}
-        self._write_utterance_inputs(utterances, groups, produced=produced, sizes=sizes)
+        self.lanes.write_utterances(utterances, groups, produced=produced, sizes=sizes, source_of=self._source_of)
 
-    def _source_of(self, u, produced=None) -> str:
+    def _source_of(self, u) -> str:
         """Metadata first; ``past_key_values.{i}.encoder.*`` take the prefill's
         ``present.{i}.encoder.*``; else the input's own name."""
         if u.source:
@@ -277,15 +278,6 @@ class PrefixLmScorer(OnnxDecoderScorer):
         if self.prefill.tensors.output(renamed) is not None:
             return renamed
         return u.name
-
-    def _convert(self, scores, kind: str):
-        from gpudecode.scorers.onnx_decoder import _log_softmax
-
-        if kind == "neg-log-probs":
-            return -scores
-        if kind == "logits":
-            return _log_softmax(self.layout.xp, scores)
-        return scores
 
     def release(self, groups) -> None:
         """Frees the lanes' slots, and the prefill slots of groups not yet started."""

@@ -1,7 +1,9 @@
 """CUDA graphs of a model step: one ONNX Runtime graph per shape bucket.
 
 Shapes are padded up to buckets (rows to powers of two, history time to powers of two up to
-``time_step`` and multiples of it beyond), so a handful of graphs cover a whole decode. Every
+``time_step`` and multiples of it beyond), so a handful of graphs cover a whole decode;
+:class:`GraphBuckets` holds that rule (which shapes are valid), the runs behind it and the
+warm-up that captures every bucket. Every
 graph reads and writes views of **one device buffer per tensor name**, sized for the largest
 bucket seen (SGLang's shared output buffer, applied to inputs as well): graph memory is
 max(bucket) instead of the sum over buckets. When a buffer has to grow, every graph bound to
@@ -20,7 +22,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from gpudecode import backend
+from gpudecode import backend, defaults
+from gpudecode.sizes import next_power_of_two
 
 CONTROL_FLOW_OPS = ("If", "Loop", "Scan")
 SKIP_GRAPH = "-1"
@@ -37,11 +40,11 @@ class GraphOptions:
     (0: capture lazily on first use).
     """
 
-    enabled: bool = False
-    time_step: int = 32
-    min_rows: int = 8
-    shared_buffers: bool = True
-    warm_up_time: int = 0
+    enabled: bool = defaults.CUDA_GRAPHS
+    time_step: int = defaults.GRAPH_TIME_STEP
+    min_rows: int = defaults.GRAPH_MIN_ROWS
+    shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
+    warm_up_time: int = defaults.GRAPH_WARM_UP_TIME
 
     def __post_init__(self) -> None:
         for name in ("time_step", "min_rows"):
@@ -51,15 +54,11 @@ class GraphOptions:
             raise ValueError(f"cuda_graphs.warm_up_time: must be >= 0, got {self.warm_up_time}")
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def bucket_rows(rows: int, min_rows: int = 1) -> int:
     """The row bucket of ``rows`` hypotheses: the next power of two, at least ``min_rows``."""
     if rows < 1:
         raise ValueError(f"bucket_rows: rows must be >= 1, got {rows}")
-    return max(_next_power_of_two(rows), _next_power_of_two(min_rows))
+    return max(next_power_of_two(rows), next_power_of_two(min_rows))
 
 
 def bucket_time(time: int, step: int) -> int:
@@ -69,7 +68,7 @@ def bucket_time(time: int, step: int) -> int:
         raise ValueError(f"bucket_time: time must be >= 0, got {time}")
     time = max(time, 1)
     if time <= step:
-        return min(_next_power_of_two(time), step)
+        return min(next_power_of_two(time), step)
     return -(-time // step) * step
 
 
@@ -239,3 +238,65 @@ class StepGraphs:
     @property
     def num_graphs(self) -> int:
         return len(self._captured)
+
+
+class GraphBuckets:
+    """The graphs of one step model: the bucketing rule (the one source of the shapes graphs
+    take), the buffers and runs behind the buckets (captured :class:`StepGraphs`, or
+    :class:`PaddedRuns` where the session cannot capture), and the warm-up over every bucket.
+
+    Rows may come in groups of ``group_size`` that share an input row (the beam lanes of one
+    utterance); a bucket then holds whole groups.
+    """
+
+    def __init__(self, session, options: GraphOptions):
+        self.options = options
+        self.buffers = GraphBuffers(session.provider, session.options.device_id, shared=options.shared_buffers)
+        self.runs = (StepGraphs if session.cuda_graphs else PaddedRuns)(session, self.buffers)
+
+    def rows(self, num_rows: int, group_size: int = 1) -> int:
+        """The row bucket of a call of ``num_rows`` rows (whole groups of ``group_size``)."""
+        if group_size == 1:
+            return bucket_rows(num_rows, self.options.min_rows)
+        groups, min_groups = -(-num_rows // group_size), -(-self.options.min_rows // group_size)
+        return group_size * bucket_rows(groups, min_groups)
+
+    def time(self, time: int) -> int:
+        """The history bucket of ``time`` token states."""
+        return bucket_time(time, self.options.time_step)
+
+    def run(self, key, inputs: Mapping[str, Any], output_names, make_output: Callable) -> dict:
+        """One run of the bucket ``key`` (see :meth:`StepGraphs.run`)."""
+        return self.runs.run(key, inputs, output_names, make_output)
+
+    @property
+    def wants_warm_up(self) -> bool:
+        """A warm-up is configured and nothing is captured yet."""
+        return bool(self.options.warm_up_time) and not self.runs.num_graphs
+
+    def warm_up(self, max_time: int, chunks, run_bucket: Callable[[Any, int], Any]) -> int:
+        """Runs every history bucket up to ``max_time`` for each of ``chunks`` through
+        ``run_bucket(chunk, time)``, twice (ONNX Runtime captures on the second run of a graph
+        id); returns the number of graphs."""
+        # largest bucket first: the shared buffers reach their size at once, so no later growth
+        # drops the graphs captured before it
+        for time in reversed(time_buckets(max_time, self.options.time_step)):
+            for chunk in chunks:
+                for _ in range(2):
+                    run_bucket(chunk, time)
+        return self.runs.num_graphs
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs (or padded buckets) in use."""
+        return self.runs.num_graphs
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far (0 for padded runs)."""
+        return self.runs.captures
+
+    def close(self) -> None:
+        """Forgets every graph and returns the buffers' memory."""
+        self.runs.clear()
+        self.buffers.close()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpudecode.backend import is_device_array, on_shared_stream, to_host
+from gpudecode.sizes import next_power_of_two
 from gpudecode.spec import StateVariable
 from gpudecode.states.history import (
     StateHistory,
@@ -59,10 +60,14 @@ class StateManager:
     """Keeps the states of ``state_variables`` between search steps.
 
     ``device``: ``"cpu"`` (numpy arrays, host merge/split) or ``"cuda"`` (CuPy arrays, kernels).
-    Subclasses fix the family: :class:`TransformerStateManager`, :class:`LstmStateManager`.
+    Subclasses fix the family: :class:`TransformerStateManager`, :class:`LstmStateManager`; what
+    differs between families is a method or class attribute of theirs.
     """
 
     family = ""
+    #: histories hold one slot per token state, along the model's time axis (False: one state per
+    #: hypothesis, merged with T = 1)
+    has_time_axis = True
 
     def __init__(self, options: StateManagerOptions, state_variables: Sequence[StateVariable], *, device: str):
         if options.family != self.family:
@@ -124,8 +129,8 @@ class StateManager:
 
     # ---- histories --------------------------------------------------------------------------------
     def initial_histories(self, num_rows: int) -> StateHistory:
-        """``num_rows`` histories with no token state (a zero LSTM state; an empty transformer past)."""
-        return empty_histories(num_rows, self.xp, width=1 if self.family == "lstm" else 0)
+        """``num_rows`` histories with no token state (an empty transformer past)."""
+        return empty_histories(num_rows, self.xp, width=0)
 
     def _as_histories(self, histories: StateHistory) -> StateHistory:
         xp = self.xp
@@ -141,8 +146,9 @@ class StateManager:
         return histories
 
     @property
-    def _max_history(self) -> int:
-        return 1 if self.family == "lstm" else effective_max_history(self.options.max_history)
+    def max_history(self) -> int:
+        """The most token states a history keeps (``options.max_history`` made effective)."""
+        return effective_max_history(self.options.max_history)
 
     @property
     def _keep_first(self) -> bool:
@@ -170,10 +176,7 @@ class StateManager:
         """
         histories = self._as_histories(histories)
         num_rows = histories.num_rows
-        if self.family == "lstm":
-            if time_size not in (None, 1):
-                raise ValueError(f"state_manager {self.options.type!r}: LSTM states have no time axis")
-            time_size = 1
+        time_size = self._merge_time_size(time_size)
         if out is not None:
             outputs, out_rows, checked_time = self._checked_out(out)
             if out_rows < num_rows:
@@ -183,7 +186,7 @@ class StateManager:
             time_size = checked_time
         else:
             if time_size is None:
-                time_size = min(histories.width, self._max_history)
+                time_size = min(histories.width, self.max_history)
             if time_size < 0:
                 raise ValueError(f"merge: time_size must be >= 0, got {time_size}")
             out_rows = num_rows
@@ -200,7 +203,7 @@ class StateManager:
                     f"{'CuPy' if self.device == 'cuda' else 'numpy'} array, got {prefix_lengths.shape} "
                     f"{prefix_lengths.dtype}"
                 )
-        max_history = effective_max_history(self._max_history, time_size)
+        max_history = effective_max_history(self.max_history, time_size)
         self._copy.merge(
             histories,
             out_rows=out_rows,
@@ -213,6 +216,10 @@ class StateManager:
         )
         inputs = {layout.name: array for layout, array in zip(self.layouts, outputs)}
         return MergedStates(inputs=inputs, prefix_lengths=prefix_lengths, time_size=time_size)
+
+    def _merge_time_size(self, time_size: int | None) -> int | None:
+        """``time_size`` as this family's merge takes it."""
+        return time_size
 
     def _checked_out(self, out: Mapping[str, object]):
         """``_check_out`` of ``out``, remembered for the same buffer objects (a CUDA graph's static
@@ -255,7 +262,7 @@ class StateManager:
                 buffer = self._buffers.get(layout.name)
                 if buffer is None or buffer.size < size:
                     # capacity rounded up to a power of two: few reallocations, never per step
-                    capacity = 1 << max(size - 1, 0).bit_length()
+                    capacity = next_power_of_two(size)
                     buffer = xp.zeros(capacity, dtype=layout.model_dtype)
                     self._buffers[layout.name] = buffer
                 arrays.append(buffer[:size].reshape(shape))
@@ -264,7 +271,7 @@ class StateManager:
     def _owned_prefix(self, rows: int):
         if self._prefix_buffer is None or self._prefix_buffer.size < rows:
             with self._on_device():
-                self._prefix_buffer = self.xp.empty(1 << max(rows - 1, 0).bit_length(), dtype=np.int32)
+                self._prefix_buffer = self.xp.empty(next_power_of_two(rows), dtype=np.int32)
         return self._prefix_buffer[:rows]
 
     def _on_device(self):
@@ -281,8 +288,7 @@ class StateManager:
         ``num_new_tokens``, whose value must be the largest count). Returns ``[N, num_new_tokens]``
         int32 slots, -1 where a row has fewer tokens.
         """
-        if self.family == "lstm" and num_new_tokens != 1:
-            raise ValueError(f"state_manager {self.options.type!r}: an LSTM step adds exactly one state per row")
+        self._check_new_tokens(num_new_tokens)
         if num_new_tokens < 0:
             raise ValueError(f"split: num_new_tokens must be >= 0, got {num_new_tokens}")
         sources, shapes = [], set()
@@ -314,6 +320,9 @@ class StateManager:
             self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots)
         return new_slots
 
+    def _check_new_tokens(self, num_new_tokens: int) -> None:
+        """Raises when this family cannot take ``num_new_tokens`` new states per row."""
+
     def _to_here(self, array):
         xp = self.xp
         if self.device == "cuda" and is_device_array(array) and array.flags.c_contiguous:
@@ -331,22 +340,26 @@ class StateManager:
         histories = self._as_histories(histories)
         xp = self.xp
         with self._on_device():
-            parents = xp.asarray(parents)
-            new_slots = xp.asarray(new_slots)
-            if self.family == "lstm":
-                child = new_slots[parents][:, :1]
-                if append is not None:
-                    child = xp.where(xp.asarray(append, dtype=bool)[:, None], child, histories.table[parents])
-                child = xp.ascontiguousarray(child.astype(np.int32))
-                return StateHistory(table=child, lengths=(child[:, 0] >= 0).astype(np.int32))
-            return extend_histories(
-                histories,
-                new_slots,
-                parents,
-                append=append,
-                max_history=self.options.max_history,
-                keep_first=self._keep_first,
-            )
+            return self._extended(histories, xp.asarray(new_slots), xp.asarray(parents), append)
+
+    def _extended(self, histories: StateHistory, new_slots, parents, append) -> StateHistory:
+        """:meth:`extend` on this manager's arrays (inside its device context)."""
+        return extend_histories(
+            histories,
+            new_slots,
+            parents,
+            append=append,
+            max_history=self.options.max_history,
+            keep_first=self._keep_first,
+        )
+
+    def trimmed(self, histories: StateHistory, width: int) -> StateHistory:
+        """``histories`` with a table at most ``width`` wide, for a caller that knows no history
+        is longer (a host bound; no sync)."""
+        if histories.width <= width:
+            return histories
+        table = self.xp.ascontiguousarray(histories.table[:, :width])
+        return StateHistory(table=table, lengths=histories.lengths)
 
     def select(self, histories: StateHistory, rows) -> StateHistory:
         """The histories of ``rows`` (survivors are a gather)."""
@@ -357,7 +370,7 @@ class StateManager:
         """Keeps the slots inside the windows of ``histories`` and frees every other slot."""
         with self._on_device():
             for h in histories:
-                self.pool.mark(self._as_histories(h), max_history=self._max_history, keep_first=self._keep_first)
+                self.pool.mark(self._as_histories(h), max_history=self.max_history, keep_first=self._keep_first)
             self.pool.sweep()
 
     def release_all(self) -> None:
@@ -393,6 +406,7 @@ class LstmStateManager(StateManager):
     """One slot per hypothesis: merge and split are row gather and scatter ([N, H] or [L, N, H])."""
 
     family = "lstm"
+    has_time_axis = False
 
     def __init__(self, options, state_variables, *, device: str):
         for v in state_variables:
@@ -404,4 +418,32 @@ class LstmStateManager(StateManager):
         super().__init__(options, state_variables, device=device)
 
     def initial_histories(self, num_rows: int) -> StateHistory:
+        """``num_rows`` histories holding no state (a zero LSTM state)."""
         return empty_histories(num_rows, self.xp, width=1)
+
+    @property
+    def max_history(self) -> int:
+        """One: a history is the hypothesis' latest state."""
+        return 1
+
+    def _merge_time_size(self, time_size: int | None) -> int:
+        if time_size not in (None, 1):
+            raise ValueError(f"state_manager {self.options.type!r}: LSTM states have no time axis")
+        return 1
+
+    def _check_new_tokens(self, num_new_tokens: int) -> None:
+        if num_new_tokens != 1:
+            raise ValueError(f"state_manager {self.options.type!r}: an LSTM step adds exactly one state per row")
+
+    def _extended(self, histories: StateHistory, new_slots, parents, append) -> StateHistory:
+        """The parent row's new state."""
+        xp = self.xp
+        child = new_slots[parents][:, :1]
+        if append is not None:
+            child = xp.where(xp.asarray(append, dtype=bool)[:, None], child, histories.table[parents])
+        child = xp.ascontiguousarray(child.astype(np.int32))
+        return StateHistory(table=child, lengths=(child[:, 0] >= 0).astype(np.int32))
+
+    def trimmed(self, histories: StateHistory, width: int) -> StateHistory:
+        """``histories`` as they are (always one state wide)."""
+        return histories

@@ -1,0 +1,292 @@
+"""``StepModelRunner``: one step of a stateful step model over merged state histories.
+
+Builds the model's inputs in the RASR convention (``token``, ``token-length``, ``prefix-length``)
+or the Hugging Face one (``input_ids``, ``attention_mask``, ``position_ids``), merges the
+histories' states into its state inputs, runs it plainly or padded to a graph bucket (static
+inputs that are views of the graph buffers, so the merge writes straight into them), and splits
+its new token states into the state pool.
+
+Per-utterance inputs come from a lane-buffer object with ``buffers`` (input name -> array, a row
+per lane or per group of ``group_size`` lanes) and ``version`` (changes when a buffer is
+replaced), e.g. :class:`gpudecode.scorers.lanes.LaneInputs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpudecode.backend import to_host
+from gpudecode.session.discovery import ModelSpec
+from gpudecode.session.graphs import GraphBuckets, GraphOptions
+from gpudecode.session.hf import hf_attention_inputs
+from gpudecode.session.runner import OnnxSession
+from gpudecode.states.history import StateHistory
+from gpudecode.states.managers import StateManager
+
+
+def _rows(array, axis: int, count: int):
+    """The first ``count`` rows of ``array`` along its batch ``axis`` (a view)."""
+    index = [slice(None)] * array.ndim
+    index[axis] = slice(0, count)
+    return array[tuple(index)]
+
+
+def _input_rows(rows: slice, group_size: int) -> slice:
+    """The per-utterance input rows of hypothesis ``rows`` (a row per ``group_size`` lanes)."""
+    if group_size == 1:
+        return rows
+    return slice(rows.start // group_size, -(-rows.stop // group_size))
+
+
+@dataclass
+class _StaticInputs:
+    """One bucket's static model inputs (views that stay valid while the buffers do)."""
+
+    key: tuple  # the graph's key: bucket and lane buffers
+    feeds: dict  # every input by name
+    states: dict  # the merge's out buffers
+    prefix: Any  # int32 prefix lengths (the merge writes them)
+    prefix_converted: Any  # the model's prefix-length when it is not int32, else None
+    labels: Any
+
+
+class StepModelRunner:
+    """Runs the step model of ``spec`` on ``session`` with the states of ``states``.
+
+    ``graphs``: with ``enabled``, every call is padded to its (rows, history) bucket and runs
+    through :class:`GraphBuckets` (captured CUDA graphs, or padded runs where the session cannot
+    capture); the state manager must then live where the model runs.
+    """
+
+    def __init__(self, session: OnnxSession, spec: ModelSpec, states: StateManager,
+                 graphs: GraphOptions = GraphOptions()) -> None:
+        self.session = session
+        self.spec = spec
+        self.states = states
+        names = spec.hypothesis_inputs
+        self.label_name = names["token" if spec.convention == "rasr" else "input_ids"]
+        self.label_dtype = session.tensors.input(self.label_name).dtype
+        if graphs.enabled and states.device != session.provider:
+            raise ValueError(
+                f"{spec.source}: cuda_graphs needs the state manager where the model runs "
+                f"({session.provider}), got a {states.device} state manager"
+            )
+        self.graphs = GraphBuckets(session, graphs) if graphs.enabled else None
+        self._static: dict = {}  # (bucket, buffer generation, lanes version) -> _StaticInputs
+        # left padding of the history is exact only when the model masks it
+        self._pad_time = states.has_time_axis and ("prefix-length" in names or "attention_mask" in names)
+        # state outputs sliced to their first rows stay contiguous when the batch axis is outermost
+        self._rows_outermost = all(layout.pre == 1 for layout in states.layouts)
+
+    # --- one step ----------------------------------------------------------------------------------
+    def run(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None = None):
+        """The model on the lanes ``rows`` of ``histories`` fed ``labels`` ([N] int, the lanes' next
+        labels): (raw scores of those rows, their new slots [R, 1]). Bucketed with graphs (the
+        scores are then a view of the graphs' output buffer), else a plain run."""
+        if rows != slice(0, histories.num_rows):
+            histories = StateHistory(table=histories.table[rows], lengths=histories.lengths[rows])
+        if self.graphs is None:
+            return self._run_plain(histories, labels[rows], rows, lanes, time_size)
+        return self._run_bucketed(histories, labels[rows], rows, lanes, time_size)
+
+    def time_sizes(self, histories: StateHistory, chunks: list[slice]) -> list[int | None]:
+        """Per chunk of rows, the longest history it keeps, so that each model call pads only to
+        its own rows (one small transfer for all chunks); None (the table width) for one chunk."""
+        if len(chunks) == 1 or not self.states.has_time_axis:
+            return [None] * len(chunks)
+        xp, lengths = self.states.xp, histories.lengths
+        size = chunks[0].stop - chunks[0].start
+        padded = xp.zeros(len(chunks) * size, dtype=lengths.dtype)
+        padded[:lengths.shape[0]] = lengths
+        maxima = to_host(padded.reshape(len(chunks), size).max(axis=1))
+        limit = min(histories.width, self.states.max_history)
+        return [min(int(m), limit) for m in maxima]
+
+    def _run_plain(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
+        xp, spec = self.states.xp, self.spec
+        if spec.in_place_outputs:
+            time_size = self._natural_time(histories, time_size)
+        merged = self.states.merge(histories, time_size=time_size)
+        labels = labels.astype(self.label_dtype)[:, None]
+        feeds = dict(merged.inputs)
+        names = spec.hypothesis_inputs
+        feeds[self.label_name] = labels
+        if spec.convention == "rasr":
+            if "token-length" in names:
+                feeds[names["token-length"]] = xp.ones(labels.shape[0], dtype=self._input_dtype("token-length"))
+            if "prefix-length" in names:
+                feeds[names["prefix-length"]] = merged.prefix_lengths.astype(self._input_dtype("prefix-length"))
+        else:
+            mask, positions = hf_attention_inputs(merged.prefix_lengths, merged.time_size)
+            if "attention_mask" in names:
+                feeds[names["attention_mask"]] = mask
+            if "position_ids" in names:
+                feeds[names["position_ids"]] = positions
+        input_rows = _input_rows(rows, lanes.group_size)
+        for name, buffer in lanes.buffers.items():
+            feeds[name] = buffer[input_rows]
+        in_place = self._in_place(merged.inputs)
+        outputs = self.session.run(feeds, self._output_names(in_place), outputs=in_place)
+        new_slots = self.states.split(self._state_outputs(outputs))
+        return outputs[spec.scores_output], new_slots  # the run's own array
+
+    def _run_bucketed(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
+        """One model call padded to its (rows, history) bucket, through the graph buckets.
+
+        Static inputs are views of the graph buffers: the merge writes the states and prefix
+        lengths straight into them, padding rows and left padding as zeros (masked by
+        ``prefix-length`` / ``attention_mask``). Per-utterance inputs are the lane buffers
+        themselves. Only the first ``rows`` of the outputs are used.
+        """
+        spec, graphs, names = self.spec, self.graphs, self.spec.hypothesis_inputs
+        buffers = graphs.buffers
+        num_rows = rows.stop - rows.start
+        padded_rows = graphs.rows(num_rows, lanes.group_size)
+        if not self.states.has_time_axis:
+            padded_time = 1
+        else:
+            natural = self._natural_time(histories, time_size)
+            padded_time = graphs.time(natural) if self._pad_time else natural
+        bucket = (rows.start, padded_rows, padded_time)
+        static = self._static_io(bucket, lanes)
+        merged = self.states.merge(histories, out=static.states, prefix_lengths_out=static.prefix)
+        feeds = dict(static.feeds)
+        static.labels[num_rows:] = 0
+        static.labels[:num_rows, 0] = labels
+        if static.prefix_converted is not None:
+            static.prefix_converted[...] = static.prefix
+        if spec.convention != "rasr":
+            mask, positions = hf_attention_inputs(merged.prefix_lengths, padded_time)
+            for name, value in ((names.get("attention_mask"), mask), (names.get("position_ids"), positions)):
+                if name is not None:
+                    feeds[name][...] = value
+        in_place = self._in_place(static.states)
+        outputs = graphs.run(static.key, feeds, self._output_names(in_place),
+                             lambda name, dtype, shape: in_place[name] if name in in_place
+                             else buffers.view(name, dtype, shape, bucket))
+        states_out = self._state_outputs(outputs)
+        if self._rows_outermost:
+            states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
+                          for v in spec.state_variables}
+            new_slots = self.states.split(states_out)
+        else:
+            new_slots = self.states.split(states_out)[:num_rows]
+        return outputs[spec.scores_output][:num_rows], new_slots
+
+    def warm_up(self, max_time: int, chunks: list[slice], lanes) -> int:
+        """Captures the step's graphs for every history bucket up to ``max_time`` and each chunk
+        of rows; returns the number of graphs. Runs on empty histories; the slots it allocates
+        belong to no history and are freed by the next ``retain``."""
+        if self.graphs is None:
+            return 0
+        num_rows = max(chunk.stop for chunk in chunks)
+        empty = self.states.initial_histories(num_rows)
+        labels = self.states.xp.zeros(num_rows, dtype=np.int64)
+        return self.graphs.warm_up(max_time, chunks, lambda rows, time: self.run(empty, labels, rows, lanes, time))
+
+    # --- inputs and outputs ------------------------------------------------------------------------
+    def _output_names(self, in_place: dict) -> list[str]:
+        """The scores, the state outputs and the bound in-place outputs, each once."""
+        state_outputs = [v.output_name for v in self.spec.state_variables]
+        return list(dict.fromkeys([self.spec.scores_output, *state_outputs, *in_place]))
+
+    def _state_outputs(self, outputs: dict) -> dict:
+        """The state outputs for the split. One written in place (``spec.in_place_outputs``) holds
+        its state input's bytes, new step last, and is read in that input's shape (its declared
+        shape may differ, as keys declared in the layout an attention kernel reads); a host manager
+        gets only its new step, not the whole history."""
+        states = {}
+        for layout in self.states.layouts:
+            name = layout.variable.output_name
+            array = outputs[name]
+            if name in self.spec.in_place_outputs:
+                rows = array.shape[layout.variable.batch_axis]
+                array = array.reshape(layout.tensor_shape(rows, array.size // (rows * layout.token_size)))
+                if self.states.device == "cpu":
+                    index = [slice(None)] * array.ndim
+                    index[layout.variable.time_axis] = slice(-1, None)
+                    array = array[tuple(index)]
+            states[name] = array
+        return states
+
+    def _natural_time(self, histories: StateHistory, time_size: int | None) -> int:
+        """T of a call: the longest kept history (or ``time_size``), plus the position an in-place
+        model (``spec.in_place_outputs``) writes the new step into."""
+        natural = min(histories.width, self.states.max_history) if time_size is None else time_size
+        return natural + bool(self.spec.in_place_outputs)
+
+    def _in_place(self, state_inputs: dict) -> dict:
+        """The in-place outputs bound to their state inputs' buffers (CUDA with device states; on
+        the CPU provider, or with the states merged on the host, they are neither requested nor
+        bound)."""
+        if self.session.provider != "cuda" or self.states.device == "cpu":
+            return {}
+        bound = {}
+        for output, name in self.spec.in_place_outputs.items():
+            buffer = state_inputs[name]
+            # the output may declare the same bytes in another shape (keys declared in the layout an
+            # attention kernel reads): its own static dims, the buffer's batch and time
+            declared = self.session.tensors.output(output).shape
+            shape = tuple(d if isinstance(d, int) else n for d, n in zip(declared, buffer.shape))
+            bound[output] = buffer if shape == tuple(buffer.shape) else buffer.reshape(shape)
+        return bound
+
+    def _static_io(self, bucket, lanes) -> _StaticInputs:
+        """The static inputs of ``bucket``: views of the graph buffers (and of the lane buffers),
+        made once per bucket, buffer generation and lane-buffer version."""
+        buffers, names, spec = self.graphs.buffers, self.spec.hypothesis_inputs, self.spec
+        cached = self._static.get((bucket, buffers.generation, lanes.version))
+        if cached is not None:
+            return cached
+        start, padded_rows, padded_time = bucket
+
+        def view(name, dtype, shape):
+            return buffers.view(name, dtype, shape, bucket)
+
+        states = {layout.name: view(layout.name, layout.model_dtype, layout.tensor_shape(padded_rows, padded_time))
+                  for layout in self.states.layouts}
+        prefix_name = names.get("prefix-length")
+        prefix_direct = prefix_name is not None and self._input_dtype("prefix-length") == np.int32
+        prefix = view(prefix_name if prefix_direct else "#prefix-lengths", np.int32, (padded_rows,))
+        labels = view(self.label_name, self.label_dtype, (padded_rows, 1))
+        feeds = {**states, self.label_name: labels}
+        converted = None
+        if spec.convention == "rasr":
+            if "token-length" in names:
+                feeds[names["token-length"]] = view(names["token-length"], self._input_dtype("token-length"),
+                                                    (padded_rows,))
+                feeds[names["token-length"]].fill(1)
+            if prefix_name is not None:
+                if not prefix_direct:
+                    converted = view(prefix_name, self._input_dtype("prefix-length"), (padded_rows,))
+                feeds[prefix_name] = prefix if prefix_direct else converted
+        else:
+            shapes = {"attention_mask": (padded_rows, padded_time + 1), "position_ids": (padded_rows, 1)}
+            for logical, shape in shapes.items():
+                if logical in names:
+                    feeds[names[logical]] = view(names[logical], self._input_dtype(logical), shape)
+        lane_key = []
+        input_rows = _input_rows(slice(start, start + padded_rows), lanes.group_size)
+        for name, buffer in lanes.buffers.items():
+            feeds[name] = buffer[input_rows]
+            lane_key.append((name, buffer.shape))
+        if self.session.provider == "cuda":
+            lane_key += [buffer.data.ptr for buffer in lanes.buffers.values()]
+        static = _StaticInputs(key=(bucket, tuple(lane_key)), feeds=feeds, states=states, prefix=prefix,
+                               prefix_converted=converted, labels=labels)
+        current = (buffers.generation, lanes.version)  # after any growth above
+        # views of replaced buffers would keep them alive
+        self._static = {k: v for k, v in self._static.items() if k[1:] == current}
+        self._static[(bucket, *current)] = static
+        return static
+
+    def _input_dtype(self, logical: str):
+        return self.session.tensors.input(self.spec.hypothesis_inputs[logical]).dtype
+
+    def close(self) -> None:
+        """Returns the graph buffers' memory."""
+        if self.graphs is not None:
+            self.graphs.close()

@@ -67,7 +67,7 @@ class StateManager:
     family = ""
     #: histories hold one slot per token state, along the model's time axis (False: one state per
     #: hypothesis, merged with T = 1)
-    has_time_axis = True
+    has_time_axis: bool
 
     def __init__(self, options: StateManagerOptions, state_variables: Sequence[StateVariable], *, device: str):
         if options.family != self.family:
@@ -129,8 +129,8 @@ class StateManager:
 
     # ---- histories --------------------------------------------------------------------------------
     def initial_histories(self, num_rows: int) -> StateHistory:
-        """``num_rows`` histories with no token state (an empty transformer past)."""
-        return empty_histories(num_rows, self.xp, width=0)
+        """``num_rows`` histories holding no state yet."""
+        raise NotImplementedError
 
     def _as_histories(self, histories: StateHistory) -> StateHistory:
         xp = self.xp
@@ -147,8 +147,8 @@ class StateManager:
 
     @property
     def max_history(self) -> int:
-        """The most token states a history keeps (``options.max_history`` made effective)."""
-        return effective_max_history(self.options.max_history)
+        """The most states a history keeps."""
+        raise NotImplementedError
 
     @property
     def _keep_first(self) -> bool:
@@ -344,22 +344,12 @@ class StateManager:
 
     def _extended(self, histories: StateHistory, new_slots, parents, append) -> StateHistory:
         """:meth:`extend` on this manager's arrays (inside its device context)."""
-        return extend_histories(
-            histories,
-            new_slots,
-            parents,
-            append=append,
-            max_history=self.options.max_history,
-            keep_first=self._keep_first,
-        )
+        raise NotImplementedError
 
     def trimmed(self, histories: StateHistory, width: int) -> StateHistory:
         """``histories`` with a table at most ``width`` wide, for a caller that knows no history
         is longer (a host bound; no sync)."""
-        if histories.width <= width:
-            return histories
-        table = self.xp.ascontiguousarray(histories.table[:, :width])
-        return StateHistory(table=table, lengths=histories.lengths)
+        raise NotImplementedError
 
     def select(self, histories: StateHistory, rows) -> StateHistory:
         """The histories of ``rows`` (survivors are a gather)."""
@@ -391,6 +381,7 @@ class TransformerStateManager(StateManager):
     """One slot per token state; histories of any length, truncated by ``max_history``."""
 
     family = "transformer"
+    has_time_axis = True
 
     def __init__(self, options, state_variables, *, device: str):
         for v in state_variables:
@@ -400,6 +391,34 @@ class TransformerStateManager(StateManager):
                     f"(shape {v.shape}); use an lstm state manager for per-hypothesis states"
                 )
         super().__init__(options, state_variables, device=device)
+
+    def initial_histories(self, num_rows: int) -> StateHistory:
+        """``num_rows`` histories with no token state (an empty transformer past)."""
+        return empty_histories(num_rows, self.xp, width=0)
+
+    @property
+    def max_history(self) -> int:
+        """The most token states a history keeps (``options.max_history`` made effective)."""
+        return effective_max_history(self.options.max_history)
+
+    def _extended(self, histories: StateHistory, new_slots, parents, append) -> StateHistory:
+        """:meth:`extend` on this manager's arrays (inside its device context)."""
+        return extend_histories(
+            histories,
+            new_slots,
+            parents,
+            append=append,
+            max_history=self.options.max_history,
+            keep_first=self._keep_first,
+        )
+
+    def trimmed(self, histories: StateHistory, width: int) -> StateHistory:
+        """``histories`` with a table at most ``width`` wide, for a caller that knows no history
+        is longer (a host bound; no sync)."""
+        if histories.width <= width:
+            return histories
+        table = self.xp.ascontiguousarray(histories.table[:, :width])
+        return StateHistory(table=table, lengths=histories.lengths)
 
 
 class LstmStateManager(StateManager):

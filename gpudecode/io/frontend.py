@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gpudecode import defaults
+from gpudecode.sizes import next_power_of_two
 
 
 class FrontEndError(ValueError):
@@ -67,7 +68,7 @@ class LogMelOptions:
         """``fft_size``, or the next power of two >= the window length."""
         if self.fft_size is not None:
             return self.fft_size
-        return 1 << max(0, (self.window_samples - 1).bit_length())
+        return next_power_of_two(self.window_samples)
 
     @property
     def nyquist_hz(self) -> float:

@@ -29,6 +29,7 @@ import numpy as np
 from gpudecode.backend import to_host
 from gpudecode.scorers.base import Context, LabelScorer, LaneLayout, UtteranceBatch
 from gpudecode.scorers.registry import register_scorer
+from gpudecode.sizes import next_power_of_two
 
 _NEG_INF = np.float32(-np.inf)
 
@@ -43,10 +44,6 @@ class CtcPrefixContext:
     last: Any  # [N] int64, last label (-1: empty prefix)
     # set by score()/score_candidates(): (labels [N, K], r_label [T+1, N, K], r_blank, ψ [N, K])
     scored: tuple | None = None
-
-
-def _round_up(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @register_scorer("ctc-prefix")
@@ -93,7 +90,7 @@ class CtcPrefixScorer(LabelScorer):
                              f"got shape {tuple(data.shape)}")
         num_frames = data.shape[1]
         if num_frames > self._log_probs.shape[0]:  # grow the time axis, rounded up
-            grown = xp.zeros((_round_up(num_frames), self.layout.num_groups, self.vocab_size), np.float32)
+            grown = xp.zeros((next_power_of_two(num_frames), self.layout.num_groups, self.vocab_size), np.float32)
             grown[: self._log_probs.shape[0]] = self._log_probs
             self._log_probs = grown
         groups_dev = xp.asarray(np.asarray(groups, dtype=np.int64))

@@ -11,6 +11,7 @@ from itertools import repeat
 import numpy as np
 
 from gpudecode.hypothesis import Hypothesis
+from gpudecode.sizes import next_power_of_two
 
 __all__ = ["Hypothesis", "int_rows", "label_lists", "nbest_lists", "no_cyclic_gc", "python_ints"]
 
@@ -41,7 +42,7 @@ def python_ints(size: int) -> np.ndarray:
     """An object array whose entry i is the Python int i, for i < ``size``: indexing it with a
     label array and calling ``tolist()`` gives lists of ints without making an int object per
     label (thousands of n-best labels per search). Cached for sizes rounded up to a power of 2."""
-    return _python_ints(1 << max(size - 1, 0).bit_length())
+    return _python_ints(next_power_of_two(size))
 
 
 def nbest_lists(ranks: np.ndarray, labels: list[list[int]], scores: np.ndarray, names: list[str],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpudecode.backend import get_array_module
+from gpudecode.sizes import next_power_of_two
 
 # On CuPy, k up to this many columns are selected by kernels/top_k.cu (no sort): one launch for
 # rows of at most _TOP_K_SEGMENT columns, two for longer rows (the best k of each segment, then of
@@ -46,7 +47,7 @@ def _top_k_kernel(keys, k: int):
     out = xp.empty((num_rows, k), dtype=np.int64)
     if not num_rows:
         return out
-    kept = 1 << (k - 1).bit_length()  # the per-thread list: the smallest power of two >= k
+    kept = next_power_of_two(k)  # the per-thread list
     module = load_module("top_k", (), keys.device.id)
     block = (_TOP_K_THREADS,)
     if num_cols <= _TOP_K_SEGMENT:

@@ -102,3 +102,14 @@ def test_docs_bench_holds_one_result_per_benchmark():
     results = sorted(p.name for p in (DOCS / "bench").glob("*.json"))
     assert not [name for name in results if f"bench/{name}" not in text]
     assert not [name for name in results if re.search(r"-(s\d+)?call\d|-session\d|-rerun|-run\d", name)]
+
+
+def test_readme_config_example_is_valid():
+    """The README's own-model config passes validation as written (its model files are placeholders)."""
+    import yaml
+
+    from gpudecode.config import validate_config
+
+    (block,) = re.findall(r"```yaml\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+    config = validate_config(yaml.safe_load(block))
+    assert [s.type for s in config.scorers] == ["onnx-decoder", "recurrent-lm"]

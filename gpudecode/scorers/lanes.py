@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
-from gpudecode.session import ModelSpec, UtteranceInput
+from gpudecode.session import ModelSpec, UtteranceInput, hf_encoder_attention_mask
 from gpudecode.sizes import next_power_of_two
 
 
@@ -97,7 +97,7 @@ class LaneInputs:
             if time_size is None:
                 raise ValueError(f"{spec.source}: 'encoder_attention_mask' has no encoder input to "
                                  "take its length from")
-            valid = xp.arange(time_size)[None, :] < xp.asarray(sizes).reshape(-1, 1)
+            valid = hf_encoder_attention_mask(xp.asarray(sizes), time_size)
             self.write(mask_input.name, valid.astype(mask_input.dtype), rows, mask_input.time_axis, host_rows)
         size_input = next((u for u in spec.utterance_inputs if u.name == size_name), None)
         if size_input is not None:

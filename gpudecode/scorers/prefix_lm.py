@@ -44,7 +44,7 @@ from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import Context, LaneLayout, UtteranceBatch
 from gpudecode.scorers.onnx_decoder import DecoderContext, OnnxDecoderScorer, converted_scores
 from gpudecode.scorers.registry import register_scorer
-from gpudecode.session import OnnxSession, SessionOptions
+from gpudecode.session import OnnxSession, SessionOptions, hf_encoder_attention_mask
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.history import StateHistory
 from gpudecode.states.options import StateManagerOptions
@@ -203,7 +203,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
                 if logical == "encoder-states-size":
                     value = sizes
                 else:
-                    value = np.arange(states.shape[1])[None, :] < sizes[:, None]
+                    value = hf_encoder_attention_mask(sizes, states.shape[1])
                 feeds[target] = xp.asarray(value.astype(tensors.input(target).dtype))
                 taken.add(target)
         for info in tensors.inputs:

@@ -8,7 +8,7 @@ from gpudecode.session.discovery import (
     discover_encoder,
     discover_step_model,
 )
-from gpudecode.session.hf import hf_attention_inputs
+from gpudecode.session.hf import hf_attention_inputs, hf_encoder_attention_mask
 from gpudecode.session.options import SessionOptions
 from gpudecode.session.runner import OnnxSession, SessionError
 from gpudecode.session.tensors import ModelTensors, TensorInfo, from_onnx_model, from_ort_session
@@ -16,5 +16,5 @@ from gpudecode.session.tensors import ModelTensors, TensorInfo, from_onnx_model,
 __all__ = [
     "EncoderSpec", "ModelError", "ModelSpec", "ModelTensors", "OnnxSession", "SessionError",
     "SessionOptions", "TensorInfo", "UtteranceInput", "discover_encoder", "discover_step_model",
-    "from_onnx_model", "from_ort_session", "hf_attention_inputs",
+    "from_onnx_model", "from_ort_session", "hf_attention_inputs", "hf_encoder_attention_mask",
 ]

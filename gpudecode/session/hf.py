@@ -18,3 +18,10 @@ def hf_attention_inputs(prefix_length, past_time: int, num_new: int = 1):
     attention_mask = (columns[None, :] >= (past_time - prefix)[:, None]).astype(xp.int64)
     position_ids = prefix[:, None] + xp.arange(num_new, dtype=xp.int64)[None, :]
     return attention_mask, position_ids
+
+
+def hf_encoder_attention_mask(sizes, time_size: int):
+    """``encoder_attention_mask`` [U, S] (bool, True = valid) of encoder states ``sizes`` [U]
+    padded to ``time_size`` frames, on the array module of ``sizes``."""
+    xp = get_array_module(sizes)
+    return xp.arange(time_size)[None, :] < sizes.reshape(-1, 1)

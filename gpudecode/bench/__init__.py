@@ -1,1 +1,1 @@
-"""Benchmarks (DESIGN §10): each measures our path and its baseline in the same run."""
+"""Benchmarks (docs/performance.md): each measures our path and its baseline in the same run."""

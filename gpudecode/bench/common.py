@@ -63,7 +63,7 @@ def save_figure(plt, fig, path) -> str:
 
 
 #: How the benchmarks export their transformer decoder (``build_transformer_decoder`` options).
-#: "new-step": the state outputs hold the new step alone (DESIGN §5; no copy of the history inside
+#: "new-step": the state outputs hold the new step alone (no copy of the history inside
 #: the model) and the self-attention's query/key/value are one fused product; "full-history": each
 #: state output is the past with the new step appended (a Concat per state variable and step), and
 #: three separate products; "ragged": new-step, with ONNX Attention (opset 24) over each row's own

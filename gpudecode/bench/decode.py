@@ -251,7 +251,7 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
 
     ``tf32``: the decoder's float32 matrix products on TF32 tensor cores (ONNX Runtime's
     ``use_tf32``; results as ``decode[-graphs]-tf32.json``). Off by default, as in the library: the
-    exactness of DESIGN §8 is defined without it.
+    results equal the CPU's only without it.
 
     ``host_wait``: "nap" (the library's default: the host polls while it waits for the GPU and
     sleeps in between, 100 µs first, each sleep twice as long up to ``max_nap_us``: default the

@@ -1,6 +1,6 @@
 """The label-scorer interface: one batched call per search step covers every lane.
 
-A search lays its hypotheses out as **lanes** (DESIGN §4): utterance group ``g`` owns the
+A search lays its hypotheses out as **lanes**: utterance group ``g`` owns the
 ``beam_size`` lanes ``g * beam_size .. (g + 1) * beam_size - 1``, N = ``num_groups * beam_size``
 lanes in all. A scorer sees all N lanes in every call — there is no per-hypothesis call and no
 per-hypothesis Python object. What a scorer keeps about the lanes (the **scoring context**) is

@@ -1,4 +1,4 @@
-"""Beam searches over batched label scorers (DESIGN §8).
+"""Beam searches over batched label scorers.
 
 Python entry::
 

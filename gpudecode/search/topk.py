@@ -21,7 +21,7 @@ def top_k_indices(keys, k: int):
     """[R, k] int64: per row of ``keys`` [R, M] float32, the columns of the k largest keys,
     best first.
 
-    Equal keys keep column order (lower column first) — DESIGN §8's tie-break when columns are
+    Equal keys keep column order (lower column first) — the searches' tie-break when columns are
     laid out lane-major, then label. NaN ranks like -inf; -0.0 equals +0.0. Implemented with
     stable sorts, which numpy (``kind="stable"``) and CuPy (always stable) agree on.
     """

@@ -1,6 +1,6 @@
 """Recognises a model's convention, state variables and per-utterance inputs, and validates them.
 
-Logical names (DESIGN §5) are mapped to a model's own names by ``io_map`` (logical -> model).
+Logical names (docs/user-guide.md, "Your own models") are mapped to a model's own names by ``io_map`` (logical -> model).
 Every problem is a :class:`ModelError` naming the model file, the tensor, expected vs actual.
 """
 

@@ -1,4 +1,4 @@
-"""Decoder states between search steps: the state pool and the state managers (DESIGN §6)."""
+"""Decoder states between search steps: the state pool and the state managers."""
 
 from gpudecode.states.factory import (
     AUTOMATIC_TYPES,

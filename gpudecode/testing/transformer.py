@@ -465,7 +465,7 @@ def build_transformer_decoder(
     g's beam in rows g·beam … (g+1)·beam − 1 (metadata ``PER_UTTERANCE_ROWS``); "lane": N rows.
     Outputs: ``scores`` [N,1,V] log-softmax; ``present-key-{i}``, ``present-value-{i}`` = past
     with the new token appended on the time axis (T+1 positions), or with ``state_outputs="new"``
-    the new token's alone (1 position; DESIGN §5 lets a model output either).
+    the new token's alone (1 position; the conventions let a model output either).
     The new token sits at position prefix-length[n]. ``fused_qkv``: the self-attention's three
     input projections as one product (as ``torch.nn.MultiheadAttention`` exports them); the same
     function. ``attention``: "dense" (the above), or the past left-aligned (metadata

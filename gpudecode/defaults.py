@@ -11,7 +11,7 @@ from __future__ import annotations
 DEVICES = ("cpu", "cuda")
 DEVICE = "cpu"
 DEVICE_ID = 0
-TF32 = False  # TF32 off by default: DESIGN §8 exactness is defined with TF32 off
+TF32 = False  # TF32 off by default: CUDA results equal the CPU's only with TF32 off
 CUDA_GRAPHS = False
 GRAPH_TIME_STEP = 32  # history buckets: powers of two up to this, then multiples of it
 GRAPH_MIN_ROWS = 8  # the smallest row bucket

@@ -13,7 +13,7 @@ history length and the step model's ``prefix-length``. From then on the step mod
 The same mechanism runs an Optimum seq2seq export: ``decoder_model`` is the prefill (``input_ids``
 = the decoder start labels), its ``present.{i}.encoder.*`` outputs become the step model's
 ``past_key_values.{i}.encoder.*`` per-utterance inputs, and ``decoder_with_past_model`` is the
-step model (DESIGN §5).
+step model.
 
 Prefill inputs, by logical name (``prefill_io_map`` maps them to the model's own names):
 

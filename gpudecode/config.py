@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from gpudecode import defaults
+from gpudecode.search.registry import is_search_type, search_type_names
 
 __all__ = [
     "Config", "ConfigError", "EncoderConfig", "EngineConfig", "FeaturesConfig", "FrontEndConfig",
@@ -321,7 +322,7 @@ class ScorerConfig(_Section):
 
 
 class SearchConfig(_Section):
-    type: Literal[defaults.SEARCH_TYPES] = defaults.SEARCH_TYPE
+    type: str = defaults.SEARCH_TYPE  # a registered search type (gpudecode.search.registry)
     beam_size: PositiveInt = defaults.BEAM_SIZE
     nbest: PositiveInt | None = defaults.NBEST
     score_threshold: PositiveFloat | None = defaults.SCORE_THRESHOLD
@@ -335,6 +336,17 @@ class SearchConfig(_Section):
     pre_beam_size: PositiveInt | None = defaults.PRE_BEAM_SIZE
     max_symbols_per_frame: PositiveInt = defaults.MAX_SYMBOLS_PER_FRAME
     recombination: Literal[defaults.RECOMBINATIONS] = defaults.RECOMBINATION
+    options: dict[str, Any] = Field(default_factory=dict)  # free, for search types of plugins
+
+    @field_validator("type")
+    @classmethod
+    def _check_type(cls, value: str) -> str:
+        if is_search_type(value):  # built-in, or registered by a plugin imported before
+            return value
+        names = search_type_names()
+        close = difflib.get_close_matches(value, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"invalid choice {value!r}{hint}; valid choices: {', '.join(names)}")
 
     @model_validator(mode="after")
     def _check(self) -> SearchConfig:

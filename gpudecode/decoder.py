@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -15,20 +16,22 @@ import numpy as np
 from gpudecode.backend import array_module, to_host
 from gpudecode.config import Config, ConfigError, ScorerConfig, load_config, validate_config
 from gpudecode.io.vocabulary import Vocabulary
+from gpudecode.hypothesis import Hypothesis
 from gpudecode.scorers import UtteranceBatch, create_scorer
-from gpudecode.search import Hypothesis, LabelSyncOptions, label_sync_search
-from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
-from gpudecode.search.transducer import TransducerOptions, transducer_greedy_search, transducer_search
+from gpudecode.search.registry import SearchSetup, SearchTypeError, search_type
 from gpudecode.session import OnnxSession, SessionOptions, discover_encoder
 from gpudecode.states.options import StateManagerOptions
 
 ONNX_SCORERS = ("onnx-decoder", "recurrent-lm")
 PROMPT_OPTIONS = ("initial_prompt_labels", "suffix_prompt_labels")
-SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy", "transducer", "transducer-greedy")
 
 
 class Decoder:
-    """Decodes feature arrays with the models, scorers and search of a :class:`Config`."""
+    """Decodes feature arrays with the models, scorers and search of a :class:`Config`.
+
+    The search is the registered type ``config.search.type`` (:mod:`gpudecode.search.registry`):
+    the decoder builds what the type asks for and hands it over as :attr:`search_setup`.
+    """
 
     def __init__(self, config: Config):
         self.config = config
@@ -45,49 +48,29 @@ class Decoder:
             sentence_end=vocab.sentence_end, unknown=vocab.unknown,
         )
         search = config.search
-        if search.type not in SEARCH_TYPES:
-            raise ConfigError(f"search.type: {search.type!r} is not available yet; valid now: {', '.join(SEARCH_TYPES)}")
-        if search.type == "label-sync" and not config.scorers:
-            raise ConfigError("scorers: the label-synchronous search needs at least one label scorer")
-        if search.type == "ctc-greedy" and config.scorers:
-            raise ConfigError("scorers: greedy CTC decoding fuses no scorers; use search.type ctc-prefix")
-        if search.type.startswith("ctc") and config.models.encoder is None:
-            raise ConfigError("models.encoder: CTC decoding needs the encoder that outputs frame log-probs")
-        if search.type.startswith("transducer") and (config.models.encoder is None or config.models.transducer is None):
-            raise ConfigError("models.transducer: transducer decoding needs models.encoder and models.transducer "
-                              "(prediction and joint networks)")
-        if search.type == "transducer-greedy" and config.scorers:
-            raise ConfigError("scorers: greedy transducer decoding fuses no scorers; use search.type transducer")
-        self.sentence_end = (self._special("sentence_end") if search.type == "label-sync"
+        try:
+            self.search_type = search_type(search.type)
+            self.search_type.check(config)
+        except SearchTypeError as exc:
+            raise ConfigError(str(exc)) from None
+        needs = self.search_type.labels
+        self.sentence_end = (self._special("sentence_end") if "sentence_end" in needs
                              else self.vocabulary.sentence_end_index)
         self.encoder = None
         if config.models.encoder is not None:
             self.encoder = OnnxSession(config.models.encoder.path, self.session_options)
             self.encoder_spec = discover_encoder(self.encoder.tensors, io_map=config.models.encoder.io_map)
         self.scorers = [(s.name, self._build_scorer(i, s), s.scale) for i, s in enumerate(config.scorers)]
-        if search.type == "label-sync":
-            self.search_options = LabelSyncOptions(
-                beam_size=search.beam_size, sentence_end=self.sentence_end,
-                length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,
-                max_labels_per_input=search.max_labels_per_input, max_labels=search.max_labels,
-                nbest=search.nbest, pre_beam_size=search.pre_beam_size,
-            )
-        elif search.type.startswith("transducer"):
-            self.blank = self._special("blank")
+        self.blank = self._special("blank") if "blank" in needs else None
+        self.prediction = self.joint = None
+        if self.search_type.needs_transducer:
             self.prediction, self.joint = self._build_transducer(config.models.transducer)
-            self.search_options = TransducerOptions(
-                beam_size=search.beam_size, blank=self.blank, max_symbols_per_frame=search.max_symbols_per_frame,
-                recombination=search.recombination, score_threshold=search.score_threshold,
-                sentence_end=self.sentence_end if self.scorers else None,
-                max_cached_score_vectors=search.max_cached_score_vectors, nbest=search.nbest,
-            )
-        else:
-            self.blank = self._special("blank")
-            self.search_options = CtcPrefixOptions(
-                beam_size=search.beam_size, blank=self.blank, score_threshold=search.score_threshold,
-                sentence_end=self.sentence_end if self.scorers else None,
-                max_cached_score_vectors=search.max_cached_score_vectors, nbest=search.nbest,
-            )
+        setup = SearchSetup(config=search, scorers=tuple(self.scorers), xp=self.xp, blank=self.blank,
+                            sentence_end=self.sentence_end, prediction=self.prediction, joint=self.joint)
+        make_options = self.search_type.make_options
+        self.search_options = make_options(setup) if make_options is not None else None
+        #: What the search type decodes with (its options included).
+        self.search_setup = dataclasses.replace(setup, options=self.search_options)
 
     @property
     def encoder_num_features(self) -> int | None:
@@ -197,28 +180,9 @@ class Decoder:
     def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> list[list[Hypothesis]]:
         """N-best lists of one batch of utterances decoded together.
 
-        For CTC searches, ``Hypothesis.frames`` are encoder frames (see :attr:`subsampling`).
+        For time-synchronous searches, ``Hypothesis.frames`` are encoder frames (see :attr:`subsampling`).
         """
-        search = self.config.search
-        if search.type.startswith("transducer"):
-            batch = self.encode(ids, features)
-            states = batch.inputs["encoder-states"]
-            if search.type == "transducer-greedy":
-                return transducer_greedy_search(states, batch.input_lengths, self.prediction, self.joint,
-                                                blank=self.blank, max_symbols_per_frame=search.max_symbols_per_frame,
-                                                xp=self.xp)
-            return transducer_search(states, batch.input_lengths, self.prediction, self.joint, self.search_options,
-                                     self.scorers, xp=self.xp, ids=list(ids))
-        if search.type.startswith("ctc"):
-            batch = self.encode(ids, features)
-            log_probs = batch.inputs["encoder-states"]
-            if search.type == "ctc-greedy":
-                return ctc_greedy_search(log_probs, batch.input_lengths, blank=self.blank, xp=self.xp)
-            return ctc_prefix_search(log_probs, batch.input_lengths, self.search_options, self.scorers,
-                                     xp=self.xp, ids=list(ids))
-        return label_sync_search(self.scorers, self.encode(ids, features), self.search_options, xp=self.xp,
-                                 max_active_utterances=search.max_active_utterances,
-                                 admission_order=search.admission_order)
+        return self.search_type.decode(self.search_setup, self.encode(ids, features))
 
     def decode(self, features: Mapping[str, np.ndarray] | Sequence[np.ndarray]) -> dict[str, list[Hypothesis]]:
         """N-best lists by utterance id (``features``: id -> [T, F] array, or a list: ids "0", "1", ...).

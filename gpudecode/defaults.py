@@ -74,7 +74,6 @@ STATE_COMPRESSIONS = ("none", "fixed-quantisation", "reduced-precision")
 STATE_COMPRESSION = "none"
 
 # --- search ----------------------------------------------------------------------------------
-SEARCH_TYPES = ("label-sync", "ctc-prefix", "ctc-greedy", "transducer", "transducer-greedy")
 RECOMBINATIONS = ("sum", "max")  # transducer: how equal label sequences are merged
 RECOMBINATION = "sum"
 SEARCH_TYPE = "label-sync"

@@ -1,0 +1,1 @@
+"""Modules a test imports as a user's plugin would be imported."""

@@ -14,13 +14,16 @@ import onnx
 import pytest
 from onnx import helper
 
+from gpudecode import defaults
 from gpudecode.config import ConfigError, validate_config
 from gpudecode.scorers import UtteranceBatch
 from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer, RecurrentLmScorer
 from gpudecode.scorers.prefix_lm import PrefixLmScorer
 from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.session import OnnxSession, SessionOptions
+from gpudecode.sizes import next_power_of_two
 from gpudecode.session.graphs import (
+    GraphBuckets,
     GraphBuffers,
     GraphOptions,
     PaddedRuns,
@@ -57,6 +60,20 @@ def test_time_buckets_are_powers_of_two_then_multiples_of_the_step():
         assert all(c < max(t, 1) for c in time_buckets(200, 16) if c < b)
     with pytest.raises(ValueError, match="time"):
         bucket_time(-1, 8)
+
+
+def test_next_power_of_two():
+    assert [next_power_of_two(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+
+
+def test_graph_buckets_hold_whole_groups_and_take_their_steps_from_the_defaults():
+    options = GraphOptions(enabled=True, time_step=4, min_rows=4)
+    buckets = GraphBuckets(OnnxSession(Setup(3).decoder.serialized(), SessionOptions()), options)
+    assert isinstance(buckets.runs, PaddedRuns) and not buckets.num_graphs and not buckets.captures
+    assert [buckets.rows(n) for n in (1, 5, 9)] == [bucket_rows(n, 4) for n in (1, 5, 9)]
+    assert [buckets.rows(n, group_size=3) for n in (3, 9, 13)] == [6, 12, 24]  # groups: floor 2, then 4 and 8
+    assert [buckets.time(t) for t in (0, 3, 5)] == [bucket_time(t, 4) for t in (0, 3, 5)]
+    assert (GraphOptions().time_step, GraphOptions().min_rows) == (defaults.GRAPH_TIME_STEP, defaults.GRAPH_MIN_ROWS)
 
 
 def test_graph_options_are_checked():

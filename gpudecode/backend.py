@@ -13,6 +13,8 @@ from types import ModuleType
 
 import numpy as np
 
+from gpudecode import defaults
+
 
 class GpuUnavailableError(RuntimeError):
     """The GPU path was asked for where CuPy or a CUDA device is missing."""
@@ -77,11 +79,11 @@ def to_host(array) -> np.ndarray:
     return to_host_all(array)[0]
 
 
-def to_host_all(*arrays) -> tuple[np.ndarray, ...]:
+def to_host_all(*arrays, wait: HostWait | None = None, clock: HostClock | None = None) -> tuple[np.ndarray, ...]:
     """:func:`to_host` of every argument with one synchronisation: the copies into pinned memory
-    are queued together on the shared stream, then the stream is waited for once (a blocking
-    wait under a blocking-sync context; a copy into pageable memory would wait inside the
-    driver)."""
+    are queued together on the shared stream, then the stream is waited for once
+    (:func:`wait_for` with ``wait`` and ``clock``; a copy into pageable memory would wait inside
+    the driver)."""
     device = [a for a in arrays if is_device_array(a)]
     if not device:
         return tuple(np.asarray(a) for a in arrays)
@@ -101,7 +103,7 @@ def to_host_all(*arrays) -> tuple[np.ndarray, ...]:
                                               cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
             sources.append(array)  # alive until the copies have run
             outs.append(out)
-        wait_for(stream)
+        wait_for(stream, DEFAULT_HOST_WAIT if wait is None else wait, clock)
     return tuple(outs)
 
 
@@ -124,61 +126,57 @@ class HostClock:
         self.count = 0
 
 
-#: Seconds of a napping wait's first sleep, and the longest sleep it doubles up to (:class:`HostWaits`).
-NAP_S = 100e-6
-MAX_NAP_S = 1e-3
+#: Seconds of a napping wait's first sleep, and the longest sleep it doubles up to (:class:`HostWait`).
+NAP_S = defaults.HOST_WAIT_NAP_S
+MAX_NAP_S = defaults.HOST_WAIT_MAX_NAP_S
+HOST_WAIT_MODES = defaults.HOST_WAIT_MODES
 
 
-@dataclasses.dataclass
-class HostWaits(HostClock):
-    """How the host waits for the GPU, and what its waits cost (``count``: waits).
+@dataclasses.dataclass(frozen=True)
+class HostWait:
+    """How the host waits for the GPU (:func:`wait_for`).
 
-    By default the host polls the event or stream and sleeps in between ("nap"): first
-    ``nap_s`` seconds, each further sleep twice as long up to ``max_nap_s``, so a long wait (a
-    GPU-bound step of a large batch) wakes the host a few times rather than every ``nap_s``. A
-    search reads its stop test a few steps late, so a late wake-up leaves the GPU with queued work.
-    Sleeping in the driver until the work is done (``nap_s`` = 0, "block") cost the host more: on
-    the H200 machine a beam-8 × 512 search step took 2.07 ms of thread CPU time blocking against
-    1.01 ms napping (100 µs naps), at the same step time. ``spin``: poll without
-    sleeping (keeps a core busy)."""
+    ``nap`` (the default): poll the event or stream and sleep in between, first ``nap_s``
+    seconds, each further sleep twice as long up to ``max_nap_s`` (``max_nap_s`` = ``nap_s``:
+    every sleep ``nap_s``), so a long wait (a GPU-bound step of a large batch) wakes the host a
+    few times rather than every ``nap_s``. A search reads its stop test a few steps late, so a
+    late wake-up leaves the GPU with queued work. ``block``: sleep in the driver until the work is
+    done; it cost the host more (on an H200 a beam-8 × 512 search step took 2.07 ms of thread CPU
+    time blocking against 1.01 ms napping with 100 µs naps, at the same step time). ``spin``:
+    poll without sleeping (keeps a core busy)."""
 
-    spin: bool = False
+    mode: str = defaults.HOST_WAIT
     nap_s: float = NAP_S
     max_nap_s: float = MAX_NAP_S
 
-    def set_mode(self, mode: str, nap_s: float = NAP_S, max_nap_s: float = MAX_NAP_S) -> None:
-        """"block" (sleep in the driver), "spin" or "nap" (sleeps of ``nap_s`` doubling up to
-        ``max_nap_s`` between polls; ``max_nap_s`` = ``nap_s``: every sleep ``nap_s``)."""
-        if mode not in HOST_WAIT_MODES:
-            raise ValueError(f"host_wait: expected one of {', '.join(HOST_WAIT_MODES)}, got {mode!r}")
-        if mode == "nap" and not 0 < nap_s <= max_nap_s:
-            raise ValueError(f"host_wait nap: expected 0 < nap_s <= max_nap_s, got {nap_s} and {max_nap_s}")
-        self.spin, self.nap_s = mode == "spin", (nap_s if mode == "nap" else 0.0)
-        self.max_nap_s = max_nap_s
+    def __post_init__(self) -> None:
+        if self.mode not in HOST_WAIT_MODES:
+            raise ValueError(f"host_wait: expected one of {', '.join(HOST_WAIT_MODES)}, got {self.mode!r}")
+        if self.mode == "nap" and not 0 < self.nap_s <= self.max_nap_s:
+            raise ValueError(f"host_wait nap: expected 0 < nap_s <= max_nap_s, got {self.nap_s} and {self.max_nap_s}")
 
 
-HOST_WAIT_MODES = ("block", "spin", "nap")
+#: Napping waits of :data:`NAP_S` doubling up to :data:`MAX_NAP_S`.
+DEFAULT_HOST_WAIT = HostWait()
 
 
-#: The process's waiting mode and accounting (every wait of the searches goes through wait_for).
-HOST_WAITS = HostWaits()
-
-
-def wait_for(work) -> None:
-    """Waits until a CuPy event or stream has run its queued work (see :class:`HostWaits`)."""
-    waits = HOST_WAITS
-    cpu, wall = time.thread_time(), time.perf_counter()
-    if waits.spin:
+def wait_for(work, wait: HostWait = DEFAULT_HOST_WAIT, clock: HostClock | None = None) -> None:
+    """Waits until a CuPy event or stream has run its queued work, as ``wait`` says; the wait's
+    thread CPU and wall seconds are added to ``clock`` (None: not measured)."""
+    if clock is not None:
+        cpu, wall = time.thread_time(), time.perf_counter()
+    if wait.mode == "spin":
         while not work.done:
             pass
-    elif waits.nap_s > 0:
-        nap = waits.nap_s
+    elif wait.mode == "nap":
+        nap = wait.nap_s
         while not work.done:
             time.sleep(nap)
-            nap = min(2 * nap, waits.max_nap_s)
+            nap = min(2 * nap, wait.max_nap_s)
     else:
         work.synchronize()
-    waits.add(time.thread_time() - cpu, time.perf_counter() - wall)
+    if clock is not None:
+        clock.add(time.thread_time() - cpu, time.perf_counter() - wall)
 
 
 def to_device(array, device_id: int = 0):

@@ -208,11 +208,6 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
               help="Timed rounds per CUDA-manager cell, interleaved across the cells; each cell's fastest counts.")
 @click.option("--graph-time-step", type=int, default=None,
               help="History bucket step of the CUDA graphs (default: the library's; *-step<N>.json).")
-@click.option("--pin-cpu", type=int, default=None,
-              help="Pin the bench's thread to this CPU once the cells are built (*-pin.json); default: unpinned.")
-@click.option("--max-nap-us", type=float, default=None,
-              help="--host-wait nap: the longest sleep of a wait in µs (sleeps double from 100 µs up to it; "
-                   "100: every sleep 100 µs; *-nap<N>us.json); default: the library's.")
 @click.option("--stop-test", default=None, metavar="LAG,EVERY",
               help="Read the search's stop flag LAG posts late and post it every EVERY steps "
                    "(*-stop<LAG>x<EVERY>.json); default: the library's (2,1).")
@@ -220,15 +215,14 @@ def bench_state_copy(output: str, hypotheses: str, histories: str, storage_dtype
 @_DTYPE
 def bench_decode(output: str, utterances: int, encoder_length: int, num_labels: int, quick: bool,
                  cuda_graphs: bool, utterance_rows: str, tf32: bool, host_wait: str, beams: str,
-                 control_delay_ms: float, rounds: int, graph_time_step: int | None, pin_cpu: int | None,
-                 max_nap_us: float | None, stop_test: str | None, export: str, dtype: str) -> None:
+                 control_delay_ms: float, rounds: int, graph_time_step: int | None, stop_test: str | None,
+                 export: str, dtype: str) -> None:
     """Attention-decoder search: CUDA vs CPU state manager, beam 8 vs 1, host time 4,096 vs 64 hypotheses."""
     _run_bench("decode", "run_decode_bench", num_utts=utterances, encoder_length=encoder_length,
                num_labels=num_labels, output_dir=output, quick=quick, cuda_graphs=cuda_graphs,
                utterance_rows=utterance_rows, tf32=tf32, host_wait=host_wait, beams=_int_list(beams),
-               rounds=rounds, export=export, control_delay_ms=control_delay_ms, dtype=dtype, pin_cpu=pin_cpu,
-               graph_time_step=graph_time_step, max_nap_us=max_nap_us,
-               stop_test=None if stop_test is None else _stop_test(stop_test))
+               rounds=rounds, export=export, control_delay_ms=control_delay_ms, dtype=dtype,
+               graph_time_step=graph_time_step, stop_test=None if stop_test is None else _stop_test(stop_test))
 
 
 @bench.command("graphs")

@@ -54,17 +54,7 @@ BUILTIN_SCORER_TYPES = (
 SCORER_SCALE = 1.0
 SCORES_KINDS = ("log-probs", "neg-log-probs", "logits")
 SCORES_KIND = "log-probs"
-STATE_MANAGER_TYPES = (
-    "transformer",
-    "transformer-cpu",
-    "transformer-cuda",
-    "transformer-16bit",
-    "transformer-8bit",
-    "lstm",
-    "lstm-cpu",
-    "lstm-cuda",
-)
-STATE_MANAGER_TYPE = "transformer"
+STATE_MANAGER_TYPE = "transformer"  # the types: gpudecode.states.options.STATE_MANAGER_TYPES
 MAX_HISTORY: int | None = None  # None: keep every token state
 ALWAYS_INCLUDE_FIRST_TOKEN_STATE = False
 SLOTS_PER_CHUNK = 1024
@@ -92,6 +82,13 @@ ADMISSION_ORDER = "longest-first"
 MAX_CACHED_SCORE_VECTORS = 10_000
 PRE_BEAM_SIZE: int | None = None  # None: no pre-pruning, every label is a candidate
 MAX_SYMBOLS_PER_FRAME = 10  # transducer (NeMo's default)
+# search.tuning (speed only, never the results; see gpudecode.search.tuning)
+STOP_TEST_LAG = 2  # the label-sync stop test is read this many steps late (on CuPy)
+STOP_TEST_EVERY = 1  # ... and posted every this many steps
+HOST_WAIT_MODES = ("block", "spin", "nap")
+HOST_WAIT = "nap"  # poll and sleep between polls
+HOST_WAIT_NAP_S = 100e-6  # a napping wait's first sleep ...
+HOST_WAIT_MAX_NAP_S = 1e-3  # ... doubling up to this
 
 # --- io --------------------------------------------------------------------------------------
 FEATURE_FORMATS = ("auto", "npy-dir", "npz", "hdf5", "kaldi-ark", "kaldi-scp", "audio")

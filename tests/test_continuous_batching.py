@@ -13,10 +13,13 @@ import pytest
 
 from gpudecode.backend import to_host
 from gpudecode.scorers import UtteranceBatch
+from gpudecode.scorers.base import LaneLayout
 from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer, RecurrentLmScorer
 from gpudecode.scorers.prefix_lm import PrefixLmScorer
-from gpudecode.search import LabelSyncOptions, batching, label_sync, label_sync_search
+from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.search.batching import admission_order
+from gpudecode.search.stats import SearchStats
+from gpudecode.search.tuning import SearchTuning
 from gpudecode.session import SessionOptions
 from gpudecode.states.options import StateManagerOptions
 from gpudecode.testing import build_lstm_lm, build_prefix_lm
@@ -28,26 +31,29 @@ TOL, MIN_GAP = 1e-4, 1e-3
 ORDERS = ("longest-first", "shortest-first", "input")
 
 
-@pytest.fixture
-def cutoff_gaps(monkeypatch):
-    """Records, for every top-k of the search, the gap between the k-th and (k+1)-th key."""
-    gaps: list[float] = []
-    original = label_sync.top_k_indices
+class CutoffGaps(list):
+    """Gaps between the k-th and (k+1)-th key of every top-k of the searches given ``stats``."""
 
-    def recording(keys, k):
-        host = np.sort(np.asarray(label_sync.to_host(keys), dtype=np.float64), axis=1)[:, ::-1]
+    def __init__(self):
+        super().__init__()
+        self.stats = SearchStats(on_top_k=self.record)
+
+    def record(self, keys, k):
+        host = np.sort(np.asarray(to_host(keys), dtype=np.float64), axis=1)[:, ::-1]
         if host.shape[1] > k:
             kth, nxt = host[:, k - 1], host[:, k]
             finite = np.isfinite(kth) & np.isfinite(nxt)
-            gaps.extend((kth[finite] - nxt[finite]).tolist())
-        return original(keys, k)
-
-    monkeypatch.setattr(label_sync, "top_k_indices", recording)
-    return gaps
+            self.extend((kth[finite] - nxt[finite]).tolist())
 
 
-def alone(make_scorers, batch: UtteranceBatch, options, xp=np):
-    return [label_sync_search(make_scorers(), batch.select([u]), options, xp=xp)[0]
+@pytest.fixture
+def cutoff_gaps():
+    """Records, for every top-k of the reference searches, the gap between the k-th and (k+1)-th key."""
+    return CutoffGaps()
+
+
+def alone(make_scorers, batch: UtteranceBatch, options, xp=np, stats=None):
+    return [label_sync_search(make_scorers(), batch.select([u]), options, xp=xp, stats=stats)[0]
             for u in range(batch.num_utterances)]
 
 
@@ -65,7 +71,7 @@ def assert_same(expected, got):
 # --- a table scorer: many utterances, fast ----------------------------------------------------------
 @pytest.mark.parametrize("lagged", [False, True], ids=["mask-read-at-once", "mask-read-one-step-late"])
 @pytest.mark.parametrize("beam", [1, 3])
-def test_table_scorer_continuous_equals_alone(beam, lagged, cutoff_gaps, monkeypatch):
+def test_table_scorer_continuous_equals_alone(beam, lagged, cutoff_gaps):
     """(lagged: the finished-groups mask is read one step late, as on CuPy; a group reset after
     the mask's step must not count as finished, and a finished group carries itself once more.)"""
     vocab, eos, num_utts = 6, 0, 9
@@ -75,16 +81,16 @@ def test_table_scorer_continuous_equals_alone(beam, lagged, cutoff_gaps, monkeyp
                            inputs={"table": tables})
     options = LabelSyncOptions(beam_size=beam, sentence_end=eos, max_labels_per_input=1.0,
                                length_norm_scale=0.5)
-    expected = alone(lambda: [("t", TrigramTableScorer(vocab), 1.0)], batch, options)
+    expected = alone(lambda: [("t", TrigramTableScorer(vocab), 1.0)], batch, options, stats=cutoff_gaps.stats)
     assert min(cutoff_gaps) > MIN_GAP
     lengths_out = {len(h[0].labels) for h in expected}
     assert len(lengths_out) >= 4  # utterances really finish at different steps
-    monkeypatch.setattr(batching, "LAGGED_CONTINUOUS_MASK", lagged)
+    tuning = SearchTuning(lagged_continuous_mask=lagged)
     for k in (1, 2, 4, 9, 20):
         for order in ORDERS:
             scorer = TrigramTableScorer(vocab)
             got = label_sync_search([("t", scorer, 1.0)], batch, options, max_active_utterances=k,
-                                    admission_order=order)
+                                    admission_order=order, tuning=tuning)
             assert_same(expected, got)
             assert scorer.released == list(range(min(k, num_utts)))  # every group released at the end
 
@@ -103,20 +109,18 @@ def test_admission_orders():
                           admission_order="random")
 
 
-def test_one_small_transfer_per_step(monkeypatch):
+def test_one_small_transfer_per_step():
     events: list = []
-    original = label_sync._to_host
 
-    def counting(*arrays):
+    def counting(arrays):
         events.append(("transfer", sum(int(np.prod(a.shape)) for a in arrays)))
-        return original(*arrays)
 
-    monkeypatch.setattr(label_sync, "_to_host", counting)
     vocab, eos, k = 6, 0, 3
     tables = random_tables(seed=4, num_utts=7, vocab_size=vocab, eos=eos, eos_bias=1.0)
     batch = UtteranceBatch(ids=list("abcdefg"), input_lengths=[9, 4, 7, 3, 8, 5, 6], inputs={"table": tables})
     label_sync_search([("t", TrigramTableScorer(vocab, events=events), 1.0)], batch,
-                      LabelSyncOptions(beam_size=2, sentence_end=eos), max_active_utterances=k)
+                      LabelSyncOptions(beam_size=2, sentence_end=eos), max_active_utterances=k,
+                      stats=SearchStats(on_transfer=counting))
     steps: list[list] = []
     for event in events:
         if event == "score":
@@ -147,7 +151,8 @@ def test_attention_decoder_with_lm_continuous_equals_alone(start_labels, cutoff_
     lm = build_lstm_lm(8, vocab_size=12)
     options = LabelSyncOptions(beam_size=3, sentence_end=EOS, max_labels_per_input=1.0)
     batch = setup.batch()
-    expected = alone(lambda: decoder_scorers(setup, lm, start_labels=start_labels), batch, options)
+    expected = alone(lambda: decoder_scorers(setup, lm, start_labels=start_labels), batch, options,
+                     stats=cutoff_gaps.stats)
     assert min(cutoff_gaps) > MIN_GAP
     for k, order in [(1, "input"), (2, "longest-first"), (3, "shortest-first"), (2, "input")]:
         scorers = decoder_scorers(setup, lm, start_labels=start_labels)
@@ -177,7 +182,7 @@ def test_prefix_lm_continuous_equals_alone(cutoff_gaps):
     pair = build_prefix_lm(3)
     batch = prefix_batch(0, [5, 2, 7, 4, 3, 6])
     options = LabelSyncOptions(beam_size=3, sentence_end=EOS, max_labels_per_input=1.5)
-    expected = alone(lambda: [("lm", prefix_lm(pair), 1.0)], batch, options)
+    expected = alone(lambda: [("lm", prefix_lm(pair), 1.0)], batch, options, stats=cutoff_gaps.stats)
     assert min(cutoff_gaps) > MIN_GAP
     for k in (1, 2, 4, 6):
         for order in ORDERS:
@@ -321,7 +326,7 @@ def test_a_shorter_admission_clears_the_frames_the_longer_one_left():
     group whose last utterance had more zeroes the old frames beyond the new ones (only then)."""
     setup = Setup(8, num_utts=2, frames=(14, 5))
     scorer = decoder_scorers(setup, build_lstm_lm(8, vocab_size=12))[0][1]
-    scorer.begin(label_sync.LaneLayout(num_groups=2, beam_size=3))
+    scorer.begin(LaneLayout(num_groups=2, beam_size=3))
     long_batch = setup.batch([0])
     scorer.admit(long_batch, [1])
     inputs = {u.name: u.time_axis for u in scorer.spec.utterance_inputs if u.time_axis is not None}

@@ -1,7 +1,6 @@
 """The fused CTC frame step: the per-utterance reference (the kernel's algorithm) against the
 array version of the prefix beam search, and the CUDA kernel against both (GPU)."""
 
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -11,7 +10,12 @@ from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
 from gpudecode.search import ctc_frame as ctc_frame_module
 from gpudecode.search.ctc_frame import full_frame_reference
+from gpudecode.search.stats import SearchStats
+from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_search import assert_same_nbest
+
+ARRAYS = SearchTuning(fused_ctc_frames=False)  # CuPy runs the array version
+FULL_SCAN = SearchTuning(ctc_prefilter=False)  # the kernel scans every label of every frame
 
 CASES = [
     dict(beam_size=1),
@@ -58,26 +62,20 @@ def test_reference_frame_equals_the_array_frame(case, seed, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-def test_kernel_frame_equals_the_cpu_search(case, monkeypatch):
+def test_kernel_frame_equals_the_cpu_search(case):
     """CuPy without scorers runs the whole search as one ctc_prefix_frames_<K> launch; the n-best
     equal the numpy search's (and the CuPy array version's)."""
     import cupy
 
-    from gpudecode.search import ctc_frame
-
-    launches = []
-    original = ctc_frame.search_kernel
-    monkeypatch.setattr(ctc_frame, "search_kernel", lambda *a: launches.append(a[1]) or original(*a))
+    launches = SearchStats()
     options = CtcPrefixOptions(**case)
     for seed in range(3):
         log_probs, lengths = _inputs(seed)
         expected = ctc_prefix_search(log_probs, lengths, options)
-        got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
-        assert launches, "the kernel did not run"
+        got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy, stats=launches)
+        assert launches.fused_launches, "the kernel did not run"
         assert_same_nbest(expected, got)  # labels and frames exact, scores within CUDA's expf/log1pf
-        monkeypatch.setattr(ctc_frame, "enabled", False)
-        arrays = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
-        monkeypatch.setattr(ctc_frame, "enabled", True)
+        arrays = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy, tuning=ARRAYS)
         assert_same_nbest(expected, arrays)
 
 
@@ -93,8 +91,7 @@ def test_kernel_frame_on_larger_inputs_equals_the_array_version():
     for options in (CtcPrefixOptions(beam_size=8), CtcPrefixOptions(beam_size=12),
                     CtcPrefixOptions(beam_size=32, score_threshold=8.0)):
         got = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
-        with _switched("enabled", False):
-            expected = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
+        expected = ctc_prefix_search(log_probs, lengths, options, xp=cupy, tuning=ARRAYS)
         assert [[h.labels for h in n] for n in got] == [[h.labels for h in n] for n in expected]
         worst = max(abs(a.score - b.score) for n, m in zip(got, expected) for a, b in zip(n, m))
         assert worst < 1e-3, worst
@@ -127,17 +124,6 @@ def _near_ties(log_probs, blank: int, levels: int):
     out = log_probs.copy()
     out[:, :, labels] = near + steps
     return out
-
-
-@contextmanager
-def _switched(name: str, value):
-    """``ctc_frame.<name>`` set to ``value`` inside the block."""
-    saved = getattr(ctc_frame_module, name)
-    setattr(ctc_frame_module, name, value)
-    try:
-        yield
-    finally:
-        setattr(ctc_frame_module, name, saved)
 
 
 PREFILTER_CASES = [
@@ -252,7 +238,7 @@ def _exact(results):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PREFILTER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("levels", [None, 3])
-def test_kernel_prefilter_equals_the_full_scan_kernel(case, levels, monkeypatch):
+def test_kernel_prefilter_equals_the_full_scan_kernel(case, levels):
     """The kernel with the label prefilter gives bit for bit the n-best of the kernel scanning
     every label (the same device arithmetic), also where rounding ties force full-scan frames; and
     the CPU search's n-best on the untied inputs."""
@@ -266,10 +252,9 @@ def test_kernel_prefilter_equals_the_full_scan_kernel(case, levels, monkeypatch)
     if levels is not None:
         log_probs = _near_ties(log_probs, options.blank, levels)
     lengths = np.array([14, 9, 1, 12, 0])
-    run = lambda: ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)  # noqa: E731
+    run = lambda **tuning: ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy, **tuning)  # noqa: E731
     got = run()
-    with _switched("prefilter", False):
-        assert _exact(got) == _exact(run())
+    assert _exact(got) == _exact(run(tuning=FULL_SCAN))
     if levels is None:
         assert_same_nbest(ctc_prefix_search(log_probs, lengths, options), got)
 
@@ -288,6 +273,5 @@ def test_kernel_prefilter_on_larger_inputs():
                         CtcPrefixOptions(beam_size=13, score_threshold=6.0),
                         CtcPrefixOptions(beam_size=16, blank_skip_threshold_logp=-0.01)):
             got = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
-            with _switched("prefilter", False):
-                expected = ctc_prefix_search(log_probs, lengths, options, xp=cupy)
+            expected = ctc_prefix_search(log_probs, lengths, options, xp=cupy, tuning=FULL_SCAN)
             assert _exact(got) == _exact(expected), (vocab_size, options)

@@ -13,8 +13,9 @@ import pytest
 from examples.custom_scorer import BigramScorer
 from gpudecode.backend import to_host
 from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
-from gpudecode.search import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search, top_k_indices
+from gpudecode.search import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
+from gpudecode.search.stats import SearchStats
 from gpudecode.session import OnnxSession, SessionOptions
 from gpudecode.states.options import StateManagerOptions
 from gpudecode.testing import build_ctc_encoder, build_lstm_lm
@@ -66,28 +67,27 @@ def as_dict(hyps):
     return {tuple(h.labels): h for h in hyps}
 
 
-def record_top_k_gaps(monkeypatch, search_module) -> list[float]:
-    """Records, for every top-k ``search_module`` runs, the smallest gap between the k-th and the
-    (k+1)-th key among rows whose k-th key is finite."""
-    recorded = []
+class TopKGaps(list):
+    """Records, for every top-k of the searches given ``stats``, the smallest gap between the k-th
+    and the (k+1)-th key among rows whose k-th key is finite."""
 
-    def recording_top_k(keys, k):
+    def __init__(self):
+        super().__init__()
+        self.stats = SearchStats(on_top_k=self.record)
+
+    def record(self, keys, k):
         host = np.sort(np.asarray(to_host(keys), dtype=np.float64), axis=1)[:, ::-1]
         if host.shape[1] > k:
             kth, next_ = host[:, k - 1], host[:, k]
             cut = np.isfinite(kth)
             if cut.any():
-                recorded.append(float(np.min(kth[cut] - next_[cut])))
-        return top_k_indices(keys, k)
-
-    monkeypatch.setattr(search_module, "top_k_indices", recording_top_k)
-    return recorded
+                self.append(float(np.min(kth[cut] - next_[cut])))
 
 
 @pytest.fixture
-def gaps(monkeypatch):
-    """The top-k gaps of the CTC search (:func:`record_top_k_gaps`)."""
-    return record_top_k_gaps(monkeypatch, ctc_module)
+def gaps():
+    """The top-k gaps of the reference searches (:class:`TopKGaps`; pass ``stats=gaps.stats``)."""
+    return TopKGaps()
 
 
 def assert_same_nbest(expected, got, *, frames=True):
@@ -273,7 +273,8 @@ def test_decoding_together_equals_decoding_each_alone(gaps):
     lengths = np.array([16, 9, 13, 2])
     table = bigram_table(21, vocab_size)
     options = CtcPrefixOptions(beam_size=4, sentence_end=1)
-    together = ctc_prefix_search(log_probs, lengths, options, [("lm", BigramScorer(log_probs=table), 0.4)])
+    together = ctc_prefix_search(log_probs, lengths, options, [("lm", BigramScorer(log_probs=table), 0.4)],
+                                 stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     for u in range(4):
         alone = ctc_prefix_search(log_probs[u:u + 1, : lengths[u]], lengths[u:u + 1], options,
@@ -293,7 +294,8 @@ def test_the_score_cache_changes_nothing_and_saves_scorer_calls(gaps, threshold)
         scorer = CountingBigram(log_probs=table)
         options = CtcPrefixOptions(beam_size=3, max_cached_score_vectors=cache, sentence_end=2,
                                    score_threshold=threshold)
-        runs[cache] = (ctc_prefix_search(log_probs, lengths, options, [("lm", scorer, 0.7)]), scorer.score_calls)
+        runs[cache] = (ctc_prefix_search(log_probs, lengths, options, [("lm", scorer, 0.7)], stats=gaps.stats),
+                       scorer.score_calls)
     assert min(gaps) > MIN_GAP
     assert_same_nbest(runs[0][0], runs[10_000][0])
     assert runs[0][1] == 24 + 1  # every frame, and the sentence end
@@ -307,7 +309,7 @@ def test_lstm_score_cache_changes_nothing(gaps):
     reference = build_lstm_lm(41, vocab_size=vocab_size)
     runs = [ctc_prefix_search(log_probs, lengths,
                               CtcPrefixOptions(beam_size=4, max_cached_score_vectors=cache, sentence_end=4),
-                              [("lstm", lstm_scorer(reference), 0.5)])
+                              [("lstm", lstm_scorer(reference), 0.5)], stats=gaps.stats)
             for cache in (10_000, 0)]
     assert min(gaps) > MIN_GAP
     assert_same_nbest(*runs)
@@ -324,7 +326,7 @@ def test_forced_hash_collisions_change_nothing(gaps, monkeypatch, modulus, steps
     lengths = np.array([12, 10, 7])
     table = bigram_table(51, vocab_size)
     scorers = lambda: [("lm", BigramScorer(log_probs=table), 0.3)]  # noqa: E731
-    expected = ctc_prefix_search(log_probs, lengths, CtcPrefixOptions(beam_size=6), scorers())
+    expected = ctc_prefix_search(log_probs, lengths, CtcPrefixOptions(beam_size=6), scorers(), stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     runs = []
     original = ctc_module._PrefixSearch.run
@@ -420,14 +422,13 @@ def test_score_threshold_keeps_only_candidates_near_the_best():
     assert all(1 <= len(hyps) < 8 for hyps in narrow)
 
 
-def test_no_host_transfer_per_frame_without_scorers(monkeypatch):
+def test_no_host_transfer_per_frame_without_scorers():
     counts = []
-    original = ctc_module._to_host
-    monkeypatch.setattr(ctc_module, "_to_host", lambda *a: (counts.append(len(a)), original(*a))[1])
+    stats = SearchStats(on_transfer=lambda arrays: counts.append(len(arrays)))
     for num_frames in (6, 30):
         counts.clear()
         log_probs = random_log_probs(81, 2, num_frames, 5)
-        ctc_prefix_search(log_probs, np.array([num_frames, 3]), CtcPrefixOptions(beam_size=4))
+        ctc_prefix_search(log_probs, np.array([num_frames, 3]), CtcPrefixOptions(beam_size=4), stats=stats)
         assert len(counts) == 2  # the lengths, and the n-best at the end
 
 
@@ -504,7 +505,8 @@ def test_gpu_search_equals_cpu(gaps, options):
     lengths = np.array([40, 33, 12, 40, 1])
     table = bigram_table(104, vocab_size)
     options = CtcPrefixOptions(**options)
-    cpu = ctc_prefix_search(log_probs, lengths, options, [("lm", BigramScorer(log_probs=table), 0.5)])
+    cpu = ctc_prefix_search(log_probs, lengths, options, [("lm", BigramScorer(log_probs=table), 0.5)],
+                            stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     gpu = ctc_prefix_search(cupy.asarray(log_probs), cupy.asarray(lengths), options,
                             [("lm", BigramScorer(log_probs=table), 0.5)], xp=cupy)
@@ -547,7 +549,7 @@ def test_gpu_lstm_fusion_equals_cpu(gaps):
     lengths = np.array([30, 21, 30, 9])
     reference = build_lstm_lm(113, vocab_size=vocab_size)
     options = CtcPrefixOptions(beam_size=8, sentence_end=1)
-    cpu = ctc_prefix_search(log_probs, lengths, options, [("lstm", lstm_scorer(reference), 0.5)])
+    cpu = ctc_prefix_search(log_probs, lengths, options, [("lstm", lstm_scorer(reference), 0.5)], stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     gpu_scorer = RecurrentLmScorer(model=reference.serialized(), vocab_size=vocab_size, start_labels=[0],
                                    state_manager=StateManagerOptions(type="lstm-cuda"),
@@ -558,11 +560,10 @@ def test_gpu_lstm_fusion_equals_cpu(gaps):
 
 
 @pytest.mark.gpu
-def test_gpu_search_has_no_per_frame_transfer_without_scorers(monkeypatch):
+def test_gpu_search_has_no_per_frame_transfer_without_scorers():
     cupy = _cupy()
     counts = []
-    original = ctc_module._to_host
-    monkeypatch.setattr(ctc_module, "_to_host", lambda *a: (counts.append(len(a)), original(*a))[1])
+    stats = SearchStats(on_transfer=lambda arrays: counts.append(len(arrays)))
     log_probs = cupy.asarray(random_log_probs(81, 2, 50, 5))
-    ctc_prefix_search(log_probs, np.array([50, 3]), CtcPrefixOptions(beam_size=4), xp=cupy)
+    ctc_prefix_search(log_probs, np.array([50, 3]), CtcPrefixOptions(beam_size=4), xp=cupy, stats=stats)
     assert len(counts) == 2

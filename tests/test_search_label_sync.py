@@ -17,11 +17,12 @@ from gpudecode.backend import gpu_available
 from gpudecode.scorers import LabelScorer, LengthRewardScorer, UtteranceBatch
 from gpudecode.search import (
     LabelSyncOptions,
-    label_sync,
     label_sync_search,
     top_k_indices,
     topk,
 )
+from gpudecode.search.stats import SearchStats
+from gpudecode.search.tuning import SearchTuning
 
 TOL = 1e-4
 MIN_GAP = 1e-3
@@ -156,8 +157,8 @@ def assert_matches_reference(result, reference, eos: int):
         assert abs(hyp.score - score) < TOL
 
 
-def run(scorers, utterances, options, xp=np):
-    return label_sync_search(scorers, utterances, options, xp=xp)
+def run(scorers, utterances, options, xp=np, **tuning_and_stats):
+    return label_sync_search(scorers, utterances, options, xp=xp, **tuning_and_stats)
 
 
 # --- (a) exhaustive enumeration ----------------------------------------------------------------
@@ -406,15 +407,15 @@ def test_stops_when_all_hypotheses_ended():
     assert result[0][0].labels == [] and result[0][0].length == 1
 
 
-def test_step_loop_clock_counts_the_steps_of_each_search(monkeypatch):
-    clock = label_sync.HostClock()
-    monkeypatch.setattr(label_sync, "STEP_LOOP", clock)
+def test_step_loop_clock_counts_the_steps_of_each_search():
+    stats = SearchStats()
+    clock = stats.step_loop
     vocab, eos = 5, 0
     tables = random_tables(seed=2, num_utts=1, vocab_size=vocab, eos=eos, eos_bias=40.0)
     for searches in (1, 2):
         events: list[str] = []
         run([("t", TrigramTableScorer(vocab, events=events), 1.0)], batch({"table": tables}, [50]),
-            LabelSyncOptions(beam_size=2, sentence_end=eos, max_labels_per_input=1.0))
+            LabelSyncOptions(beam_size=2, sentence_end=eos, max_labels_per_input=1.0), stats=stats)
         assert clock.count == 2 * searches == searches * events.count("score")
     assert clock.cpu_s > 0 and clock.wall_s > 0
     clock.reset()
@@ -451,20 +452,18 @@ def test_top_k_indices_tie_break(top_k):
 
 
 # --- at most one device→host transfer per step -----------------------------------------------
-def test_one_small_transfer_per_step(monkeypatch):
+def test_one_small_transfer_per_step():
     events: list = []
-    original = label_sync._to_host
 
-    def counting_to_host(*arrays):
+    def counting_to_host(arrays):
         events.append(("transfer", sum(int(np.prod(a.shape)) for a in arrays)))
-        return original(*arrays)
 
-    monkeypatch.setattr(label_sync, "_to_host", counting_to_host)
     vocab, eos = 6, 0
     tables = random_tables(seed=4, num_utts=3, vocab_size=vocab, eos=eos, eos_bias=3.0)
     run([("t", TrigramTableScorer(vocab, events=events), 1.0)],
         batch({"table": tables}, [20, 20, 20]),
-        LabelSyncOptions(beam_size=3, sentence_end=eos, max_labels_per_input=1.0))
+        LabelSyncOptions(beam_size=3, sentence_end=eos, max_labels_per_input=1.0),
+        stats=SearchStats(on_transfer=counting_to_host))
     num_steps = events.count("score")
     assert 2 <= num_steps < 20  # stopped by the stop test, before the length cap
     # between two score calls (one step) at most one transfer, of one element
@@ -582,7 +581,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
     dict(beam_size=4, score_threshold=1.5),
 ])
 @pytest.mark.parametrize("lag", [1, 2])
-def test_lagged_stop_test_gives_the_same_nbest_after_lag_more_steps(monkeypatch, device, options, lag):
+def test_lagged_stop_test_gives_the_same_nbest_after_lag_more_steps(device, options, lag):
     """Stopping ``lag`` steps after every lane has ended changes nothing: ended lanes carry themselves."""
     xp = np
     if device == "cuda":
@@ -591,12 +590,12 @@ def test_lagged_stop_test_gives_the_same_nbest_after_lag_more_steps(monkeypatch,
     tables = random_tables(seed=7, num_utts=4, vocab_size=vocab, eos=eos, eos_bias=3.0)
     opts = LabelSyncOptions(sentence_end=eos, max_labels_per_input=1.0, **options)
     results, steps = {}, {}
-    monkeypatch.setattr(label_sync, "STOP_TEST_LAG", lag)
     for lagged in (False, True):
         events: list = []
-        monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
+        tuning = SearchTuning(stop_test_lag=lag, lagged_stop_test=lagged)
         utterances = batch({"table": xp.asarray(tables)}, [20, 20, 12, 20])
-        results[lagged] = run([("t", TrigramTableScorer(vocab, events=events), 1.0)], utterances, opts, xp=xp)
+        results[lagged] = run([("t", TrigramTableScorer(vocab, events=events), 1.0)], utterances, opts, xp=xp,
+                              tuning=tuning)
         steps[lagged] = events.count("score")
     assert 2 <= steps[False] < 20  # stopped by the stop test, before the length cap
     assert steps[True] == steps[False] + lag
@@ -608,23 +607,22 @@ def test_lagged_stop_test_gives_the_same_nbest_after_lag_more_steps(monkeypatch,
 
 
 @pytest.mark.parametrize("lag, every", [(1, 2), (2, 3)])
-def test_stop_test_every_few_steps_gives_the_same_nbest(monkeypatch, lag, every):
+def test_stop_test_every_few_steps_gives_the_same_nbest(lag, every):
     """Posting the stop flag every few steps: the same n-best, at most lag · every + every - 1
     steps after the unlagged search stops, and never past the length cap."""
     vocab, eos = 6, 0
     tables = random_tables(seed=7, num_utts=4, vocab_size=vocab, eos=eos, eos_bias=3.0)
     opts = LabelSyncOptions(beam_size=3, sentence_end=eos, max_labels_per_input=1.0)
-    monkeypatch.setattr(label_sync, "STOP_TEST_LAG", lag)
     results, steps = {}, {}
     for every in (1, every):
-        monkeypatch.setattr(label_sync, "STOP_TEST_EVERY", every)
         for lagged in (False, True):
             events: list = []
-            monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
+            tuning = SearchTuning(stop_test_lag=lag, stop_test_every=every, lagged_stop_test=lagged)
             utterances = batch({"table": tables}, [20, 20, 12, 20])
-            results[every, lagged] = run([("t", TrigramTableScorer(vocab, events=events), 1.0)], utterances, opts)
+            results[every, lagged] = run([("t", TrigramTableScorer(vocab, events=events), 1.0)], utterances, opts,
+                                         tuning=tuning)
             steps[every, lagged] = events.count("score")
-    assert steps[1, False] == steps[every, False] < 20  # the unlagged search ignores STOP_TEST_EVERY
+    assert steps[1, False] == steps[every, False] < 20  # the unlagged search ignores stop_test_every
     assert steps[1, True] == steps[1, False] + lag
     assert steps[1, True] <= steps[every, True] <= min(steps[1, False] + lag * every + every - 1, 20)
     assert steps[every, True] % every == 0 or steps[every, True] == 20
@@ -635,15 +633,14 @@ def test_stop_test_every_few_steps_gives_the_same_nbest(monkeypatch, lag, every)
 
 
 @pytest.mark.parametrize("lag", [1, 2])
-def test_lagged_stop_test_never_steps_past_the_length_cap(monkeypatch, lag):
+def test_lagged_stop_test_never_steps_past_the_length_cap(lag):
     vocab, eos = 6, 0
-    monkeypatch.setattr(label_sync, "STOP_TEST_LAG", lag)
     tables = random_tables(seed=3, num_utts=2, vocab_size=vocab, eos=eos, eos_bias=-6.0)  # rarely ends
     opts = LabelSyncOptions(beam_size=3, sentence_end=eos, max_labels_per_input=1.0)
     counts = {}
     for lagged in (False, True):
         events: list = []
-        monkeypatch.setattr(label_sync, "LAGGED_STOP_TEST", lagged)
-        run([("t", TrigramTableScorer(vocab, events=events), 1.0)], batch({"table": tables}, [5, 5]), opts)
+        run([("t", TrigramTableScorer(vocab, events=events), 1.0)], batch({"table": tables}, [5, 5]), opts,
+            tuning=SearchTuning(stop_test_lag=lag, lagged_stop_test=lagged))
         counts[lagged] = events.count("score")
     assert counts[True] == counts[False] == 5

@@ -21,6 +21,7 @@ from gpudecode.search import (
     transducer_search,
 )
 from gpudecode.search import transducer as transducer_module
+from gpudecode.search.stats import SearchStats
 from gpudecode.session import OnnxSession, SessionOptions
 from gpudecode.states.options import StateManagerOptions
 from gpudecode.testing import (
@@ -31,7 +32,7 @@ from gpudecode.testing import (
     build_transducer_encoder,
 )
 from gpudecode.testing._graph import log_softmax
-from tests.test_ctc_search import assert_same_nbest, record_top_k_gaps
+from tests.test_ctc_search import TopKGaps, assert_same_nbest
 from gpudecode.testing.transducer import (
     lstm_prediction_fn,
     stateless_prediction_fn,
@@ -126,9 +127,9 @@ def oracle_scores(models, encoder_states, lengths, u, max_symbols, recombination
 
 
 @pytest.fixture
-def gaps(monkeypatch):
-    """The top-k gaps of the transducer search (:func:`record_top_k_gaps`)."""
-    return record_top_k_gaps(monkeypatch, transducer_module)
+def gaps():
+    """The top-k gaps of the reference searches (:class:`TopKGaps`; pass ``stats=gaps.stats``)."""
+    return TopKGaps()
 
 
 # --- reference models -------------------------------------------------------------------------------
@@ -337,7 +338,7 @@ def test_decoding_together_equals_decoding_each_alone(gaps, max_symbols):
     table = bigram_table(21, vocab_size)
     options = TransducerOptions(beam_size=4, max_symbols_per_frame=max_symbols, sentence_end=1)
     together = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
-                                 [("lm", BigramScorer(log_probs=table), 0.4)])
+                                 [("lm", BigramScorer(log_probs=table), 0.4)], stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     for u in range(4):
         alone = transducer_search(encoder_states[u:u + 1, : lengths[u]], lengths[u:u + 1], models.prediction(),
@@ -355,7 +356,7 @@ def test_the_lm_score_cache_changes_nothing(gaps):
     runs = [transducer_search(encoder_states, lengths, models.prediction(), models.joint(),
                               TransducerOptions(beam_size=4, max_symbols_per_frame=2, max_cached_score_vectors=cache,
                                                 sentence_end=4),
-                              [("lstm", lstm_lm(reference), 0.5)])
+                              [("lstm", lstm_lm(reference), 0.5)], stats=gaps.stats)
             for cache in (10_000, 0)]
     assert min(gaps) > MIN_GAP
     assert_same_nbest(*runs)
@@ -372,7 +373,7 @@ def test_forced_hash_collisions_change_nothing(gaps, monkeypatch, modulus, steps
     encoder_states = random_encoder_states(51, 3, 8)
     lengths = np.array([8, 6, 5])
     expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(),
-                                 TransducerOptions(beam_size=6, max_symbols_per_frame=2))
+                                 TransducerOptions(beam_size=6, max_symbols_per_frame=2), stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     runs = []
     original = transducer_module._TransducerSearch.run
@@ -405,14 +406,13 @@ def test_score_threshold_keeps_only_candidates_near_the_best():
     assert all(len(hyps) >= 1 for hyps in narrow) and any(len(hyps) < 8 for hyps in narrow)
 
 
-def test_one_host_transfer_per_symbol_step(monkeypatch):
+def test_one_host_transfer_per_symbol_step():
     counts = []
-    original = transducer_module._to_host
-    monkeypatch.setattr(transducer_module, "_to_host", lambda *a: (counts.append(len(a)), original(*a))[1])
+    stats = SearchStats(on_transfer=lambda arrays: counts.append(len(arrays)))
     models = make_models(81, 5)
     encoder_states = random_encoder_states(81, 2, 9)
     transducer_search(encoder_states, np.array([9, 3]), models.prediction(), models.joint(),
-                      TransducerOptions(beam_size=4, max_symbols_per_frame=1))
+                      TransducerOptions(beam_size=4, max_symbols_per_frame=1), stats=stats)
     assert len(counts) == 1 + 9 + 1  # the lengths, one per frame (one symbol step each), the n-best
 
 
@@ -502,8 +502,9 @@ def test_gpu_search_equals_cpu(gaps, options):
     table = bigram_table(109, vocab_size)
     options = TransducerOptions(**options)
     cpu = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
-                            [("lm", BigramScorer(log_probs=table), 0.5)])
-    cpu_plain = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+                            [("lm", BigramScorer(log_probs=table), 0.5)], stats=gaps.stats)
+    cpu_plain = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
+                                  stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     prediction = models.prediction("cuda")
     gpu = transducer_search(cupy.asarray(encoder_states), cupy.asarray(lengths), prediction, models.joint("cuda"),
@@ -559,7 +560,7 @@ def test_gpu_lstm_lm_fusion_equals_cpu(gaps, stateless):
     reference = build_lstm_lm(100, vocab_size=vocab_size)
     options = TransducerOptions(beam_size=8, max_symbols_per_frame=2, sentence_end=1)
     cpu = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
-                            [("lstm", lstm_lm(reference), 0.5)])
+                            [("lstm", lstm_lm(reference), 0.5)], stats=gaps.stats)
     assert min(gaps) > MIN_GAP
     lm = lstm_lm(reference, "cuda")
     gpu = transducer_search(cupy.asarray(encoder_states), lengths, models.prediction("cuda"), models.joint("cuda"),

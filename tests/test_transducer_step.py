@@ -6,9 +6,13 @@ import pytest
 
 from gpudecode.search import TransducerOptions, transducer_search
 from gpudecode.search import transducer as transducer_module
+from gpudecode.search.stats import SearchStats
 from gpudecode.search.transducer_step import select_reference
+from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_search import assert_same_nbest
 from tests.test_transducer_search import make_models, random_encoder_states
+
+ARRAYS = SearchTuning(fused_transducer_step=False)  # CuPy runs the array version
 
 CASES = [
     dict(beam_size=1),
@@ -54,28 +58,22 @@ def test_reference_selection_equals_the_array_selection(case, seed, monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_kernel_selection_equals_the_cpu_search(case, monkeypatch):
+def test_kernel_selection_equals_the_cpu_search(case):
     """CuPy without scorers selects each symbol step in one transducer_select_<K> launch; the
     n-best equal the numpy search's (and the CuPy array version's)."""
     import cupy
 
-    from gpudecode.search import transducer_step
-
-    launches = []
-    original = transducer_step.select_kernel
-    monkeypatch.setattr(transducer_step, "select_kernel", lambda *a: launches.append(a[2]) or original(*a))
+    launches = SearchStats()
     options = TransducerOptions(**case)
     for seed in range(2):
         models, encoder_states, lengths = _inputs(seed)
         expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
         got = transducer_search(cupy.asarray(encoder_states), lengths, models.prediction("cuda"),
-                                models.joint("cuda"), options, xp=cupy)
-        assert launches, "the kernel did not run"
+                                models.joint("cuda"), options, xp=cupy, stats=launches)
+        assert launches.fused_launches, "the kernel did not run"
         assert_same_nbest(expected, got)
-        monkeypatch.setattr(transducer_step, "enabled", False)
         arrays = transducer_search(cupy.asarray(encoder_states), lengths, models.prediction("cuda"),
-                                   models.joint("cuda"), options, xp=cupy)
-        monkeypatch.setattr(transducer_step, "enabled", True)
+                                   models.joint("cuda"), options, xp=cupy, tuning=ARRAYS)
         assert_same_nbest(expected, arrays)
 
 
@@ -86,8 +84,6 @@ def test_kernel_selection_on_larger_inputs_equals_the_array_version():
     array version."""
     import cupy
 
-    from gpudecode.search import transducer_step
-
     models = make_models(7, 300, sharpness=2.0)
     states = cupy.asarray(random_encoder_states(7, 8, 30))
     lengths = np.random.default_rng(0).integers(1, 31, 8)
@@ -95,12 +91,8 @@ def test_kernel_selection_on_larger_inputs_equals_the_array_version():
                     TransducerOptions(beam_size=12, max_symbols_per_frame=2),
                     TransducerOptions(beam_size=32, max_symbols_per_frame=2, score_threshold=6.0)):
         got = transducer_search(states, lengths, models.prediction("cuda"), models.joint("cuda"), options, xp=cupy)
-        transducer_step.enabled = False
-        try:
-            expected = transducer_search(states, lengths, models.prediction("cuda"), models.joint("cuda"), options,
-                                         xp=cupy)
-        finally:
-            transducer_step.enabled = True
+        expected = transducer_search(states, lengths, models.prediction("cuda"), models.joint("cuda"), options,
+                                     xp=cupy, tuning=ARRAYS)
         assert [[h.labels for h in n] for n in got] == [[h.labels for h in n] for n in expected]
         worst = max(abs(a.score - b.score) for n, m in zip(got, expected) for a, b in zip(n, m))
         assert worst < 1e-3, worst

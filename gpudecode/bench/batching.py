@@ -10,7 +10,7 @@ length-sorted (longest-first) order and keep at most K utterances in flight:
 - **static**: consecutive batches of K utterances, each decoded until its longest is done;
 - **continuous**: ``label_sync_search(..., max_active_utterances=K)``, finished utterances'
   lanes refilled as they free up (on CuPy the finished-groups mask is read one step late,
-  :data:`gpudecode.search.batching.LAGGED_CONTINUOUS_MASK`);
+  ``SearchTuning.lagged_continuous_mask``);
 - **continuous-mask-at-once**: the same with the mask read in the step that made it (a
   synchronisation per step; on numpy the two are the same).
 
@@ -27,6 +27,7 @@ Run: ``python -m gpudecode.bench.batching [--quick] [--output out/bench]`` (GPU)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,12 +112,13 @@ def batching_modes(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, 
                    max_labels: int = 200, encoder_length: int = 100, device: str = "cuda", quick: bool = False,
                    cuda_graphs: bool = False, max_batch_size: int | None = None,
                    utterance_rows: str = "utterance", export: str = "new-step",
-                   dtype: str = "float32") -> BatchingModes:
-    """Builds the bench's decoder, utterances and both modes (arguments as :func:`run_batching_bench`)."""
+                   dtype: str = "float32", tuning=None, stats=None) -> BatchingModes:
+    """Builds the bench's decoder, utterances and both modes (arguments as :func:`run_batching_bench`;
+    every search runs with ``tuning`` and adds to ``stats``)."""
     from gpudecode.backend import array_module, shared_stream
     from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
-    from gpudecode.search import batching as search_batching
+    from gpudecode.search.tuning import DEFAULT_TUNING
     from gpudecode.search.batching import admission_order
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.session.graphs import GraphOptions
@@ -180,26 +182,26 @@ def batching_modes(*, num_utts: int = 512, max_active: int = 64, beam: int = 8, 
         results = [None] * num_utts
         for start in range(0, num_utts, max_active):
             chosen = order[start:start + max_active]
-            for u, nbest in zip(chosen, label_sync_search(scorers, batch.select(chosen), options, xp=xp)):
+            for u, nbest in zip(chosen, label_sync_search(scorers, batch.select(chosen), options, xp=xp,
+                                                          tuning=tuning, stats=stats)):
                 results[u] = nbest
         return results
 
-    def continuous():
+    tuning = tuning or DEFAULT_TUNING
+    mask_at_once = dataclasses.replace(tuning, lagged_continuous_mask=False)
+
+    def continuous(tuning=tuning):
         return label_sync_search(scorers, batch, options, xp=xp, max_active_utterances=max_active,
-                                 admission_order="longest-first")
+                                 admission_order="longest-first", tuning=tuning, stats=stats)
 
     def continuous_mask_at_once():
-        saved, search_batching.LAGGED_CONTINUOUS_MASK = search_batching.LAGGED_CONTINUOUS_MASK, False
-        try:
-            return continuous()
-        finally:
-            search_batching.LAGGED_CONTINUOUS_MASK = saved
+        return continuous(mask_at_once)
 
     def warm_up():
         if quick:
             warm = batch.select(order[:max_active])
-            label_sync_search(scorers, warm, options, xp=xp)  # compilation, first allocations
-            label_sync_search(scorers, warm, options, xp=xp, max_active_utterances=max_active // 2 or 1)
+            label_sync_search(scorers, warm, options, xp=xp, tuning=tuning)  # compilation, first allocations
+            label_sync_search(scorers, warm, options, xp=xp, max_active_utterances=max_active // 2 or 1, tuning=tuning)
         else:  # each mode once: compilation, first allocations, every graph bucket it uses
             static()
             continuous()
@@ -230,16 +232,18 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
     as ``batching[...]-full-history.json``). ``dtype``: the decoder's float type (``float16``:
     results as ``batching[...]-float16.json``)."""
-    from gpudecode.backend import HOST_WAITS, array_module
-    from gpudecode.search.batching import REFILLS
+    from gpudecode.backend import HostWait, array_module
+    from gpudecode.search.stats import SearchStats
+    from gpudecode.search.tuning import SearchTuning
 
     if rounds < 1:
         raise ValueError(f"bench batching: rounds must be >= 1, got {rounds}")
-    HOST_WAITS.set_mode(host_wait)
+    stats = SearchStats()
     modes = batching_modes(num_utts=num_utts, max_active=max_active, beam=beam, min_labels=min_labels,
                            max_labels=max_labels, encoder_length=encoder_length, device=device, quick=quick,
                            cuda_graphs=cuda_graphs, max_batch_size=max_batch_size, utterance_rows=utterance_rows,
-                           export=export, dtype=dtype)
+                           export=export, dtype=dtype, tuning=SearchTuning(host_wait=HostWait(host_wait)),
+                           stats=stats)
     xp, decoder, targets, counts = array_module(device), modes.decoder, modes.targets, modes.counts
     modes.warm_up()
     runs = (("static", modes.static), ("continuous", modes.continuous),
@@ -250,8 +254,7 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
             captured = decoder.captured_graphs
             counts.update(steps=0, merged=0, kept=None)
             modes.sync()
-            HOST_WAITS.reset()
-            REFILLS.reset()
+            stats.reset()
             cpu, wall = time.thread_time(), time.perf_counter()
             results = run()
             modes.sync()
@@ -262,16 +265,15 @@ def run_batching_bench(*, num_utts: int = 512, max_active: int = 64, beam: int =
             steps = counts["steps"]
             timings[name].append({"seconds": wall, "ms_per_step": 1e3 * wall / steps,
                                   "host_cpu_ms_per_step": 1e3 * cpu / steps,
-                                  "host_cpu_outside_waits_ms_per_step": 1e3 * (cpu - HOST_WAITS.cpu_s) / steps,
-                                  "waits_per_step": HOST_WAITS.count / steps,
-                                  "wait_ms_per_step": 1e3 * HOST_WAITS.wall_s / steps,
-                                  "refills": REFILLS.count,
-                                  "refill_host_cpu_ms_per_step": 1e3 * REFILLS.cpu_s / steps})
+                                  "host_cpu_outside_waits_ms_per_step": 1e3 * (cpu - stats.host_waits.cpu_s) / steps,
+                                  "waits_per_step": stats.host_waits.count / steps,
+                                  "wait_ms_per_step": 1e3 * stats.host_waits.wall_s / steps,
+                                  "refills": stats.refills.count,
+                                  "refill_host_cpu_ms_per_step": 1e3 * stats.refills.cpu_s / steps})
     for name, cell in cells.items():
         fastest = min(timings[name], key=lambda t: t["seconds"])
         cell.update(fastest, utterances_per_s=num_utts / fastest["seconds"],
                     round_seconds=[t["seconds"] for t in timings[name]])
-    HOST_WAITS.set_mode("nap")
     decoder.close()
     results = {
         "benchmark": "batching",

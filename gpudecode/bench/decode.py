@@ -10,7 +10,6 @@ the last step, then forced). Measured in one run, every figure as a ratio agains
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -97,13 +96,16 @@ class SearchCell:
     """
 
     def __init__(self, session, reference, manager: str, beam: int, utts: int, *, encoder_length: int,
-                 num_labels: int, graphs=None, gpu_delay_ms: float = 0.0):
+                 num_labels: int, graphs=None, gpu_delay_ms: float = 0.0, tuning=None):
         from gpudecode.backend import require_cupy, shared_stream
         from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
+        from gpudecode.search.stats import SearchStats
+        from gpudecode.search.tuning import DEFAULT_TUNING
         from gpudecode.session.graphs import GraphOptions
         from gpudecode.states.options import StateManagerOptions
 
         cupy = require_cupy()
+        self.tuning, self.stats = tuning or DEFAULT_TUNING, SearchStats()
         self.stream = shared_stream(0)
         self.manager, self.beam, self.utts, self.num_labels = manager, beam, utts, num_labels
         self.reference, self.gpu_delay_ns = reference, int(gpu_delay_ms * 1e6)
@@ -126,22 +128,20 @@ class SearchCell:
                                                 gpu_delay_ns=self.gpu_delay_ns), 1.0)]
         options = LabelSyncOptions(beam_size=self.beam, sentence_end=EOS, max_labels_per_input=1.0,
                                    max_labels=labels + 1)
-        return label_sync_search(scorers, self.batch, options, xp=require_cupy())
+        return label_sync_search(scorers, self.batch, options, xp=require_cupy(), tuning=self.tuning,
+                                 stats=self.stats)
 
     def _timed(self, labels: int) -> tuple[float, float, float, float]:
         """(wall, thread CPU, thread CPU inside the waits, thread CPU per step of the step loop)
-        seconds of one search."""
-        from gpudecode.backend import HOST_WAITS
-        from gpudecode.search.label_sync import STEP_LOOP
-
+        seconds of one search (the waits: the search's own, :class:`gpudecode.search.stats.SearchStats`)."""
+        stats = self.stats
         self.stream.synchronize()
-        HOST_WAITS.reset()
-        STEP_LOOP.reset()
+        stats.reset()
         wall, cpu = time.perf_counter(), time.thread_time()
         self.nbest = self.search(labels)
         self.stream.synchronize()
-        loop_cpu_per_step = STEP_LOOP.cpu_s / max(STEP_LOOP.count, 1)
-        return time.perf_counter() - wall, time.thread_time() - cpu, HOST_WAITS.cpu_s, loop_cpu_per_step
+        loop_cpu_per_step = stats.step_loop.cpu_s / max(stats.step_loop.count, 1)
+        return time.perf_counter() - wall, time.thread_time() - cpu, stats.host_waits.cpu_s, loop_cpu_per_step
 
     def round(self) -> None:
         wall, cpu, wait, loop = self._timed(self.num_labels)
@@ -195,10 +195,10 @@ def measure_interleaved(cells: list[SearchCell], rounds: int) -> list[dict]:
 
 
 def measure_search(session, reference, manager: str, beam: int, utts: int, *, encoder_length: int,
-                   num_labels: int, repeats: int = 1, graphs=None) -> dict:
+                   num_labels: int, repeats: int = 1, graphs=None, tuning=None) -> dict:
     """The fastest of ``repeats`` timed searches of one cell (see :class:`SearchCell`)."""
     return measure_interleaved([SearchCell(session, reference, manager, beam, utts, encoder_length=encoder_length,
-                                           num_labels=num_labels, graphs=graphs)], repeats)[0]
+                                           num_labels=num_labels, graphs=graphs, tuning=tuning)], repeats)[0]
 
 
 def _phase_times(decoder, stream, run) -> dict[str, float]:
@@ -237,9 +237,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                      beams=(1, 4, 8, 16), large_utts: int = 512, output_dir=None, quick: bool = False,
                      cuda_graphs: bool = False, utterance_rows: str = "utterance", tf32: bool = False,
                      host_wait: str = "nap", export: str = "new-step", rounds: int = 5,
-                     control_delay_ms: float = 0.0, dtype: str = "float32", pin_cpu: int | None = None,
-                     graph_time_step: int | None = None, max_nap_us: float | None = None,
-                     stop_test: tuple[int, int] | None = None) -> dict:
+                     control_delay_ms: float = 0.0, dtype: str = "float32",
+                     graph_time_step: int | None = None, stop_test: tuple[int, int] | None = None) -> dict:
     """Runs every measurement in one process; returns (and writes) the results.
 
     ``utterance_rows``: the decoder's cross-attention keys/values have one row per utterance
@@ -253,14 +252,11 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     ``use_tf32``; results as ``decode[-graphs]-tf32.json``). Off by default, as in the library: the
     results equal the CPU's only without it.
 
-    ``host_wait``: "nap" (the library's default: the host polls while it waits for the GPU and
-    sleeps in between, 100 µs first, each sleep twice as long up to ``max_nap_us``: default the
-    library's ``MAX_NAP_S``, 100 keeps every sleep at 100 µs, ``*-nap<N>us.json``), "block" (it
-    sleeps in the driver; ``*-block.json``) or "spin" (it polls; ``*-spin.json``). ``pin_cpu``:
-    the bench's thread runs on that CPU alone once the cells are built (``*-pin.json``), so a
-    thread that slept wakes on the core whose caches it left. Host CPU time is reported with and
-    without the waits (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside
-    the waits).
+    ``host_wait``: how the search waits for the GPU (``SearchTuning.host_wait``): "nap" (the
+    library's default: the host polls and sleeps in between, 100 µs first, each sleep twice as long
+    up to 1 ms), "block" (it sleeps in the driver; ``*-block.json``) or "spin" (it polls;
+    ``*-spin.json``). Host CPU time is reported with and without the search's waits
+    (``host_work_ms_per_extra_step``: the extra step's thread CPU time outside them).
 
     ``rounds``: timed rounds of each CUDA-manager cell, interleaved (each cell's fastest counts).
 
@@ -274,22 +270,23 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
     every cell has been built (all graphs captured).
 
     ``stop_test`` = (lag, every): the search reads its stop flag ``lag`` posts late and posts it
-    every ``every`` steps (``label_sync.STOP_TEST_LAG`` / ``STOP_TEST_EVERY``; default the
+    every ``every`` steps (``SearchTuning.stop_test_lag`` / ``stop_test_every``; default the
     library's; results as ``*-stop<lag>x<every>.json``).
 
     ``export``: how the decoder is exported (``common.DECODER_EXPORTS``; "full-history": results
     as ``*-full-history.json``). ``dtype``: the decoder's float type (``float16``: results as
     ``*-float16.json``).
     """
-    from gpudecode.backend import HOST_WAITS, MAX_NAP_S, NAP_S, require_cupy
-    from gpudecode.search import label_sync
+    from gpudecode.backend import HostWait, require_cupy
+    from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
     from gpudecode.session import OnnxSession, SessionOptions
     from gpudecode.session.graphs import GraphOptions
     from gpudecode.testing import build_transformer_decoder
 
     if not {1, 8} <= set(beams):
         raise ValueError(f"beams: the ratios need beams 1 and 8, got {list(beams)}")
-    HOST_WAITS.set_mode(host_wait, max_nap_s=MAX_NAP_S if max_nap_us is None else max_nap_us / 1e6)
+    lag, every = stop_test or (DEFAULT_TUNING.stop_test_lag, DEFAULT_TUNING.stop_test_every)
+    tuning = SearchTuning(host_wait=HostWait(host_wait), stop_test_lag=lag, stop_test_every=every)
     # before any CUDA work: waiting in the driver must not count as host CPU time
     blocking = _blocking_sync() if host_wait != "spin" else False
     require_cupy()
@@ -314,35 +311,28 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
                                                  "cuda_graphs": "CUDA-manager cells" if cuda_graphs else "off",
                                                  "host_sync": "blocking" if blocking else "spin (host CPU includes waits)",
                                                  "host_wait": host_wait,
-                                                 "naps_us": [NAP_S * 1e6, HOST_WAITS.max_nap_s * 1e6]
-                                                 if host_wait == "nap" else None, "pinned_cpu": pin_cpu,
+                                                 "naps_us": [tuning.host_wait.nap_s * 1e6,
+                                                             tuning.host_wait.max_nap_s * 1e6]
+                                                 if host_wait == "nap" else None,
                                                  "timing": f"fastest of {rounds} interleaved rounds (CPU manager: 1)"},
                "cells": []}
 
     # the CUDA-manager cells in interleaved rounds (a slow spell of the host hits all alike)
-    cuda_cells = [SearchCell(cuda_session, reference, "transformer-cuda", beam, utts, graphs=graphs, **fixed)
+    cuda_cells = [SearchCell(cuda_session, reference, "transformer-cuda", beam, utts, graphs=graphs, tuning=tuning,
+                             **fixed)
                   for beam, utts in [*((b, num_utts) for b in beams), (8, large_utts)]]
     if control_delay_ms > 0:
         cuda_cells.append(SearchCell(cuda_session, reference, "transformer-cuda", 1, num_utts, graphs=graphs,
-                                     gpu_delay_ms=control_delay_ms, **fixed))
+                                     gpu_delay_ms=control_delay_ms, tuning=tuning, **fixed))
     free, total = require_cupy().cuda.runtime.memGetInfo()
     results["config"]["device_memory_in_use_gb"] = (total - free) / 1e9
     results["config"]["graph_time_step"] = graphs.time_step if graphs is not None else None
-    if pin_cpu is not None:  # the calling thread only (Linux)
-        os.sched_setaffinity(0, {pin_cpu})
-    library_stop_test = label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY
-    if stop_test is not None:
-        label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY = stop_test
-    results["config"]["stop_test_lag_every"] = [label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY]
-    try:
-        measured = measure_interleaved(cuda_cells, rounds)
-        control = measured.pop() if control_delay_ms > 0 else None
-        results["cells"] = measured
-        results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts,
-                                                           **fixed))
-    finally:
-        label_sync.STOP_TEST_LAG, label_sync.STOP_TEST_EVERY = library_stop_test
-    HOST_WAITS.set_mode("nap")
+    results["config"]["stop_test_lag_every"] = [tuning.stop_test_lag, tuning.stop_test_every]
+    measured = measure_interleaved(cuda_cells, rounds)
+    control = measured.pop() if control_delay_ms > 0 else None
+    results["cells"] = measured
+    results["cells"].insert(len(beams), measure_search(session, reference, "transformer-cpu", 8, num_utts,
+                                                       tuning=tuning, **fixed))
     if control is not None:
         results["control_cell"] = control
     cell = {(c["state_manager"], c["beam"], c["utterances"]): c for c in results["cells"]}
@@ -364,9 +354,8 @@ def run_decode_bench(*, num_utts: int = 64, encoder_length: int = 200, num_label
             large["host_cpu_ms_per_loop_step"] / control["host_cpu_ms_per_loop_step"])
     name = (("decode-graphs" if cuda_graphs else "decode") + ("-lane" if utterance_rows == "lane" else "")
             + ("-tf32" if tf32 else "") + ("" if host_wait == "nap" else f"-{host_wait}")
-            + ("" if max_nap_us is None else f"-nap{max_nap_us:g}us")
             + ("" if stop_test is None else f"-stop{stop_test[0]}x{stop_test[1]}")
-            + ("" if pin_cpu is None else "-pin") + ("" if graph_time_step is None else f"-step{graph_time_step}")
+            + ("" if graph_time_step is None else f"-step{graph_time_step}")
             + ("" if export == "new-step" else f"-{export}") + ("" if dtype == "float32" else f"-{dtype}"))
     return write_results(results, output_dir, name, plot_decode)
 

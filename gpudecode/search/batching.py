@@ -30,28 +30,19 @@ from collections import deque
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import HostClock
-
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.search import label_sync
 from gpudecode.search.label_sync import _NEG_INF, LabelSyncOptions, _Beam, _expand
 from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
+from gpudecode.search.stats import SearchStats, observed_top_k, read_back
 from gpudecode.search.topk import top_k_indices
+from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
+from gpudecode.sizes import next_power_of_two
 
 ADMISSION_ORDERS = defaults.ADMISSION_ORDERS
 
 #: Finished lanes kept on the device before their results are read back in one transfer.
 _MAX_PENDING_LANES = 1 << 16
-
-#: Host time of the refills (finalise, release, admit, reset; ``count``: refills), a benchmark's
-#: accounting.
-REFILLS = HostClock()
-
-#: Read the finished-groups mask one step late (None: on CuPy only). The host queues step k + 1
-#: before it waits for step k's mask, so the GPU does not drain at every step; a finished group
-#: then carries itself one more step, which changes nothing. On the H200 with CUDA graphs and the
-#: fused step it made continuous batching 7 % faster (2.42 against 2.59 ms per step).
-LAGGED_CONTINUOUS_MASK: bool | None = None
 
 
 def admission_order(input_lengths, order: str) -> np.ndarray:
@@ -75,10 +66,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "failed to allocate memory" in message or "out of memory" in message
 
 
-def _round_up(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 class _Lanes:
     """Per-lane bookkeeping of a continuous search (device arrays) and per-group host arrays."""
 
@@ -94,7 +81,7 @@ class _Lanes:
         # labels per lane, a ring by step: a lane's t-th label (step start + t) in column
         # (start + t - 1) % capacity; a lane emits at most its limit labels, one per step from
         # its first, so the ring never wraps onto them
-        self.tokens = xp.full((num_lanes, _round_up(max_limit)), -1, dtype=np.int32)
+        self.tokens = xp.full((num_lanes, next_power_of_two(max_limit)), -1, dtype=np.int32)
         self.spare = self.tokens.copy()
         self.group_utterance = np.full(layout.num_groups, -1, dtype=np.int64)  # host
         self.group_limit = np.zeros(layout.num_groups, dtype=np.int64)  # host
@@ -141,12 +128,17 @@ class _Lanes:
 
 
 def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
-                      layout: LaneLayout, order: str = "longest-first") -> list[list[Hypothesis]]:
+                      layout: LaneLayout, order: str = "longest-first", tuning: SearchTuning = DEFAULT_TUNING,
+                      stats: SearchStats | None = None) -> list[list[Hypothesis]]:
     """Decode ``utterances`` with ``layout.num_groups`` lane groups refilled as utterances finish.
 
     Returns the n-best lists in input order. One small transfer per step (the finished-groups
     mask), plus one bulk transfer of finished results every ``_MAX_PENDING_LANES`` lanes and at
-    the end (the mask read one step late on CuPy, see ``LAGGED_CONTINUOUS_MASK``).
+    the end. The mask is read one step late on CuPy (``tuning.lagged_continuous_mask``): the host
+    queues step k + 1 before it waits for step k's mask, so the GPU does not drain at every step;
+    a finished group then carries itself one more step, which changes nothing. On the H200 with
+    CUDA graphs and the fused step that made continuous batching 7 % faster (2.42 against 2.59 ms
+    per step).
     """
     num_groups, beam_size = layout.num_groups, layout.beam_size
     # Finishing and admitting cost a few launches and a retain per scorer whatever the number of
@@ -168,17 +160,18 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
         admitted, taken = _admit(entries, utterances, free, queue, any_active=False)
         lanes.reset(free, admitted, taken, limits[taken], step=0)
         contexts = [e.scorer.initial_context(admitted) for e in entries]
-        lagged = LAGGED_CONTINUOUS_MASK if LAGGED_CONTINUOUS_MASK is not None else layout.xp is not np
-        masks = label_sync.LaggedReads(layout.xp, num_groups) if lagged else None
+        if tuning.lagged(tuning.lagged_continuous_mask, layout.xp):
+            masks = label_sync.LaggedReads(layout.xp, num_groups, wait=tuning.host_wait,
+                                           clock=None if stats is None else stats.host_waits)
         step = 0
         while (lanes.group_utterance >= 0).any():
             step += 1
             lanes.beam, parents, labels, contexts = _expand(entries, contexts, lanes.beam, layout, options,
-                                                            lanes.deadline, step)
+                                                            lanes.deadline, step, tuning, stats)
             lanes.record(step, parents, labels)
             finished = lanes.beam.ended.reshape(num_groups, beam_size).all(axis=1)
             if masks is None:
-                (finished,) = label_sync._to_host(finished)  # the one small transfer per step
+                (finished,) = read_back(tuning, stats, finished)  # the one small transfer per step
                 seen = step
             else:
                 masks.post(finished)
@@ -198,7 +191,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
             elif done.size < active:
                 continue
             cpu, wall = time.thread_time(), time.perf_counter()
-            pending.append(_finalise(lanes, done, options))
+            pending.append(_finalise(lanes, done, options, stats))
             num_pending += done.size * beam_size
             for entry in entries:
                 entry.scorer.release(done)
@@ -207,16 +200,17 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
             reset = np.union1d(done, admitted)
             lanes.reset(reset, admitted, taken, limits[taken], step=step)
             contexts = [e.scorer.initial_context(reset, c) for e, c in zip(entries, contexts)]
-            REFILLS.add(time.thread_time() - cpu, time.perf_counter() - wall)
+            if stats is not None:
+                stats.refills.add(time.thread_time() - cpu, time.perf_counter() - wall)
             if num_pending >= _MAX_PENDING_LANES:
-                _collect(pending, results, entries, options)
+                _collect(pending, results, entries, options, tuning, stats)
                 pending, num_pending = [], 0
     finally:
         if masks is not None:
             masks.drain()
         for entry in begun:
             entry.scorer.release(np.arange(num_groups, dtype=np.int64))
-    _collect(pending, results, entries, options)
+    _collect(pending, results, entries, options, tuning, stats)
     if queue or any(r is None for r in results):
         raise AssertionError("continuous search: utterances left undecoded (a bug in the admission loop)")
     return results
@@ -251,7 +245,7 @@ def _admit(entries, utterances: UtteranceBatch, free: np.ndarray, queue: deque, 
     return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 
 
-def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions) -> tuple:
+def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions, stats: SearchStats | None) -> tuple:
     """Device gathers of the finished groups' results (read back later by :func:`_collect`)."""
     layout, beam = lanes.layout, lanes.beam
     xp = layout.xp
@@ -261,18 +255,20 @@ def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions) -> tup
     ranks = scores
     if lns != 0:
         ranks = scores / xp.power(xp.maximum(beam.lengths[rows], 1).astype(np.float32), lns)
+    observed_top_k(stats, ranks.reshape(done.size, layout.beam_size), layout.beam_size)
     order = top_k_indices(ranks.reshape(done.size, layout.beam_size), layout.beam_size)
     width = int(lanes.group_limit[done].max())
     return (lanes.group_utterance[done].copy(), order, ranks, scores, beam.scorer_scores[:, rows],
             beam.lengths[rows], lanes.labels(rows, width))
 
 
-def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOptions) -> None:
+def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOptions, tuning: SearchTuning,
+             stats: SearchStats | None) -> None:
     """One transfer of every pending finished group; n-best lists into ``results``."""
     if not pending:
         return
     arrays = [a for p in pending for a in p[1:]]
-    host = label_sync._to_host(*arrays)
+    host = read_back(tuning, stats, *arrays)
     with no_cyclic_gc():
         for i, item in enumerate(pending):
             utts = item[0].tolist()

@@ -39,6 +39,7 @@ blanks dropped — for all utterances at once.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,14 +48,16 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import on_shared_stream, to_host_all
+from gpudecode.backend import on_shared_stream
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.options import check_frames, check_time_sync_options, option_error
 from gpudecode.search.emission_tree import emission_tree_nbest
 from gpudecode.search.results import Hypothesis
 from gpudecode.search import ctc_frame
+from gpudecode.search.stats import SearchStats, observed_top_k, read_back
 from gpudecode.search.topk import top_k_indices
+from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 
 _NEG_INF = np.float32(-np.inf)
 #: The rolling hash: hash(prefix + c) = (hash(prefix) * _HASH_MULTIPLIER + c + 1) % modulus.
@@ -111,13 +114,8 @@ class CtcPrefixOptions:
         return self.beam_size if self.nbest is None else self.nbest
 
 
-def _to_host(*arrays) -> tuple[np.ndarray, ...]:
-    """Every device→host transfer of the CTC searches goes through here (tests count the calls)."""
-    return to_host_all(*arrays)
-
-
-def _check_log_probs(log_probs, lengths, xp) -> tuple[object, np.ndarray]:
-    (lengths,) = _to_host(lengths)
+def _check_log_probs(log_probs, lengths, xp, read) -> tuple[object, np.ndarray]:
+    (lengths,) = read(lengths)
     lengths = check_frames(log_probs, lengths, xp, "log_probs", "V")
     return log_probs.astype(np.float32, copy=False), lengths
 
@@ -131,16 +129,19 @@ def _on_shared_stream(xp, run):
 
 
 # --- greedy ----------------------------------------------------------------------------------
-def ctc_greedy_search(log_probs, lengths, *, blank: int = 0,
-                      xp: ModuleType = np) -> list[list[Hypothesis]]:
+def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np,
+                      tuning: SearchTuning = DEFAULT_TUNING, stats: SearchStats | None = None
+                      ) -> list[list[Hypothesis]]:
     """Best-path decoding of all utterances at once; per utterance a one-entry n-best list.
 
     ``log_probs`` [U, T, V] float on ``xp``, ``lengths`` [U] valid frames. The hypothesis is the
     argmax label per frame with repeats collapsed and blanks dropped; its score (and
     ``scores["ctc"]``) is the best path's log-probability (the sum of the frame maxima), and
     ``frames`` holds the first frame of each emitted label. Equal maxima go to the lower label.
+    ``tuning`` and ``stats`` as for :func:`ctc_prefix_search`.
     """
-    log_probs, lengths = _check_log_probs(log_probs, lengths, xp)
+    read = functools.partial(read_back, tuning, stats)
+    log_probs, lengths = _check_log_probs(log_probs, lengths, xp, read)
     num_utts, num_frames, vocab_size = log_probs.shape
     if not 0 <= blank < vocab_size:
         raise ValueError(f"blank {blank} is outside the vocabulary [0, {vocab_size})")
@@ -154,7 +155,7 @@ def ctc_greedy_search(log_probs, lengths, *, blank: int = 0,
         previous = xp.concatenate([xp.full((num_utts, 1), -1, dtype=best.dtype), best[:, :-1]], axis=1)
         emitted = valid & (best != blank) & (best != previous)
         score = xp.where(valid, best_logp, np.float32(0)).sum(axis=1, dtype=np.float32)
-        return _to_host(best, emitted, score)
+        return read(best, emitted, score)
 
     best, emitted, score = _on_shared_stream(xp, run)
     results = []
@@ -168,7 +169,8 @@ def ctc_greedy_search(log_probs, lengths, *, blank: int = 0,
 
 # --- prefix beam search ----------------------------------------------------------------------
 def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers: Sequence = (),
-                      xp: ModuleType = np, *, ids: Sequence[str] | None = None
+                      xp: ModuleType = np, *, ids: Sequence[str] | None = None,
+                      tuning: SearchTuning = DEFAULT_TUNING, stats: SearchStats | None = None
                       ) -> list[list[Hypothesis]]:
     """CTC prefix beam search of all utterances at once; per utterance the n-best, best first.
 
@@ -180,8 +182,13 @@ def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers:
 
     Each hypothesis has ``score`` = CTC log-prob + Σ scale · scorer score, ``scores["ctc"]`` and
     each scorer's unscaled score, and ``frames``: the frame at which each label was emitted.
+
+    ``tuning``: how the search runs (:class:`gpudecode.search.tuning.SearchTuning`; never changes
+    the results); ``stats``: a :class:`gpudecode.search.stats.SearchStats` to add the run's counts
+    to (None: nothing counted).
     """
-    log_probs, lengths = _check_log_probs(log_probs, lengths, xp)
+    read = functools.partial(read_back, tuning, stats)
+    log_probs, lengths = _check_log_probs(log_probs, lengths, xp, read)
     num_utts, _, vocab_size = log_probs.shape
     if options.blank >= vocab_size:
         raise ValueError(f"CtcPrefixOptions.blank {options.blank} is outside the vocabulary "
@@ -206,29 +213,31 @@ def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers:
     utterances = UtteranceBatch(ids=ids, input_lengths=lengths, inputs={LOG_PROBS_INPUT: log_probs})
 
     def run():
-        search = _PrefixSearch(log_probs, lengths, options, entries, layout)
+        search = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats)
         result = search.run(utterances, exact=options.history_compare_steps is None)
         if result is None:  # a pair stayed undecided within history_compare_steps: compare fully
-            result = _PrefixSearch(log_probs, lengths, options, entries, layout).run(utterances, exact=True)
+            result = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats).run(
+                utterances, exact=True)
         return result
 
     return _on_shared_stream(xp, run)
 
 
-def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: int | None):
+def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: int | None, read):
     """Which ``candidate`` pairs (equal hash and length) spell the same label sequence: both
     paths of the label tree (``node_label``, ``node_parent``) walked back until they meet.
 
     ``steps``: walk at most that many steps and return, as the second value, a device bool
     "some pair is still undecided"; None: walk to the end (one host check per step), second
-    value None. Returns (equal pairs, undecided flag or None).
+    value None. Returns (equal pairs, undecided flag or None). ``read``: the search's
+    device→host read (:func:`gpudecode.search.stats.read_back` bound to its tuning and stats).
     """
     equal = candidate & (node_a == node_b)
     pending = candidate & (node_a != node_b)
     step = 0
     while True:
         if steps is None:
-            (more,) = _to_host(pending.any())
+            (more,) = read(pending.any())
             if not more:
                 return equal, None
         elif step >= steps:
@@ -251,11 +260,14 @@ class _PrefixSearch:
     """
 
     def __init__(self, log_probs, lengths: np.ndarray, options: CtcPrefixOptions,
-                 entries: Sequence[ScorerEntry], layout: LaneLayout) -> None:
+                 entries: Sequence[ScorerEntry], layout: LaneLayout, tuning: SearchTuning = DEFAULT_TUNING,
+                 stats: SearchStats | None = None) -> None:
         self.log_probs, self.lengths, self.options = log_probs, lengths, options
         self.entries, self.layout = tuple(entries), layout
         self.xp = layout.xp
         self.scales = [e.scale for e in self.entries]
+        self.tuning, self.stats = tuning, stats
+        self.read = functools.partial(read_back, tuning, stats)
 
     # --- the frame loop ----------------------------------------------------------------------
     def run(self, utterances: UtteranceBatch, *, exact: bool):
@@ -267,7 +279,7 @@ class _PrefixSearch:
         num_full = int((frame_kinds == 2).sum())
 
         groups = np.arange(num_utts, dtype=np.int64)
-        fused = ctc_frame.use_kernel(self)  # CuPy without scorers: all frames in one launch
+        fused = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(self)  # CuPy without scorers: one launch
         blank_logp = np.full(num_lanes, _NEG_INF, dtype=np.float32)
         blank_logp[::beam] = 0  # each utterance starts from one lane: the empty prefix
         self.blank_logp = xp.asarray(blank_logp)
@@ -284,7 +296,9 @@ class _PrefixSearch:
         self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
         self.lengths_dev = xp.asarray(self.lengths)
         if fused:
-            ctc_frame.search_kernel(self, frame_kinds)
+            ctc_frame.search_kernel(self, frame_kinds, prefilter=self.tuning.ctc_prefilter)
+            if self.stats is not None:
+                self.stats.fused_launches += 1
             return self._nbest(exact)
         lanes = xp.arange(num_lanes, dtype=np.int64)
         self.lane_group = lanes // beam
@@ -330,7 +344,7 @@ class _PrefixSearch:
         if threshold is None:
             full = active.any(axis=0)
             return np.where(full, 2, 0).astype(np.int8)
-        (skip,) = _to_host(lp[:, :, self.options.blank] > np.float32(threshold))
+        (skip,) = self.read(lp[:, :, self.options.blank] > np.float32(threshold))
         self.skip = xp.asarray(skip)
         full = (active & ~skip).any(axis=0)
         return np.where(full, 2, np.where(active.any(axis=0), 1, 0)).astype(np.int8)
@@ -402,6 +416,7 @@ class _PrefixSearch:
         if options.score_threshold is not None:
             best = ranks.max(axis=1, keepdims=True)
             ranks = xp.where(ranks >= best - np.float32(options.score_threshold), ranks, _NEG_INF)
+        observed_top_k(self.stats, ranks, beam)
         chosen = top_k_indices(ranks, beam)  # [U, B]
         alive = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
         parents = (self.group_base + chosen // vocab_size).reshape(-1)
@@ -459,7 +474,7 @@ class _PrefixSearch:
         node_i = xp.broadcast_to(self.node.reshape(num_utts, 1, beam), shape)
         node_j = xp.broadcast_to(self.node_parent[self.node].reshape(num_utts, beam, 1), shape)
         equal, unresolved = same_label_paths(candidate, node_i, node_j, self.node_label, self.node_parent,
-                                             None if exact else self.options.history_compare_steps)
+                                             None if exact else self.options.history_compare_steps, self.read)
         if unresolved is not None:
             self.unresolved = self.unresolved | unresolved
         matched = equal.any(axis=2).reshape(-1)
@@ -489,7 +504,7 @@ class _PrefixSearch:
         xp = self.xp
         scorer_parents = self.scorer_lane[parents]
         if self.cache_enabled:
-            (any_emitted,) = _to_host(emitted.any())
+            (any_emitted,) = self.read(emitted.any())
             if not any_emitted:
                 self.scorer_lane = scorer_parents
                 return
@@ -505,7 +520,8 @@ class _PrefixSearch:
         num_utts, beam = layout.num_groups, layout.beam_size
         ctc = xp.logaddexp(self.blank_logp, self.label_logp)
         ranks = ctc + combine_scores(self.lm_scores, self.scales) if self.entries else ctc
+        observed_top_k(self.stats, ranks.reshape(num_utts, beam), beam)
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
         return emission_tree_nbest(order, ranks, {CTC_SCORE_NAME: ctc}, self.lm_scores, self.entries, self.node,
                                    self.node_parent, self.node_label, self.node_frames, options.num_best,
-                                   _to_host, unresolved=None if exact else self.unresolved)
+                                   self.read, unresolved=None if exact else self.unresolved)

@@ -166,17 +166,13 @@ _THREADS = 256  # CTC_THREADS
 #: limit less the kernel's static shared memory); larger vocabularies read it from global memory.
 _MAX_ROW_BYTES = 40 * 1024
 _STATE = ("blank_logp", "label_logp", "last", "length", "hash", "prev_hash", "node")
-#: Switch for tests: False makes the CuPy search run its array version.
-enabled = True
-#: Switch for tests: False makes the kernel scan every label of every frame (no prefilter).
-prefilter = True
 #: The prefilter's list lengths (``ctc_top_labels_<P>``), P >= 2 * beam + 1, by largest beam.
 _TOP_LABELS = ((4, 9), (8, 17), (16, 33))
 
 
-def top_label_count(beam_size: int, vocab_size: int) -> int:
-    """How many best labels per frame the kernel's prefilter lists (0: no prefilter — a beam
-    above 16, or too few labels for the list to leave any out)."""
+def top_label_count(beam_size: int, vocab_size: int, prefilter: bool = True) -> int:
+    """How many best labels per frame the kernel's prefilter lists (0: no prefilter — switched
+    off, a beam above 16, or too few labels for the list to leave any out)."""
     if not prefilter:
         return 0
     count = next((p for b, p in _TOP_LABELS if beam_size <= b), 0)
@@ -204,16 +200,18 @@ def top_labels_kernel(log_probs, blank: int, num_top: int):
 
 
 def use_kernel(search) -> bool:
-    """Whether ``search`` runs as ``ctc_prefix_frames_<K>`` (CuPy, no scorers, beam <= 32)."""
-    return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
+    """Whether ``search`` can run as ``ctc_prefix_frames_<K>`` (CuPy, no scorers, beam <= 32;
+    ``SearchTuning.fused_ctc_frames`` decides whether it does)."""
+    return search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
 
 
-def search_kernel(search, frame_kinds: np.ndarray) -> None:
+def search_kernel(search, frame_kinds: np.ndarray, prefilter: bool = True) -> None:
     """Every frame of ``search`` (what its frame loop does) as one launch of ``ctc_prefix_frames_<K>``:
     a thread block per utterance, on the current stream, no host synchronisation. The lane
     state arrays are updated in place; ``frame_kinds`` is the host [T] int8 of ``_frame_kinds``.
     Hash-equal pairs are compared to the end in the kernel (``history_compare_steps`` is for the
-    array version), so the kernel never makes the search run again."""
+    array version), so the kernel never makes the search run again. ``prefilter`` False: every
+    frame scans every label (:func:`top_label_count`)."""
     from gpudecode.kernels import load_module
     from gpudecode.search.ctc import _HASH_MULTIPLIER
 
@@ -233,7 +231,7 @@ def search_kernel(search, frame_kinds: np.ndarray) -> None:
     module = load_module("ctc_frame", (), log_probs.device.id)
     kernel = module.get_function(f"ctc_prefix_frames_{kept}")
     rows = num_utts * num_frames
-    num_top = top_label_count(layout.beam_size, vocab_size) if rows else 0
+    num_top = top_label_count(layout.beam_size, vocab_size, prefilter) if rows else 0
     top_labels = top_values = np.uint64(0)  # null: no prefilter
     if num_top:  # every frame's best labels, all frames at once (a warp per frame)
         top_labels, top_values = top_labels_kernel(log_probs, options.blank, num_top)

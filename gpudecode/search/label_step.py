@@ -18,13 +18,10 @@ MAX_SCORERS = 4  # logp0 .. logp3
 _THREADS = 256  # LABEL_THREADS
 SEGMENT = 8 * _THREADS  # LABEL_SEGMENT: labels per block of label_lane_top_<K>
 
-#: Off: CuPy runs the array version too (the tests compare both).
-enabled = True
-
-
 def use_kernel(xp, beam_size: int, num_scorers: int) -> bool:
-    """Whether a step's selection runs as ``label_select_<K>`` (CuPy, beam <= 32, <= 4 scorers)."""
-    return enabled and xp is not np and beam_size <= MAX_BEAM and 1 <= num_scorers <= MAX_SCORERS
+    """Whether a step's selection can run as ``label_select_<K>`` (CuPy, beam <= 32, <= 4 scorers;
+    ``SearchTuning.fused_label_step`` decides whether it does)."""
+    return xp is not np and beam_size <= MAX_BEAM and 1 <= num_scorers <= MAX_SCORERS
 
 
 def _scores_on_device(cupy, scores):

@@ -28,10 +28,11 @@ import numpy as np
 
 from gpudecode import defaults
 from gpudecode.backend import (
+    DEFAULT_HOST_WAIT,
     HostClock,
+    HostWait,
     on_shared_stream,
     to_host,
-    to_host_all,
     wait_for,
 )
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
@@ -44,7 +45,9 @@ from gpudecode.scorers.combine import (
 from gpudecode.search import label_step
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.results import Hypothesis, label_lists, nbest_lists, no_cyclic_gc
+from gpudecode.search.stats import SearchStats, observed_top_k, read_back
 from gpudecode.search.topk import top_k_indices
+from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 
 _NEG_INF = np.float32(-np.inf)
 
@@ -110,32 +113,10 @@ class LabelSyncOptions:
         return np.clip(limits, 1, self.max_labels)
 
 
-def _to_host(*arrays) -> tuple[np.ndarray, ...]:
-    """Every device→host transfer of the search goes through here (tests count the calls)."""
-    return to_host_all(*arrays)
-
-
-def _all_ended(ended) -> bool:
+def _all_ended(ended, tuning: SearchTuning, stats: SearchStats | None) -> bool:
     """The per-step stop test: one small transfer (a single bool)."""
-    (flag,) = _to_host(ended.all())
+    (flag,) = read_back(tuning, stats, ended.all())
     return bool(flag)
-
-
-#: Host time of the step loops of :func:`label_sync_search` without continuous batching (``count``:
-#: steps), apart from admission before and the n-best lists after (a benchmark's accounting).
-STEP_LOOP = HostClock()
-
-#: Read the stop test STOP_TEST_LAG steps late (None: on CuPy only). The host then queues steps
-#: k + 1 .. k + STOP_TEST_LAG before it waits for step k's flag, so the GPU never drains between
-#: steps, even while the host wakes up; the price is up to STOP_TEST_LAG more steps after the last
-#: lane ends, which change nothing (ended lanes only carry themselves).
-LAGGED_STOP_TEST: bool | None = None
-STOP_TEST_LAG = 2
-#: With lagged reads, post the stop flag every STOP_TEST_EVERY steps: between two waits the host
-#: then queues that many steps back to back, so a host that naps through long GPU steps wakes once
-#: per STOP_TEST_EVERY steps. Up to STOP_TEST_LAG · STOP_TEST_EVERY + STOP_TEST_EVERY - 1 steps
-#: may follow the one where the last lane ended.
-STOP_TEST_EVERY = 1
 
 
 class LaggedReads:
@@ -144,10 +125,13 @@ class LaggedReads:
     :meth:`post` queues an array's copy (on CuPy an asynchronous copy into pinned memory behind
     the work queued so far); :meth:`previous` waits for the array posted ``lag`` posts before it.
     ``lag + 1`` pinned buffers take turns, and the host waits on their events through
-    :func:`gpudecode.backend.wait_for` (napping by default) instead of spinning."""
+    :func:`gpudecode.backend.wait_for` (``wait``, napping by default; the waits' time added to
+    ``clock`` unless None) instead of spinning."""
 
-    def __init__(self, xp: ModuleType, size: int = 1, lag: int = 1) -> None:
+    def __init__(self, xp: ModuleType, size: int = 1, lag: int = 1, wait: HostWait = DEFAULT_HOST_WAIT,
+                 clock: HostClock | None = None) -> None:
         self._cupy = None if xp is np else xp
+        self._wait, self._clock = wait, clock
         self._size, self._lag = size, lag
         self._posted: list = []  # (event or None, slot or values)
         if self._cupy is not None:
@@ -176,20 +160,21 @@ class LaggedReads:
         event, value = self._posted.pop(0)
         if event is None:
             return value
-        wait_for(event)
+        wait_for(event, self._wait, self._clock)
         return self._host[value].copy()
 
     def drain(self) -> None:
         """Waits for every posted copy (the pinned buffers outlive no copy in flight)."""
         for event, _ in self._posted:
             if event is not None:
-                wait_for(event)
+                wait_for(event, self._wait, self._clock)
         self._posted.clear()
 
 
 def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: LabelSyncOptions,
                       xp: ModuleType = np, *, max_active_utterances: int | None = None,
-                      admission_order: str = "longest-first") -> list[list[Hypothesis]]:
+                      admission_order: str = "longest-first", tuning: SearchTuning = DEFAULT_TUNING,
+                      stats: SearchStats | None = None) -> list[list[Hypothesis]]:
     """Decode ``utterances`` together; per utterance the n-best list, best first.
 
     ``scorers``: (name, scorer, scale) triples; the combined score is Σ scale · score. The
@@ -201,6 +186,10 @@ def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: La
     next waiting utterance (in ``admission_order``: ``longest-first``, ``shortest-first`` or
     ``input``) is admitted into them while the others go on. Results are the same as decoding
     each utterance alone (up to float rounding) and come back in input order.
+
+    ``tuning``: how the search runs (:class:`gpudecode.search.tuning.SearchTuning`; never changes
+    the results); ``stats``: a :class:`gpudecode.search.stats.SearchStats` to add the run's
+    timings and counts to (None: nothing measured).
     """
     entries = check_scorers(scorers)
     vocab_size = int(entries[0].scorer.vocab_size)
@@ -224,7 +213,7 @@ def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: La
         layout = LaneLayout(num_groups=num_utts, beam_size=options.beam_size, xp=xp)
 
         def search():
-            return _search(entries, utterances, options, layout)
+            return _search(entries, utterances, options, layout, tuning, stats)
     else:
         from gpudecode.search.batching import continuous_search
 
@@ -232,7 +221,7 @@ def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: La
                             beam_size=options.beam_size, xp=xp)
 
         def search():
-            return continuous_search(entries, utterances, options, layout, admission_order)
+            return continuous_search(entries, utterances, options, layout, admission_order, tuning, stats)
 
     if xp is np:
         return search()
@@ -242,8 +231,8 @@ def label_sync_search(scorers: Sequence, utterances: UtteranceBatch, options: La
         return search()
 
 
-def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
-            layout: LaneLayout) -> list[list[Hypothesis]]:
+def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions, layout: LaneLayout,
+            tuning: SearchTuning, stats: SearchStats | None) -> list[list[Hypothesis]]:
     groups = np.arange(layout.num_groups, dtype=np.int64)
     limits = options.label_limits(utterances.input_lengths)
     begun: list[ScorerEntry] = []
@@ -253,11 +242,11 @@ def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
             begun.append(entry)
             entry.scorer.admit(utterances, groups)
         contexts = [e.scorer.initial_context(groups) for e in entries]
-        beam, steps = _run(entries, contexts, layout, limits, options)
+        beam, steps = _run(entries, contexts, layout, limits, options, tuning, stats)
     finally:
         for entry in begun:
             entry.scorer.release(groups)
-    return _nbest(entries, beam, steps, layout, options)
+    return _nbest(entries, beam, steps, layout, options, tuning, stats)
 
 
 @dataclass
@@ -270,8 +259,8 @@ class _Beam:
     ended: object  # [N] bool, terminated (or dead)
 
 
-def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
-         options: LabelSyncOptions) -> tuple[_Beam, list[tuple[object, object]]]:
+def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray, options: LabelSyncOptions,
+         tuning: SearchTuning, stats: SearchStats | None) -> tuple[_Beam, list[tuple[object, object]]]:
     xp = layout.xp
     beam_size = layout.beam_size
     num_lanes = layout.num_lanes
@@ -285,32 +274,38 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray,
     steps: list[tuple[object, object]] = []  # (parents [N], labels [N]) per step
 
     max_steps = int(limits.max())
-    lagged = LAGGED_STOP_TEST if LAGGED_STOP_TEST is not None else xp is not np
-    flags = LaggedReads(xp, lag=STOP_TEST_LAG) if lagged else None
+    flags = None
+    if tuning.lagged(tuning.lagged_stop_test, xp):
+        flags = LaggedReads(xp, lag=tuning.stop_test_lag, wait=tuning.host_wait,
+                            clock=None if stats is None else stats.host_waits)
+    every = tuning.stop_test_every
     cpu, wall = time.thread_time(), time.perf_counter()
     for step in range(1, max_steps + 1):
-        beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options, lane_limit, step)
+        beam, parents, labels, contexts = _expand(entries, contexts, beam, layout, options, lane_limit, step,
+                                                  tuning, stats)
         steps.append((parents, labels))
         if step == max_steps:
             break
         if flags is None:
-            if _all_ended(beam.ended):
+            if _all_ended(beam.ended, tuning, stats):
                 break
             continue
-        if step % STOP_TEST_EVERY:
+        if step % every:
             continue
         flags.post(beam.ended.all().reshape(1))
         previous = flags.previous()
         if previous is not None and previous[0]:
-            break  # every lane had ended before the last STOP_TEST_LAG steps, which only carried them
+            break  # every lane had ended before the last stop_test_lag steps, which only carried them
     if flags is not None:
         flags.drain()
-    STEP_LOOP.add(time.thread_time() - cpu, time.perf_counter() - wall, len(steps))
+    if stats is not None:
+        stats.step_loop.add(time.thread_time() - cpu, time.perf_counter() - wall, len(steps))
     return beam, steps
 
 
 def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSyncOptions,
-            deadline, step: int) -> tuple[_Beam, object, object, list]:
+            deadline, step: int, tuning: SearchTuning = DEFAULT_TUNING,
+            stats: SearchStats | None = None) -> tuple[_Beam, object, object, list]:
     """One search step over all N lanes: score, combine, prune per utterance, extend contexts.
 
     ``deadline``: [N] int64, a lane reaches its utterance's label limit with this step when
@@ -319,15 +314,16 @@ def _expand(entries, contexts, beam: _Beam, layout: LaneLayout, options: LabelSy
     """
     xp = layout.xp
     vocab_size = int(entries[0].scorer.vocab_size)
-    in_kernel = label_step.use_kernel(xp, layout.beam_size, len(entries))
-    log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel)
+    in_kernel = tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
+    log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats)
     norm = length_norm(beam, options, xp)
     if in_kernel:
         fields, parents, labels = label_step.select_kernel(beam, terms, log_probs, norm, deadline, step,
                                                            layout, options)
         beam = _Beam(**fields)
     else:
-        beam, parents, labels = _select(beam, _combined(terms), log_probs, norm, deadline <= step, layout, options)
+        beam, parents, labels = _select(beam, _combined(terms), log_probs, norm, deadline <= step, layout, options,
+                                        stats)
     contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
     return beam, parents, labels, contexts
 
@@ -342,7 +338,7 @@ def length_norm(beam: _Beam, options: LabelSyncOptions, xp):
 
 
 def _select(beam: _Beam, combined, log_probs, norm, at_limit, layout: LaneLayout,
-            options: LabelSyncOptions) -> tuple[_Beam, object, object]:
+            options: LabelSyncOptions, stats: SearchStats | None = None) -> tuple[_Beam, object, object]:
     """The best ``beam_size`` candidates per utterance and the new lanes (the array version of
     ``kernels/label_step.cu``). ``norm``: [N] length normalisers (None: 1); ``at_limit``: [N]
     bool, lanes that reach their label limit with this step."""
@@ -362,6 +358,7 @@ def _select(beam: _Beam, combined, log_probs, norm, at_limit, layout: LaneLayout
         best = ranks.max(axis=1, keepdims=True)
         ranks = xp.where(ranks >= best - threshold, ranks, _NEG_INF)
 
+    observed_top_k(stats, ranks, beam_size)
     chosen = top_k_indices(ranks, beam_size)  # [U, B], lane-major then label
     alive = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
     group_base = (xp.arange(num_groups, dtype=np.int64) * beam_size)[:, None]  # [U, 1]
@@ -384,7 +381,7 @@ def _select(beam: _Beam, combined, log_probs, norm, at_limit, layout: LaneLayout
 
 
 def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vocab_size: int,
-            keep_float16: bool = False):
+            keep_float16: bool = False, stats: SearchStats | None = None):
     """Each scorer's [N, V] log-probs, and the terms (array, scale) whose Σ scale · array is the
     combined score (:func:`combine_scores`). ``keep_float16``: a full scorer's float16 scores stay
     float16 (the label-step kernel reads them as they are), else every array is float32.
@@ -406,6 +403,7 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
         return log_probs, terms
     combined = _combined(terms)
     size = min(options.pre_beam_size or max(2 * layout.beam_size, 10), vocab_size)
+    observed_top_k(stats, combined, size)
     candidates = top_k_indices(combined, size)  # [N, K] labels, best first
     rows = xp.arange(num_lanes)[:, None]
     kept = xp.full((num_lanes, vocab_size), _NEG_INF, dtype=np.float32)
@@ -430,8 +428,8 @@ def _combined(terms):
     return combine_scores([t for t, _ in terms], [scale for _, scale in terms])
 
 
-def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,
-           options: LabelSyncOptions) -> list[list[Hypothesis]]:
+def _nbest(entries, beam: _Beam, steps, layout: LaneLayout, options: LabelSyncOptions,
+           tuning: SearchTuning, stats: SearchStats | None) -> list[list[Hypothesis]]:
     xp = layout.xp
     num_utts, beam_size = layout.num_groups, layout.beam_size
     lns = np.float32(options.length_norm_scale)
@@ -439,11 +437,12 @@ def _nbest(entries, beam: _Beam, steps, layout: LaneLayout,
     if lns != 0:
         lengths = xp.maximum(beam.lengths, 1).astype(np.float32)
         ranks = beam.scores / xp.power(lengths, lns)
+    observed_top_k(stats, ranks.reshape(num_utts, beam_size), beam_size)
     order = top_k_indices(ranks.reshape(num_utts, beam_size), beam_size)  # [U, B]
     parents = xp.stack([p for p, _ in steps])  # [T, N]
     labels = xp.stack([lab for _, lab in steps])  # [T, N]
-    (order, ranks, scores, scorer_scores, lengths, parents, labels) = _to_host(
-        order, ranks, beam.scores, beam.scorer_scores, beam.lengths, parents, labels)
+    (order, ranks, scores, scorer_scores, lengths, parents, labels) = read_back(
+        tuning, stats, order, ranks, beam.scores, beam.scorer_scores, beam.lengths, parents, labels)
 
     # Backtrace of the returned lanes only: one vectorised gather per step.
     returned = returned_lanes(order, options.num_best)

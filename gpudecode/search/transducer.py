@@ -42,6 +42,8 @@ per symbol step (did any lane emit, is any lane still active), none without a st
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -50,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import to_host, to_host_all
+from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search import transducer_step
@@ -59,7 +61,9 @@ from gpudecode.search.emission_tree import emission_tree_nbest
 from gpudecode.search.options import check_frames, check_time_sync_options, coerce_ints, option_error
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.results import Hypothesis
+from gpudecode.search.stats import SearchStats, observed_top_k, read_back
 from gpudecode.search.topk import top_k_indices
+from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 
 _NEG_INF = np.float32(-np.inf)
 #: The name of the transducer score in :attr:`Hypothesis.scores`.
@@ -113,19 +117,14 @@ class TransducerOptions:
         return self.beam_size if self.nbest is None else self.nbest
 
 
-def _to_host(*arrays) -> tuple[np.ndarray, ...]:
-    """Every device→host transfer of the transducer searches goes through here (tests count)."""
-    return to_host_all(*arrays)
-
-
 def _on_xp(xp, array):
     """``array`` on the run's array module (uploaded or downloaded when a model ran elsewhere)."""
     return to_host(array) if xp is np else xp.asarray(array)
 
 
 # --- input checks -----------------------------------------------------------------------------------
-def _check_encoder_states(encoder_states, lengths, xp) -> tuple[Any, np.ndarray]:
-    (lengths,) = _to_host(lengths)
+def _check_encoder_states(encoder_states, lengths, xp, read) -> tuple[Any, np.ndarray]:
+    (lengths,) = read(lengths)
     return encoder_states, check_frames(encoder_states, lengths, xp, "encoder_states", "E")
 
 
@@ -139,15 +138,19 @@ def _joint_log_probs(joint, encoder_frames, prediction, xp, num_lanes: int):
 # --- greedy ---------------------------------------------------------------------------------------
 def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetwork, joint, *, blank: int = 0,
                              max_symbols_per_frame: int = defaults.MAX_SYMBOLS_PER_FRAME,
-                             xp: ModuleType = np, ids: Sequence[str] | None = None) -> list[list[Hypothesis]]:
+                             xp: ModuleType = np, ids: Sequence[str] | None = None,
+                             tuning: SearchTuning = DEFAULT_TUNING, stats: SearchStats | None = None
+                             ) -> list[list[Hypothesis]]:
     """Greedy transducer decoding of all utterances at once; per utterance a one-entry n-best list.
 
     ``encoder_states`` [U, T, E] on ``xp``, ``lengths`` [U]. Per (frame, symbol) step the joint
     runs once over all utterances; the argmax (equal maxima: the lower label) is emitted unless it
     is blank, which leaves the frame (as does the ``max_symbols_per_frame``-th label). ``score``
     (and ``scores["transducer"]``) is the path's log-probability; ``frames`` each label's frame.
+    ``tuning`` and ``stats`` as for :func:`transducer_search`.
     """
-    encoder_states, lengths = _check_encoder_states(encoder_states, lengths, xp)
+    read = functools.partial(read_back, tuning, stats)
+    encoder_states, lengths = _check_encoder_states(encoder_states, lengths, xp, read)
     if not isinstance(max_symbols_per_frame, int) or max_symbols_per_frame < 1:
         raise ValueError(f"max_symbols_per_frame: expected an int >= 1, got {max_symbols_per_frame!r}")
     num_utts = encoder_states.shape[0]
@@ -181,7 +184,7 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
                     labels = xp.where(emitted, best, -1)
                     steps.append(labels)
                     step_frames.append(t)
-                    (any_emitted,) = _to_host(emitted.any())
+                    (any_emitted,) = read(emitted.any())
                     if not any_emitted:
                         break
                     ctx = prediction.extend(ctx, lanes, labels)
@@ -189,7 +192,7 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
                     pred_out = xp.where(emitted[:, None], new_out, pred_out)
                     active = emitted
             table = xp.stack(steps) if steps else xp.zeros((0, num_utts), dtype=np.int64)
-            return (*_to_host(table, score), np.asarray(step_frames, dtype=np.int64))
+            return (*read(table, score), np.asarray(step_frames, dtype=np.int64))
         finally:
             prediction.release(groups)
 
@@ -204,7 +207,8 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
 
 # --- beam search ------------------------------------------------------------------------------------
 def transducer_search(encoder_states, lengths, prediction: PredictionNetwork, joint, options: TransducerOptions,
-                      lm_scorers: Sequence = (), xp: ModuleType = np, *, ids: Sequence[str] | None = None
+                      lm_scorers: Sequence = (), xp: ModuleType = np, *, ids: Sequence[str] | None = None,
+                      tuning: SearchTuning = DEFAULT_TUNING, stats: SearchStats | None = None
                       ) -> list[list[Hypothesis]]:
     """Transducer beam search of all utterances at once; per utterance the n-best, best first.
 
@@ -217,8 +221,13 @@ def transducer_search(encoder_states, lengths, prediction: PredictionNetwork, jo
 
     Each hypothesis has ``score`` = transducer log-prob + Σ scale · scorer score,
     ``scores["transducer"]`` and each scorer's unscaled score, and ``frames``.
+
+    ``tuning``: how the search runs (:class:`gpudecode.search.tuning.SearchTuning`; never changes
+    the results); ``stats``: a :class:`gpudecode.search.stats.SearchStats` to add the run's counts
+    to (None: nothing counted).
     """
-    encoder_states, lengths = _check_encoder_states(encoder_states, lengths, xp)
+    read = functools.partial(read_back, tuning, stats)
+    encoder_states, lengths = _check_encoder_states(encoder_states, lengths, xp, read)
     num_utts = encoder_states.shape[0]
     entries = check_scorers(lm_scorers) if len(lm_scorers) else ()
     for entry in entries:
@@ -234,10 +243,11 @@ def transducer_search(encoder_states, lengths, prediction: PredictionNetwork, jo
     utterances = UtteranceBatch(ids=ids, input_lengths=lengths, inputs={ENCODER_STATES_INPUT: encoder_states})
 
     def run():
-        search = _TransducerSearch(encoder_states, lengths, prediction, joint, options, entries, layout)
+        search = _TransducerSearch(encoder_states, lengths, prediction, joint, options, entries, layout, tuning, stats)
         result = search.run(utterances, exact=options.history_compare_steps is None)
         if result is None:  # a pair stayed undecided within history_compare_steps: compare fully
-            search = _TransducerSearch(encoder_states, lengths, prediction, joint, options, entries, layout)
+            search = _TransducerSearch(encoder_states, lengths, prediction, joint, options, entries, layout, tuning,
+                                       stats)
             result = search.run(utterances, exact=True)
         return result
 
@@ -253,13 +263,16 @@ class _TransducerSearch:
     """
 
     def __init__(self, encoder_states, lengths: np.ndarray, prediction: PredictionNetwork, joint,
-                 options: TransducerOptions, entries: Sequence[ScorerEntry], layout: LaneLayout) -> None:
+                 options: TransducerOptions, entries: Sequence[ScorerEntry], layout: LaneLayout,
+                 tuning: SearchTuning = DEFAULT_TUNING, stats: SearchStats | None = None) -> None:
         self.encoder_states, self.lengths, self.options = encoder_states, lengths, options
         self.prediction, self.joint = prediction, joint
         self.entries, self.layout = tuple(entries), layout
         self.xp = layout.xp
         self.scales = [e.scale for e in self.entries]
         self.combine = layout.xp.logaddexp if options.recombination == "sum" else layout.xp.maximum
+        self.tuning, self.stats = tuning, stats
+        self.read = functools.partial(read_back, tuning, stats)
 
     # --- the frame loop ------------------------------------------------------------------------
     def run(self, utterances: UtteranceBatch, *, exact: bool):
@@ -330,12 +343,14 @@ class _TransducerSearch:
         if self.rescore:
             self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
 
-        if transducer_step.use_kernel(self):  # CuPy without scorers: the selection in one launch
+        if self.tuning.fused_transducer_step and transducer_step.use_kernel(self):  # CuPy without scorers: one launch
             parents, labels, alive_new, emitted = transducer_step.select_kernel(self, t, s, forced, logp)
+            if self.stats is not None:
+                self.stats.fused_launches += 1
         else:
             parents, labels, alive_new, emitted = self._select(t, s, forced, logp, exact)
         is_stay = ~emitted
-        (flags,) = _to_host(xp.stack([emitted.any(), (alive_new & ~self.done).any()]))  # one small transfer
+        (flags,) = self.read(xp.stack([emitted.any(), (alive_new & ~self.done).any()]))  # one small transfer
         any_emitted, any_active = bool(flags[0]), bool(flags[1])
         step_labels = xp.where(emitted, labels, -1)
 
@@ -430,6 +445,7 @@ class _TransducerSearch:
         if options.score_threshold is not None:
             best = ranks.max(axis=1, keepdims=True)
             ranks = xp.where(ranks >= best - np.float32(options.score_threshold), ranks, _NEG_INF)
+        observed_top_k(self.stats, ranks, beam)
         chosen = top_k_indices(ranks, beam)  # [U, B]
         alive_new = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
         parents = (self.group_base + chosen // vocab_size).reshape(-1)
@@ -486,7 +502,8 @@ class _TransducerSearch:
         """Of the ``candidate`` pairs (equal hash and length), those whose nodes spell the same
         label sequence: both label paths walked back until they meet."""
         steps = None if exact else self.options.history_compare_steps
-        equal, unresolved = same_label_paths(candidate, node_a, node_b, self.node_label, self.node_parent, steps)
+        equal, unresolved = same_label_paths(candidate, node_a, node_b, self.node_label, self.node_parent, steps,
+                                             self.read)
         if unresolved is not None:
             self.unresolved = self.unresolved | unresolved
         return self.xp.asarray(equal)
@@ -512,7 +529,8 @@ class _TransducerSearch:
         layout, options = self.layout, self.options
         num_utts, beam = layout.num_groups, layout.beam_size
         ranks = self.score + combine_scores(self.lm_scores, self.scales) if self.entries else self.score
+        observed_top_k(self.stats, ranks.reshape(num_utts, beam), beam)
         order = top_k_indices(ranks.reshape(num_utts, beam), beam)
         return emission_tree_nbest(order, ranks, {TRANSDUCER_SCORE_NAME: self.score}, self.lm_scores, self.entries,
                                    self.node, self.node_parent, self.node_label, self.node_frames, options.num_best,
-                                   _to_host, unresolved=None if exact else self.unresolved)
+                                   self.read, unresolved=None if exact else self.unresolved)

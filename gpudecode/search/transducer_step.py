@@ -137,13 +137,11 @@ def select_reference(search, t: int, s: int, forced: bool, logp, exact: bool):
 MAX_BEAM = 32  # TRANSDUCER_MAX_BEAM of kernels/transducer_step.cu
 _THREADS = 256  # TRANSDUCER_THREADS
 _STATE = ("score", "done", "node", "last", "length", "hash", "prev_hash")
-#: Switch for tests: False makes the CuPy search run its array version.
-enabled = True
-
 
 def use_kernel(search) -> bool:
-    """Whether ``search``'s selection runs as ``transducer_select_<K>`` (CuPy, no scorers, beam <= 32)."""
-    return enabled and search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
+    """Whether ``search``'s selection can run as ``transducer_select_<K>`` (CuPy, no scorers, beam <= 32;
+    ``SearchTuning.fused_transducer_step`` decides whether it does)."""
+    return search.xp is not np and not search.entries and search.layout.beam_size <= MAX_BEAM
 
 
 def select_kernel(search, t: int, s: int, forced: bool, logp):

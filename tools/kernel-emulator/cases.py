@@ -29,6 +29,7 @@ from gpudecode.kernels import kernel_source
 from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
 from gpudecode.search import ctc_frame
+from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_frame import PREFILTER_CASES
 
 TOL = 1e-4
@@ -235,9 +236,10 @@ def describe(options: dict) -> str:
     return ",".join(f"{k.replace('_size', '').replace('_threshold', '_thr')}={v}" for k, v in options.items())
 
 
-def emulated(log_probs, lengths, options):
+def emulated(log_probs, lengths, options, prefilter=True):
     emulator.launch_log.clear()
-    got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy)
+    got = ctc_prefix_search(cupy.asarray(log_probs), lengths, options, xp=cupy,
+                            tuning=SearchTuning(ctc_prefilter=prefilter))
     return got, list(emulator.launch_log)
 
 
@@ -248,12 +250,7 @@ def check_launches(launches, options, vocab_size, prefilter=True):
         problems.append("ctc_prefix_frames_* never launched")
     if "trace_emission_groups" not in launches:
         problems.append("trace_emission_groups never launched")
-    saved = ctc_frame.prefilter
-    ctc_frame.prefilter = prefilter
-    try:
-        num_top = ctc_frame.top_label_count(options.beam_size, vocab_size)
-    finally:
-        ctc_frame.prefilter = saved
+    num_top = ctc_frame.top_label_count(options.beam_size, vocab_size, prefilter)
     tops = [n for n in launches if n.startswith("ctc_top_labels_")]
     if num_top and not tops:
         problems.append(f"expected the label prefilter (ctc_top_labels_*, {num_top} labels), not launched")
@@ -325,11 +322,7 @@ def run_vs_numpy(kind, case, seed, blank_bias=1.5, prefilter=True):
         shape = f"U=3 T=20 V=12000 seed={seed}"
     name = f"{shape} {describe(case)}" + ("" if prefilter else " prefilter off")
     expected = ctc_prefix_search(log_probs, lengths, options)
-    ctc_frame.prefilter = prefilter
-    try:
-        got, launches = emulated(log_probs, lengths, options)
-    finally:
-        ctc_frame.prefilter = True
+    got, launches = emulated(log_probs, lengths, options, prefilter)
     problems, worst = compare(expected, got)
     problems += check_launches(launches, options, log_probs.shape[2], prefilter=prefilter)
     kernels = "+".join(n for n in dict.fromkeys(launches) if n.startswith("ctc_"))
@@ -343,11 +336,7 @@ def run_ties(case, spec):
     inputs = "test inputs" if spec[0] == "test" else f"seed={spec[1]} levels={spec[2]} spacing={spec[3]:g}"
     name = f"ties U=5 T=14 V={vocab_size} {inputs} {describe(case)}: prefilter vs full scan"
     with_prefilter, launches_on = emulated(log_probs, lengths, options)
-    ctc_frame.prefilter = False
-    try:
-        full_scan, launches_off = emulated(log_probs, lengths, options)
-    finally:
-        ctc_frame.prefilter = True
+    full_scan, launches_off = emulated(log_probs, lengths, options, prefilter=False)
     problems = []
     if exact(with_prefilter) != exact(full_scan):
         for u, (a, b) in enumerate(zip(exact(full_scan), exact(with_prefilter))):

@@ -36,6 +36,7 @@ from pydantic import (
 
 from gpudecode import defaults
 from gpudecode.search.registry import is_search_type, search_type_names
+from gpudecode.states.options import STATE_MANAGER_TYPES
 
 __all__ = [
     "Config", "ConfigError", "EncoderConfig", "EngineConfig", "FeaturesConfig", "FrontEndConfig",
@@ -255,7 +256,7 @@ class ModelsConfig(_Section):
 class StateManagerConfig(_Section):
     """Options of a scorer's state manager; validated by the state managers' own option type."""
 
-    type: Literal[defaults.STATE_MANAGER_TYPES] = defaults.STATE_MANAGER_TYPE
+    type: Literal[tuple(STATE_MANAGER_TYPES)] = defaults.STATE_MANAGER_TYPE
     max_history: NonNegativeInt | None = defaults.MAX_HISTORY
     always_include_first_token_state: bool = defaults.ALWAYS_INCLUDE_FIRST_TOKEN_STATE
     slots_per_chunk: PositiveInt = defaults.SLOTS_PER_CHUNK

@@ -8,24 +8,22 @@ from collections.abc import Sequence
 
 from gpudecode.backend import gpu_available
 from gpudecode.spec import StateVariable
-from gpudecode.states.managers import LstmStateManager, StateManager, TransformerStateManager
+from gpudecode.states.managers import StateManager
 from gpudecode.states.options import STATE_MANAGER_TYPES, StateManagerConfigError, StateManagerOptions
 
 logger = logging.getLogger(__name__)
 
-# explicit registry: concrete type -> (class, device)
+# Both tables follow from STATE_MANAGER_TYPES (type -> family, placement) and the manager class
+# of each family (StateManager.by_family): a new state layout adds its types there and its class.
+#: concrete type -> (class, device)
 STATE_MANAGER_REGISTRY: dict[str, tuple[type[StateManager], str]] = {
-    "transformer-cpu": (TransformerStateManager, "cpu"),
-    "transformer-cuda": (TransformerStateManager, "cuda"),
-    "transformer-16bit": (TransformerStateManager, "cpu"),
-    "transformer-8bit": (TransformerStateManager, "cpu"),
-    "lstm-cpu": (LstmStateManager, "cpu"),
-    "lstm-cuda": (LstmStateManager, "cuda"),
+    name: (StateManager.by_family[family], placement)
+    for name, (family, placement) in STATE_MANAGER_TYPES.items() if placement != "auto"
 }
-# automatic types -> (host type, GPU type)
+#: automatic type -> (host type, GPU type): ``<type>-cpu`` and ``<type>-cuda``
 AUTOMATIC_TYPES: dict[str, tuple[str, str]] = {
-    "transformer": ("transformer-cpu", "transformer-cuda"),
-    "lstm": ("lstm-cpu", "lstm-cuda"),
+    name: (f"{name}-cpu", f"{name}-cuda")
+    for name, (_, placement) in STATE_MANAGER_TYPES.items() if placement == "auto"
 }
 EXECUTION_PROVIDERS = ("cpu", "cuda")
 

@@ -65,9 +65,17 @@ class StateManager:
     """
 
     family = ""
+    #: family -> subclass: every subclass that sets ``family`` is the manager of that family's
+    #: state manager types (``states.options.STATE_MANAGER_TYPES``), see ``factory``
+    by_family: dict[str, type[StateManager]] = {}
     #: histories hold one slot per token state, along the model's time axis (False: one state per
     #: hypothesis, merged with T = 1)
     has_time_axis: bool
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.family:
+            StateManager.by_family.setdefault(cls.family, cls)
 
     def __init__(self, options: StateManagerOptions, state_variables: Sequence[StateVariable], *, device: str):
         if options.family != self.family:

@@ -361,6 +361,21 @@ def test_merge_default_time_size_is_longest_kept_history():
     assert not merged.inputs["past_key_0"][1, :, :2].any() and merged.inputs["past_key_0"][1, :, 2].any()
 
 
+def test_family_behaviour_of_the_managers():
+    """What differs between families is the managers' own: history limit, time axis, trimming."""
+    transformer = create_state_manager(StateManagerOptions(type="transformer-cpu", max_history=3),
+                                       kv_variables(1, np.float32, "heads"), execution_provider="cpu")
+    lstm = create_state_manager(StateManagerOptions(type="lstm-cpu"), lstm_variables(np.float32, False),
+                                execution_provider="cpu")
+    assert (transformer.max_history, transformer.has_time_axis) == (3, True)
+    assert (lstm.max_history, lstm.has_time_axis) == (1, False)
+    assert transformer.initial_histories(2).width == 0 and lstm.initial_histories(2).width == 1
+    wide = StateHistory(table=np.arange(8, dtype=np.int32).reshape(2, 4), lengths=np.array([2, 1], np.int32))
+    trimmed = transformer.trimmed(wide, 2)
+    assert trimmed.table.tolist() == [[0, 1], [4, 5]] and trimmed.lengths is wide.lengths
+    assert transformer.trimmed(wide, 4) is wide and lstm.trimmed(wide, 1) is wide
+
+
 def left_aligned_merge_keeps_the_padding(manager_type: str, execution_provider: str, xp, layout="heads") -> None:
     """A left-aligned merge writes each row's kept states first, exactly the right-aligned ones,
     and leaves every position after them, and the rows past N, as the buffer held them."""

@@ -128,7 +128,8 @@ def test_grouped_search_through_graph_buckets_equals_the_per_lane_search(device)
     grouped = setup.scorer_of(setup.grouped, graphs=graphs)
     got = _search(grouped, setup.batch(xp=xp), xp, 3)
     _assert_same_nbest(got, expected, setup, setup.decoder)
-    assert grouped.runner.graphs.rows(9, grouped.lanes.group_size) == 12 and grouped.runner.graphs.rows(3, grouped.lanes.group_size) == 6  # 4 utterances; floor 2
+    buckets, group = grouped.runner.graphs, grouped.lanes.group_size
+    assert buckets.rows(9, group) == 12 and buckets.rows(3, group) == 6  # 4 utterances; floor 2
     if device == "cuda":
         assert grouped.captured_graphs > 0
 

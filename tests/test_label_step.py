@@ -1,5 +1,5 @@
 """``kernels/label_step.cu`` (one launch per label-synchronous step) selects exactly what the array
-version ``label_sync._select`` selects: the same parents, labels, scores, per-scorer scores,
+version ``beam.select`` selects: the same parents, labels, scores, per-scorer scores,
 lengths and ended flags, on inputs with exact ties, -inf scores, terminated and dead lanes, label
 limits, length normalisation and a score threshold."""
 
@@ -11,7 +11,7 @@ import pytest
 from gpudecode.scorers.base import LaneLayout
 from gpudecode.scorers.combine import combine_scores
 from gpudecode.search import label_step
-from gpudecode.search.label_sync import LabelSyncOptions, _Beam, _select, length_norm
+from gpudecode.search.beam import Beam, LabelSyncOptions, candidate_normaliser, select
 
 FIELDS = ("scores", "scorer_scores", "lengths", "ended")
 
@@ -56,7 +56,7 @@ def random_step(seed: int, num_groups: int, beam: int, vocab: int, num_scorers: 
     for s in range(num_scorers - row_scorers, num_scorers):
         log_probs[s] = np.broadcast_to(log_probs[s][beam + 1], log_probs[s].shape)  # stride 0 over the lanes
         terms[s] = (log_probs[s], terms[s][1])
-    beam_state = _Beam(scores=scores, scorer_scores=np.round(rng.normal(-4, 2, (num_scorers, n)), 1).astype(np.float32),
+    beam_state = Beam(scores=scores, scorer_scores=np.round(rng.normal(-4, 2, (num_scorers, n)), 1).astype(np.float32),
                        lengths=rng.integers(0, 9, n).astype(np.int64), ended=ended)
     deadline = rng.integers(3, 8, num_groups).repeat(beam).astype(np.int64)
     return beam_state, terms, log_probs, deadline
@@ -74,12 +74,12 @@ def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, op
             return cupy.broadcast_to(cupy.asarray(np.ascontiguousarray(array[0])), array.shape)
         return cupy.asarray(array)
 
-    norm = length_norm(state, options, np)  # both get the same normalisers (powf may differ in the last ulp)
+    norm = candidate_normaliser(state, options, np)  # both get the same normalisers (powf may differ in the last ulp)
     combined = combine_scores([t for t, _ in terms], [scale for _, scale in terms])
-    expected, parents, labels = _select(state, combined, log_probs, norm, deadline <= step,
+    expected, parents, labels = select(state, combined, log_probs, norm, deadline <= step,
                                         LaneLayout(num_groups=num_groups, beam_size=beam), options)
     fields, got_parents, got_labels = label_step.select_kernel(
-        _Beam(*(cupy.asarray(getattr(state, f)) for f in FIELDS)), [(on_device(t), s) for t, s in terms],
+        Beam(*(cupy.asarray(getattr(state, f)) for f in FIELDS)), [(on_device(t), s) for t, s in terms],
         [on_device(lp) for lp in log_probs], None if norm is None else cupy.asarray(norm),
         cupy.asarray(deadline), step, LaneLayout(num_groups=num_groups, beam_size=beam, xp=cupy), options)
     want = {"parents": parents, "labels": labels, **{f: getattr(expected, f) for f in FIELDS}}

@@ -1,7 +1,7 @@
 """Continuous batching for the label-synchronous search.
 
 K lane groups (``max_active_utterances``) decode at once. Per step the search runs exactly as the
-static one (:func:`gpudecode.search.label_sync._expand` over all N = K · beam lanes) and reads one
+static one (:func:`gpudecode.search.beam.expand` over all N = K · beam lanes) and reads one
 small array back: which groups have finished (every lane terminated, or the utterance's label
 limit reached). A finished group carries itself (its lanes are ended and offer only themselves)
 until an eighth of the groups are free, or the queue is that short, or — with the queue empty —
@@ -31,11 +31,10 @@ import numpy as np
 
 from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
-from gpudecode.search import label_sync
-from gpudecode.search.label_sync import _NEG_INF, LabelSyncOptions, _Beam, _expand
+from gpudecode.search.beam import NEG_INF, Beam, LabelSyncOptions, LaggedReads, expand, hypotheses, returned_lanes
+from gpudecode.search.prune import best_first, length_normaliser, normalised
 from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
-from gpudecode.search.stats import SearchStats, observed_top_k, read_back
-from gpudecode.search.topk import top_k_indices
+from gpudecode.search.stats import SearchStats, read_back
 from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 from gpudecode.sizes import next_power_of_two
 
@@ -72,7 +71,7 @@ class _Lanes:
     def __init__(self, layout: LaneLayout, num_scorers: int, max_limit: int):
         xp, num_lanes = layout.xp, layout.num_lanes
         self.layout = layout
-        self.beam = _Beam(scores=xp.full(num_lanes, _NEG_INF, dtype=np.float32),
+        self.beam = Beam(scores=xp.full(num_lanes, NEG_INF, dtype=np.float32),
                           scorer_scores=xp.zeros((num_scorers, num_lanes), dtype=np.float32),
                           lengths=xp.zeros(num_lanes, dtype=np.int64),
                           ended=xp.ones(num_lanes, dtype=bool))
@@ -93,7 +92,7 @@ class _Lanes:
         xp, layout = self.layout.xp, self.layout
         lanes = xp.asarray(layout.lanes_of(groups))
         beam = self.beam
-        beam.scores[lanes] = _NEG_INF
+        beam.scores[lanes] = NEG_INF
         beam.scorer_scores[:, lanes] = 0
         beam.lengths[lanes] = 0
         beam.ended[lanes] = True
@@ -161,12 +160,12 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
         lanes.reset(free, admitted, taken, limits[taken], step=0)
         contexts = [e.scorer.initial_context(admitted) for e in entries]
         if tuning.lagged(tuning.lagged_continuous_mask, layout.xp):
-            masks = label_sync.LaggedReads(layout.xp, num_groups, wait=tuning.host_wait,
+            masks = LaggedReads(layout.xp, num_groups, wait=tuning.host_wait,
                                            clock=None if stats is None else stats.host_waits)
         step = 0
         while (lanes.group_utterance >= 0).any():
             step += 1
-            lanes.beam, parents, labels, contexts = _expand(entries, contexts, lanes.beam, layout, options,
+            lanes.beam, parents, labels, contexts = expand(entries, contexts, lanes.beam, layout, options,
                                                             lanes.deadline, step, tuning, stats)
             lanes.record(step, parents, labels)
             finished = lanes.beam.ended.reshape(num_groups, beam_size).all(axis=1)
@@ -250,13 +249,9 @@ def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions, stats:
     layout, beam = lanes.layout, lanes.beam
     xp = layout.xp
     rows = xp.asarray(layout.lanes_of(done))
-    lns = np.float32(options.length_norm_scale)
     scores = beam.scores[rows]
-    ranks = scores
-    if lns != 0:
-        ranks = scores / xp.power(xp.maximum(beam.lengths[rows], 1).astype(np.float32), lns)
-    observed_top_k(stats, ranks.reshape(done.size, layout.beam_size), layout.beam_size)
-    order = top_k_indices(ranks.reshape(done.size, layout.beam_size), layout.beam_size)
+    ranks = normalised(scores, length_normaliser(beam.lengths[rows], options.length_norm_scale, xp))
+    order = best_first(ranks, layout.beam_size, stats)
     width = int(lanes.group_limit[done].max())
     return (lanes.group_utterance[done].copy(), order, ranks, scores, beam.scorer_scores[:, rows],
             beam.lengths[rows], lanes.labels(rows, width))
@@ -273,8 +268,8 @@ def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOpt
         for i, item in enumerate(pending):
             utts = item[0].tolist()
             order, ranks, scores, scorer_scores, lengths, tokens = host[6 * i: 6 * i + 6]
-            returned = label_sync.returned_lanes(order, options.num_best)
-            lists = label_sync._hypotheses(returned, ranks, scores, scorer_scores, lengths,
-                                           label_lists(tokens[returned.ravel()], options.sentence_end), entries)
+            returned = returned_lanes(order, options.num_best)
+            lists = hypotheses(returned, ranks, scores, scorer_scores, lengths,
+                               label_lists(tokens[returned.ravel()], options.sentence_end), entries)
             for u, nbest in zip(utts, lists):
                 results[u] = nbest

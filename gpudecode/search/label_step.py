@@ -1,6 +1,6 @@
 """The selection of a label-synchronous search step in two kernel launches (``kernels/label_step.cu``).
 
-:func:`gpudecode.search.label_sync._select` builds the candidates of a step, ranks them, keeps the
+:func:`gpudecode.search.beam.select` builds the candidates of a step, ranks them, keeps the
 best ``beam_size`` per utterance and makes the new lanes in ~40 array operations, each a launch
 with its own host cost. On CuPy two launches do all of it (the scorers still run before, and
 extend after): one thread block per 2,048 labels of a lane keeps their best ``beam_size``
@@ -45,7 +45,7 @@ def _row_bits(arrays) -> np.int32:
 
 
 def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, options):
-    """``label_sync._select`` as two launches: returns (new beam fields as a dict, parents, labels).
+    """``beam.select`` as two launches: returns (new beam fields as a dict, parents, labels).
 
     ``terms``: up to 4 (array [N, V], scale) whose Σ scale · array is the combined score (as
     :func:`gpudecode.scorers.combine.combine_scores` sums it); ``log_probs``: each scorer's [N, V]

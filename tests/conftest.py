@@ -1,5 +1,9 @@
+import sys
+import types
+
 import pytest
 
+from gpudecode import backend
 from gpudecode.backend import gpu_available
 
 
@@ -10,3 +14,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_MISSING = object()
+
+
+def _cupy_as(module):
+    """Puts ``module`` (None: "cannot be imported") in place of CuPy, and the backend probes it again
+    (its answer is cached); the real one comes back afterwards."""
+    saved = sys.modules.get("cupy", _MISSING)
+    sys.modules["cupy"] = module
+    backend._import_cupy.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = saved
+        backend._import_cupy.cache_clear()
+
+
+@pytest.fixture
+def no_gpu():
+    """CuPy cannot be imported during the test, as on a machine without it."""
+    yield from _cupy_as(None)
+
+
+@pytest.fixture
+def fake_gpu():
+    """A stand-in CuPy that sees one device, for code that only asks whether there is a GPU."""
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+    yield from _cupy_as(fake)

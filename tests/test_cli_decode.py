@@ -12,7 +12,6 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from gpudecode import backend
 from gpudecode.cli import main
 from gpudecode.decoder import Decoder
 
@@ -144,7 +143,7 @@ def test_bad_features_are_named_and_skip_keeps_the_rest(tmp_path, name, array, m
     assert (tmp_path / "skip" / "text").read_text().split()[0] == "good"
 
 
-def test_missing_files_corrupt_model_vocabulary_mismatch_and_cuda(tmp_path, monkeypatch):
+def test_missing_files_corrupt_model_vocabulary_mismatch_and_cuda(tmp_path, no_gpu):
     result = decode(EXAMPLE, "--features", tmp_path / "nowhere", "--output", tmp_path / "a")
     assert result.exit_code == 1 and "io.features.path: does not exist" in result.output
     corrupt = tmp_path / "corrupt.onnx"
@@ -156,7 +155,6 @@ def test_missing_files_corrupt_model_vocabulary_mismatch_and_cuda(tmp_path, monk
     result = decode(EXAMPLE, "--output", tmp_path / "c", "-o", f"models.vocabulary.path={vocab}")
     assert result.exit_code == 1
     assert "decoder.onnx: score output 'scores'" in result.output and "expected vocabulary size 5" in result.output
-    monkeypatch.setattr(backend, "_import_cupy", lambda: (None, "CuPy cannot be imported (no cupy)"))
     result = decode(EXAMPLE, "--output", tmp_path / "d", "-o", "runtime.device=cuda")
     assert result.exit_code == 1 and "the GPU was requested but cannot be used" in result.output
     assert not (tmp_path / "d" / "text").exists()

@@ -249,10 +249,7 @@ def test_override_appends_to_a_list_at_its_length():
         ({"type": "transformer-cuda"}, "scorers[0].state_manager.type: 'transformer-cuda' needs CUDA"),
     ],
 )
-def test_state_manager_options_are_checked_at_config_load(monkeypatch, state_manager, message):
-    from gpudecode import backend
-
-    monkeypatch.setattr(backend, "_import_cupy", lambda: (None, "no GPU here"))
+def test_state_manager_options_are_checked_at_config_load(no_gpu, state_manager, message):
     data = {"models": {}, "scorers": [{"type": "onnx-decoder", "model": "x.onnx", "state_manager": state_manager}]}
     with pytest.raises(ConfigError) as error:
         validate_config(data)

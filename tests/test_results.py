@@ -30,16 +30,15 @@ def test_label_lists_equal_a_plain_filter(eos):
 
 
 @pytest.mark.parametrize("max_shared", [1 << 20, 100])
-def test_label_lists_of_large_labels_are_plain_ints(monkeypatch, max_shared):
+def test_label_lists_of_large_labels_are_plain_ints(max_shared):
     """Labels up to 70,000 (through the shared int objects, or one by one above MAX_SHARED_INTS):
     the same values as Python ints, each row its own list."""
-    monkeypatch.setattr(results, "MAX_SHARED_INTS", max_shared)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 70_000, (5, 9))
     tokens[1, 4:] = -1
     tokens[2, 6:] = 7
     tokens[3, :] = -1
-    got = label_lists(tokens, 7)
+    got = label_lists(tokens, 7, max_shared_ints=max_shared)
     assert got == _filtered(tokens, 7)
     assert all(type(x) is int for row in got for x in row)
     got[0].append(1)

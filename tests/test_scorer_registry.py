@@ -63,8 +63,16 @@ def test_bad_options_name_the_type():
         create_scorer("length-reward", colour="red")
 
 
-def test_register_scorer_decorator(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+@pytest.fixture
+def registry_restored():
+    """The scorer registry as it was before the test (the test registers types of its own)."""
+    saved = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+
+
+def test_register_scorer_decorator(registry_restored):
 
     @register_scorer("test-constant")
     class Constant(LabelScorer):

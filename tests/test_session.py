@@ -57,8 +57,7 @@ def test_missing_and_corrupt_model_files(tmp_path):
         OnnxSession(corrupt)
 
 
-def test_cuda_without_gpu_is_one_clear_error(monkeypatch):
-    monkeypatch.setattr(backend, "_import_cupy", lambda: (None, "CuPy cannot be imported (ImportError: no cupy)"))
+def test_cuda_without_gpu_is_one_clear_error(no_gpu):
     with pytest.raises(backend.GpuUnavailableError, match=r"the GPU was requested but cannot be used: CuPy cannot be imported"):
         OnnxSession(double_model().SerializeToString(), SessionOptions(device="cuda"))
 

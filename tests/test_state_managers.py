@@ -621,8 +621,7 @@ def test_automatic_type_falls_back_to_cpu_without_gpu():
     assert manager.device == "cpu" and manager.options.type == "transformer-cpu"
 
 
-def test_automatic_type_picks_cuda_when_gpu_and_cuda_provider(monkeypatch):
-    monkeypatch.setattr(factory_module, "gpu_available", lambda: True)
+def test_automatic_type_picks_cuda_when_gpu_and_cuda_provider(fake_gpu):
     assert resolve_type("transformer", "cuda") == "transformer-cuda"
     assert resolve_type("lstm", "cuda") == "lstm-cuda"
     assert resolve_type("transformer", "cpu") == "transformer-cpu"
@@ -630,15 +629,13 @@ def test_automatic_type_picks_cuda_when_gpu_and_cuda_provider(monkeypatch):
         resolve_type("transformer", "tpu")
 
 
-def test_state_compression_on_gpu_manager_warns_once_and_is_ignored(monkeypatch, caplog):
+def test_state_compression_on_gpu_manager_warns_once_and_is_ignored(fake_gpu, monkeypatch, caplog):
     created = []
 
     class FakeGpuManager:
         def __init__(self, options, variables, *, device):
             created.append((options, device))
 
-    monkeypatch.setattr(factory_module, "gpu_available", lambda: True)
-    monkeypatch.setattr(options_module, "require_cupy", lambda: object())  # "CuPy sees a GPU"
     monkeypatch.setitem(STATE_MANAGER_REGISTRY, "transformer-cuda", (FakeGpuManager, "cuda"))
     options = StateManagerOptions(type="transformer", state_compression="reduced-precision")
     with caplog.at_level(logging.WARNING, logger="gpudecode.states.factory"):

@@ -62,23 +62,25 @@ def nbest_lists(ranks: np.ndarray, labels: list[list[int]], scores: np.ndarray, 
     return [hyps[g * num_best:g * num_best + count] for g, count in enumerate(counts)]
 
 
-def label_lists(tokens: np.ndarray, sentence_end: int | None) -> list[list[int]]:
+def label_lists(tokens: np.ndarray, sentence_end: int | None,
+                max_shared_ints: int = MAX_SHARED_INTS) -> list[list[int]]:
     """Per row of ``tokens`` [N, T] (host), its labels in order as a Python list: the entries that
-    are >= 0 and not ``sentence_end``."""
+    are >= 0 and not ``sentence_end`` (``max_shared_ints`` as for :func:`int_rows`)."""
     valid = tokens >= 0
     if sentence_end is not None:
         valid &= tokens != sentence_end
     if bool((valid[:, 1:] <= valid[:, :-1]).all()):  # every row's labels come first (the usual case)
-        return int_rows(tokens, valid.sum(axis=1))
+        return int_rows(tokens, valid.sum(axis=1), max_shared_ints)
     return [[x for x, keep in zip(row, mask) if keep] for row, mask in zip(tokens.tolist(), valid.tolist())]
 
 
-def int_rows(values: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+def int_rows(values: np.ndarray, counts: np.ndarray, max_shared_ints: int = MAX_SHARED_INTS) -> list[list[int]]:
     """Row n of ``values`` [N, K] (host, non-negative where kept) cut to its first ``counts[n]``
-    entries, as a list of Python ints (shared int objects, see :func:`python_ints`)."""
+    entries, as a list of Python ints (shared int objects, see :func:`python_ints`, for values
+    below ``max_shared_ints``; larger ones are converted one by one)."""
     head = np.maximum(values[:, :int(counts.max(initial=0))], 0)  # (the clipped entries are dropped)
     size = int(head.max(initial=0)) + 1
-    rows = (python_ints(size)[head] if size <= MAX_SHARED_INTS else head).tolist()
+    rows = (python_ints(size)[head] if size <= max_shared_ints else head).tolist()
     for row, n in zip(rows, counts.tolist()):
         del row[n:]
     return rows

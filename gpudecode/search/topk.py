@@ -17,29 +17,31 @@ _TOP_K_THREADS = 256  # TOP_K_THREADS of kernels/top_k.cu
 _TOP_K_SEGMENT = 4096  # TOP_K_SEGMENT of kernels/top_k.cu
 
 
-def top_k_indices(keys, k: int):
+def top_k_indices(keys, k: int, *, load_module=None):
     """[R, k] int64: per row of ``keys`` [R, M] float32, the columns of the k largest keys,
     best first.
 
     Equal keys keep column order (lower column first) — the searches' tie-break when columns are
     laid out lane-major, then label. NaN ranks like -inf; -0.0 equals +0.0. Implemented with
     stable sorts, which numpy (``kind="stable"``) and CuPy (always stable) agree on.
+    ``load_module``: how the CuPy kernels are loaded (None: :func:`gpudecode.kernels.load_module`).
     """
     xp = get_array_module(keys)
     if keys.ndim != 2 or not 1 <= k <= keys.shape[1]:
         raise ValueError(f"top_k_indices: expected keys [R, M] with 1 <= k <= M, got shape "
                          f"{tuple(keys.shape)} and k={k}")
     if xp is not np and k <= _KERNEL_MAX_K:
-        return _top_k_kernel(keys, k)
+        return _top_k_kernel(keys, k, load_module)
     if xp is not np and keys.shape[1] >= _FLAT_SORT_MIN_COLUMNS:
         return _top_k_flat(keys, k)
     return _top_k_rows(keys, k)
 
 
-def _top_k_kernel(keys, k: int):
+def _top_k_kernel(keys, k: int, load_module=None):
     """kernels/top_k.cu on the current stream, no host synchronisation: ``top_k_rows_<KEPT>``, or
     for rows longer than one segment ``top_k_segments_<KEPT>`` then ``top_k_merge_<KEPT>``."""
-    from gpudecode.kernels import load_module
+    if load_module is None:
+        from gpudecode.kernels import load_module
 
     xp = get_array_module(keys)
     keys = xp.ascontiguousarray(keys, dtype=np.float32)

@@ -9,7 +9,7 @@ from gpudecode.bench.ctc import random_log_probs
 from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
 from gpudecode.search import ctc_frame as ctc_frame_module
-from gpudecode.search.ctc_frame import full_frame_reference
+from gpudecode.testing.search_reference import full_frame_reference, top_labels_reference
 from gpudecode.search.stats import SearchStats
 from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_search import assert_same_nbest
@@ -172,7 +172,7 @@ def test_label_prefilter_gives_the_full_search(case, levels, monkeypatch):
 
 def test_top_labels_reference_orders_by_value_then_label():
     row = np.array([-1.0, -0.5, np.nan, -0.5, -2.0, -np.inf], dtype=np.float32)
-    assert ctc_frame_module.top_labels_reference(row, blank=1, count=4) == [3, 0, 4, 2]
+    assert top_labels_reference(row, blank=1, count=4) == [3, 0, 4, 2]
 
 
 def _top_labels_rows(kind: str, num_rows: int, vocab_size: int, blank: int, seed: int = 0) -> np.ndarray:
@@ -224,7 +224,7 @@ def test_kernel_top_labels_equal_the_reference(num_top, vocab_size, blank, kind)
     x = _top_labels_rows(kind, 203, vocab_size, blank, seed=num_top)
     labels, values = (cupy.asnumpy(a) for a in ctc_frame_module.top_labels_kernel(cupy.asarray(x), blank, num_top))
     for r, row in enumerate(x):
-        want = ctc_frame_module.top_labels_reference(row, blank, num_top)
+        want = top_labels_reference(row, blank, num_top)
         want = np.array(want + [-1] * (num_top - len(want)), dtype=np.int32)
         assert labels[r].tolist() == want.tolist(), r
         want_values = np.where(want >= 0, row[np.maximum(want, 0)], np.float32(-np.inf)).astype(np.float32)

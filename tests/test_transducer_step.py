@@ -7,7 +7,7 @@ import pytest
 from gpudecode.search import TransducerOptions, transducer_search
 from gpudecode.search import transducer as transducer_module
 from gpudecode.search.stats import SearchStats
-from gpudecode.search.transducer_step import select_reference
+from gpudecode.testing.search_reference import select_reference
 from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_search import assert_same_nbest
 from tests.test_transducer_search import make_models, random_encoder_states

@@ -48,20 +48,17 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import on_shared_stream
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
-from gpudecode.search.options import check_frames, check_time_sync_options, option_error
-from gpudecode.search.emission_tree import emission_tree_nbest
+from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
+from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search import ctc_frame
-from gpudecode.search.stats import SearchStats, observed_top_k, read_back
-from gpudecode.search.topk import top_k_indices
+from gpudecode.search.prune import best_first, prune
+from gpudecode.search.stats import SearchStats, read_back
 from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 
 _NEG_INF = np.float32(-np.inf)
-#: The rolling hash: hash(prefix + c) = (hash(prefix) * _HASH_MULTIPLIER + c + 1) % modulus.
-_HASH_MULTIPLIER = 1_000_003
 #: The name of the CTC score in :attr:`Hypothesis.scores`.
 CTC_SCORE_NAME = "ctc"
 #: The input name under which the search hands the frame log-probs to its scorers' ``admit``.
@@ -120,14 +117,6 @@ def _check_log_probs(log_probs, lengths, xp, read) -> tuple[object, np.ndarray]:
     return log_probs.astype(np.float32, copy=False), lengths
 
 
-def _on_shared_stream(xp, run):
-    """``run()`` on the stream shared with ONNX Runtime (CuPy), after the caller's queued work."""
-    if xp is np:
-        return run()
-    with on_shared_stream(xp.cuda.Device().id):
-        return run()
-
-
 # --- greedy ----------------------------------------------------------------------------------
 def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np,
                       tuning: SearchTuning = DEFAULT_TUNING, stats: SearchStats | None = None
@@ -157,7 +146,7 @@ def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np
         score = xp.where(valid, best_logp, np.float32(0)).sum(axis=1, dtype=np.float32)
         return read(best, emitted, score)
 
-    best, emitted, score = _on_shared_stream(xp, run)
+    best, emitted, score = on_search_stream(xp, run)
     results = []
     for u in range(num_utts):
         frames = np.flatnonzero(emitted[u])
@@ -220,34 +209,7 @@ def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers:
                 utterances, exact=True)
         return result
 
-    return _on_shared_stream(xp, run)
-
-
-def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: int | None, read):
-    """Which ``candidate`` pairs (equal hash and length) spell the same label sequence: both
-    paths of the label tree (``node_label``, ``node_parent``) walked back until they meet.
-
-    ``steps``: walk at most that many steps and return, as the second value, a device bool
-    "some pair is still undecided"; None: walk to the end (one host check per step), second
-    value None. Returns (equal pairs, undecided flag or None). ``read``: the search's
-    device→host read (:func:`gpudecode.search.stats.read_back` bound to its tuning and stats).
-    """
-    equal = candidate & (node_a == node_b)
-    pending = candidate & (node_a != node_b)
-    step = 0
-    while True:
-        if steps is None:
-            (more,) = read(pending.any())
-            if not more:
-                return equal, None
-        elif step >= steps:
-            return equal, pending.any()
-        pending = pending & (node_label[node_a] == node_label[node_b])
-        node_a, node_b = node_parent[node_a], node_parent[node_b]
-        met = pending & (node_a == node_b)
-        equal = equal | met
-        pending = pending & ~met
-        step += 1
+    return on_search_stream(xp, run)
 
 
 class _PrefixSearch:
@@ -279,7 +241,7 @@ class _PrefixSearch:
         num_full = int((frame_kinds == 2).sum())
 
         groups = np.arange(num_utts, dtype=np.int64)
-        fused = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(self)  # CuPy without scorers: one launch
+        fused = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(xp, len(self.entries), beam)  # one launch
         blank_logp = np.full(num_lanes, _NEG_INF, dtype=np.float32)
         blank_logp[::beam] = 0  # each utterance starts from one lane: the empty prefix
         self.blank_logp = xp.asarray(blank_logp)
@@ -296,7 +258,11 @@ class _PrefixSearch:
         self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
         self.lengths_dev = xp.asarray(self.lengths)
         if fused:
-            ctc_frame.search_kernel(self, frame_kinds, prefilter=self.tuning.ctc_prefilter)
+            state, self.node_frames, self.unresolved = ctc_frame.search_kernel(
+                self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds,
+                (self.blank_logp, self.label_logp, self.last, self.length, self.hash, self.prev_hash, self.node),
+                self.node_parent, self.node_label, options, beam, prefilter=self.tuning.ctc_prefilter)
+            self.blank_logp, self.label_logp, self.last, self.length, self.hash, self.prev_hash, self.node = state
             if self.stats is not None:
                 self.stats.fused_launches += 1
             return self._nbest(exact)
@@ -412,15 +378,8 @@ class _PrefixSearch:
             candidates = emit.copy()
             stay_rank = xp.logaddexp(stay_blank, stay_label)
         candidates[:, blank] = stay_rank
-        ranks = candidates.reshape(num_utts, beam * vocab_size)
-        if options.score_threshold is not None:
-            best = ranks.max(axis=1, keepdims=True)
-            ranks = xp.where(ranks >= best - np.float32(options.score_threshold), ranks, _NEG_INF)
-        observed_top_k(self.stats, ranks, beam)
-        chosen = top_k_indices(ranks, beam)  # [U, B]
-        alive = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
-        parents = (self.group_base + chosen // vocab_size).reshape(-1)
-        labels = (chosen % vocab_size).reshape(-1)
+        alive, parents, labels = prune(candidates, beam, num_utts, xp, score_threshold=options.score_threshold,
+                                       group_base=self.group_base, stats=self.stats)
         stay = (labels == blank) | ~alive
         emitted = ~stay
 
@@ -428,7 +387,7 @@ class _PrefixSearch:
         k = len(self.node_frames)
         self.node_frames.append(t)
         base = 1 + k * num_lanes
-        new_hash = (self.hash[parents] * _HASH_MULTIPLIER + labels + 1) % options.hash_modulus
+        new_hash = (self.hash[parents] * HASH_MULTIPLIER + labels + 1) % options.hash_modulus
         retimed = stay & alive & retime[parents]  # a new node: same label and parent, this frame
         parent_node = self.node[parents]
         self.node_parent[base:base + num_lanes] = xp.where(retimed, self.node_parent[parent_node],
@@ -517,11 +476,10 @@ class _PrefixSearch:
     # --- results ---------------------------------------------------------------------------------
     def _nbest(self, exact: bool):
         xp, layout, options = self.xp, self.layout, self.options
-        num_utts, beam = layout.num_groups, layout.beam_size
+        beam = layout.beam_size
         ctc = xp.logaddexp(self.blank_logp, self.label_logp)
         ranks = ctc + combine_scores(self.lm_scores, self.scales) if self.entries else ctc
-        observed_top_k(self.stats, ranks.reshape(num_utts, beam), beam)
-        order = top_k_indices(ranks.reshape(num_utts, beam), beam)
+        order = best_first(ranks, beam, self.stats)
         return emission_tree_nbest(order, ranks, {CTC_SCORE_NAME: ctc}, self.lm_scores, self.entries, self.node,
                                    self.node_parent, self.node_label, self.node_frames, options.num_best,
                                    self.read, unresolved=None if exact else self.unresolved)

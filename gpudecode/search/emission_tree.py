@@ -1,4 +1,5 @@
-"""N-best lists of the time-synchronous searches (CTC prefix, transducer) from their emission tree.
+"""The emission tree of the time-synchronous searches (CTC prefix, transducer): which lanes spell
+the same label sequence (:func:`same_label_paths`), and the n-best lists.
 
 Every emitted label is a tree node ``1 + k * N + lane`` (k: the tree step, made at input frame
 ``node_frames[k]``) with its parent node and label; node 0 is the empty sequence. The lanes that
@@ -15,6 +16,9 @@ import numpy as np
 from gpudecode.backend import get_array_module
 from gpudecode.search.results import Hypothesis, int_rows, nbest_lists, no_cyclic_gc
 
+#: The rolling hash of label sequences that finds candidate pairs of equal sequences:
+#: hash(prefix + c) = (hash(prefix) * HASH_MULTIPLIER + c + 1) % modulus.
+HASH_MULTIPLIER = 1_000_003
 _THREADS = 128  # trace_emission_paths, and trace_emission_groups' TRACE_THREADS
 _GROUP_CHUNK = 2048  # TRACE_CHUNK of kernels/emission_tree.cu
 
@@ -110,3 +114,30 @@ def _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, score
     scorer_scores = np.stack(scores) if scores else np.empty((0, len(ranks)), np.float32)
     return nbest_lists(ranks.reshape(num_utts, num_best), int_rows(labels, lengths), ranks, names, scorer_scores,
                        lengths, int_rows(frames, lengths))
+
+
+def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: int | None, read):
+    """Which ``candidate`` pairs (equal hash and length) spell the same label sequence: both
+    paths of the label tree (``node_label``, ``node_parent``) walked back until they meet.
+
+    ``steps``: walk at most that many steps and return, as the second value, a device bool
+    "some pair is still undecided"; None: walk to the end (one host check per step), second
+    value None. Returns (equal pairs, undecided flag or None). ``read``: the search's
+    device→host read (:func:`gpudecode.search.stats.read_back` bound to its tuning and stats).
+    """
+    equal = candidate & (node_a == node_b)
+    pending = candidate & (node_a != node_b)
+    step = 0
+    while True:
+        if steps is None:
+            (more,) = read(pending.any())
+            if not more:
+                return equal, None
+        elif step >= steps:
+            return equal, pending.any()
+        pending = pending & (node_label[node_a] == node_label[node_b])
+        node_a, node_b = node_parent[node_a], node_parent[node_b]
+        met = pending & (node_a == node_b)
+        equal = equal | met
+        pending = pending & ~met
+        step += 1

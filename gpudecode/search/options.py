@@ -1,4 +1,5 @@
-"""Validation shared by the searches: option dataclasses and batches of frames."""
+"""Shared by the searches: validation of option dataclasses and batches of frames, and the stream
+the time-synchronous searches run on."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import operator
 
 import numpy as np
 
-from gpudecode.backend import is_device_array
+from gpudecode.backend import is_device_array, on_shared_stream
 
 
 def option_error(options, name: str, expected: str) -> ValueError:
@@ -72,3 +73,11 @@ def check_frames(frames, host_lengths, xp, name: str, last_axis: str) -> np.ndar
         u = int(np.argmax(outside))
         raise ValueError(f"lengths[{u}] = {lengths[u]} is outside [0, T={num_frames}]")
     return lengths
+
+
+def on_search_stream(xp, run):
+    """``run()`` on the stream shared with ONNX Runtime (CuPy), after the caller's queued work."""
+    if xp is np:
+        return run()
+    with on_shared_stream(xp.cuda.Device().id):
+        return run()

@@ -56,13 +56,18 @@ from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search import transducer_step
-from gpudecode.search.ctc import _HASH_MULTIPLIER, _on_shared_stream, same_label_paths
-from gpudecode.search.emission_tree import emission_tree_nbest
-from gpudecode.search.options import check_frames, check_time_sync_options, coerce_ints, option_error
+from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
+from gpudecode.search.options import (
+    check_frames,
+    check_time_sync_options,
+    coerce_ints,
+    on_search_stream,
+    option_error,
+)
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.results import Hypothesis
-from gpudecode.search.stats import SearchStats, observed_top_k, read_back
-from gpudecode.search.topk import top_k_indices
+from gpudecode.search.prune import best_first, prune
+from gpudecode.search.stats import SearchStats, read_back
 from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 
 _NEG_INF = np.float32(-np.inf)
@@ -196,7 +201,7 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
         finally:
             prediction.release(groups)
 
-    table, score, frames_of_step = _on_shared_stream(xp, run)
+    table, score, frames_of_step = on_search_stream(xp, run)
     results = []
     for u in range(num_utts):
         kept = table[:, u] >= 0
@@ -251,7 +256,7 @@ def transducer_search(encoder_states, lengths, prediction: PredictionNetwork, jo
             result = search.run(utterances, exact=True)
         return result
 
-    return _on_shared_stream(xp, run)
+    return on_search_stream(xp, run)
 
 
 class _TransducerSearch:
@@ -343,8 +348,13 @@ class _TransducerSearch:
         if self.rescore:
             self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
 
-        if self.tuning.fused_transducer_step and transducer_step.use_kernel(self):  # CuPy without scorers: one launch
-            parents, labels, alive_new, emitted = transducer_step.select_kernel(self, t, s, forced, logp)
+        beam = self.layout.beam_size
+        if self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, len(self.entries), beam):  # one launch
+            base = self._new_nodes(t)
+            state, self.unresolved, (parents, labels, alive_new, emitted) = transducer_step.select_kernel(
+                logp, (self.score, self.done, self.node, self.last, self.length, self.hash, self.prev_hash),
+                self.node_parent, self.node_label, base, self.unresolved, options, beam, symbol=s, forced=forced)
+            self.score, self.done, self.node, self.last, self.length, self.hash, self.prev_hash = state
             if self.stats is not None:
                 self.stats.fused_launches += 1
         else:
@@ -388,7 +398,6 @@ class _TransducerSearch:
         xp, options, layout = self.xp, self.options, self.layout
         num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
         blank, lanes = options.blank, self.lanes
-        vocab_size = logp.shape[1]
         alive = self.score > _NEG_INF
         active = alive & ~self.done
         # stay candidates (one per lane, done afterwards): blank of active lanes, done lanes as they are
@@ -441,15 +450,8 @@ class _TransducerSearch:
         else:
             candidates = emit.copy()
             candidates[:, blank] = stay
-        ranks = candidates.reshape(num_utts, beam * vocab_size)
-        if options.score_threshold is not None:
-            best = ranks.max(axis=1, keepdims=True)
-            ranks = xp.where(ranks >= best - np.float32(options.score_threshold), ranks, _NEG_INF)
-        observed_top_k(self.stats, ranks, beam)
-        chosen = top_k_indices(ranks, beam)  # [U, B]
-        alive_new = (xp.take_along_axis(ranks, chosen, axis=1) > _NEG_INF).reshape(-1)
-        parents = (self.group_base + chosen // vocab_size).reshape(-1)
-        labels = (chosen % vocab_size).reshape(-1)
+        alive_new, parents, labels = prune(candidates, beam, num_utts, xp, score_threshold=options.score_threshold,
+                                           group_base=self.group_base, stats=self.stats)
         is_stay = (labels == blank) | ~alive_new
         emitted = ~is_stay
 
@@ -464,7 +466,7 @@ class _TransducerSearch:
         self.done = is_stay | forced
         self.prev_hash = xp.where(is_stay, self.prev_hash[parents], self.hash[parents])
         self.hash = xp.where(is_stay, self.hash[parents],
-                             (self.hash[parents] * _HASH_MULTIPLIER + labels + 1) % options.hash_modulus)
+                             (self.hash[parents] * HASH_MULTIPLIER + labels + 1) % options.hash_modulus)
         self.last = xp.where(is_stay, self.last[parents], labels)
         self.length = self.length[parents] + emitted
         return parents, labels, alive_new, emitted
@@ -527,10 +529,9 @@ class _TransducerSearch:
     # --- results ---------------------------------------------------------------------------------
     def _nbest(self, exact: bool):
         layout, options = self.layout, self.options
-        num_utts, beam = layout.num_groups, layout.beam_size
+        beam = layout.beam_size
         ranks = self.score + combine_scores(self.lm_scores, self.scales) if self.entries else self.score
-        observed_top_k(self.stats, ranks.reshape(num_utts, beam), beam)
-        order = top_k_indices(ranks.reshape(num_utts, beam), beam)
+        order = best_first(ranks, beam, self.stats)
         return emission_tree_nbest(order, ranks, {TRANSDUCER_SCORE_NAME: self.score}, self.lm_scores, self.entries,
                                    self.node, self.node_parent, self.node_label, self.node_frames, options.num_best,
                                    self.read, unresolved=None if exact else self.unresolved)

@@ -29,6 +29,7 @@ from gpudecode.kernels import kernel_source
 from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
 from gpudecode.search import ctc_frame
+from gpudecode.testing import search_reference
 from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_frame import PREFILTER_CASES
 
@@ -191,7 +192,7 @@ def run_top_labels(num_top, vocab_size, blank, kind, paths):
     labels, values = (np.asarray(a) for a in ctc_frame.top_labels_kernel(cupy.asarray(x), blank, num_top))
     problems = []
     for r, row in enumerate(x):
-        want = ctc_frame.top_labels_reference(row, blank, num_top)
+        want = search_reference.top_labels_reference(row, blank, num_top)
         want = np.array(want + [-1] * (num_top - len(want)), dtype=np.int32)
         want_values = np.where(want >= 0, row[np.maximum(want, 0)], np.float32(-np.inf)).astype(np.float32)
         if not np.array_equal(labels[r], want):
@@ -295,7 +296,7 @@ def reference_full_scans(log_probs, lengths, options):
 
     def reference(search, t, exact_):
         searches.append(search)
-        ctc_frame.full_frame_reference(search, t, exact_, num_top=num_top)
+        search_reference.full_frame_reference(search, t, exact_, num_top=num_top)
 
     ctc_module._PrefixSearch._full_frame = reference
     try:

@@ -1,19 +1,20 @@
 """Why `top[num_top - 2]` -> `top[num_top - 3]` (the prefilter's tie check) cannot be caught by
-comparing outputs: in the numpy reference of the prefilter (ctc_frame.full_frame_reference), the
+comparing outputs: in the numpy reference of the prefilter (testing.search_reference.full_frame_reference), the
 tie check is replaced by (a) the mutant and (b) no check at all, on many tie-heavy inputs; the
 n-best is compared with the full numpy search. Usage: PYTHONPATH=REPO python equivalent_mutant.py"""
 import inspect, itertools
 import numpy as np
 from gpudecode.bench.ctc import random_log_probs
 from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
-from gpudecode.search import ctc as ctc_module, ctc_frame
+from gpudecode.search import ctc as ctc_module
+from gpudecode.testing import search_reference
 
-src = inspect.getsource(ctc_frame.full_frame_reference)
+src = inspect.getsource(search_reference.full_frame_reference)
 check = "np.float32(total[i] + x(top[-2])) == np.float32(total[i] + x(top[-1]))"
 assert check in src
 variants = {}
 for name, expr in [("reference", check), ("mutant top[-3]", check.replace("top[-2]", "top[-3]")), ("no tie check", "False")]:
-    ns = dict(vars(ctc_frame))
+    ns = dict(vars(search_reference))
     exec(src.replace(check, expr).replace("def full_frame_reference", "def variant"), ns)
     variants[name] = ns["variant"]
 

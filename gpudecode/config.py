@@ -40,7 +40,8 @@ from gpudecode.states.options import STATE_MANAGER_TYPES
 
 __all__ = [
     "Config", "ConfigError", "EncoderConfig", "EngineConfig", "FeaturesConfig", "FrontEndConfig",
-    "IoConfig", "ModelsConfig", "RuntimeConfig", "ScorerConfig", "SearchConfig", "StateManagerConfig",
+    "IoConfig", "ModelsConfig", "RuntimeConfig", "ScorerConfig", "SearchConfig", "SearchTuningConfig",
+    "StateManagerConfig",
     "VocabularyConfig", "apply_overrides", "check_paths", "dump_resolved", "load_config",
     "validate_config",
 ]
@@ -159,9 +160,8 @@ class RuntimeConfig(_Section):
     device_id: NonNegativeInt = defaults.DEVICE_ID
     tf32: bool = defaults.TF32
     cuda_graphs: CudaGraphsConfig = Field(default_factory=CudaGraphsConfig)
-    share_stream: bool = defaults.SHARE_STREAM
     ort_arena_limit_bytes: PositiveInt | None = defaults.ORT_ARENA_LIMIT_BYTES
-    cupy_pool_limit_bytes: PositiveInt | None = defaults.CUPY_POOL_LIMIT_BYTES
+    cupy_pool_limit_bytes: PositiveInt | None = defaults.CUPY_POOL_LIMIT_BYTES  # CuPy's device memory pool
     cudnn_conv_algo_search: Literal[defaults.CUDNN_CONV_ALGO_SEARCHES] = (
         defaults.CUDNN_CONV_ALGO_SEARCH)
     dump_inputs: ConfigPath | None = None  # folder for .npz dumps of every model call's inputs
@@ -322,6 +322,40 @@ class ScorerConfig(_Section):
         return data
 
 
+class SearchTuningConfig(_Section):
+    """``search.tuning``: how the searches run, never what they find
+    (:class:`gpudecode.search.tuning.SearchTuning`; ``null``: on CuPy only)."""
+
+    lagged_stop_test: bool | None = None
+    stop_test_lag: PositiveInt = defaults.STOP_TEST_LAG
+    stop_test_every: PositiveInt = defaults.STOP_TEST_EVERY
+    lagged_continuous_mask: bool | None = None
+    fused_label_step: bool = True
+    fused_ctc_frames: bool = True
+    ctc_prefilter: bool = True
+    fused_transducer_step: bool = True
+    host_wait: Literal[defaults.HOST_WAIT_MODES] = defaults.HOST_WAIT
+    host_wait_nap_s: PositiveFloat = defaults.HOST_WAIT_NAP_S
+    host_wait_max_nap_s: PositiveFloat = defaults.HOST_WAIT_MAX_NAP_S
+
+    @model_validator(mode="after")
+    def _check(self) -> SearchTuningConfig:
+        if self.host_wait == "nap" and self.host_wait_nap_s > self.host_wait_max_nap_s:
+            raise _KeyedError(["host_wait_nap_s"], f"host_wait_nap_s ({self.host_wait_nap_s}) exceeds "
+                              f"host_wait_max_nap_s ({self.host_wait_max_nap_s})")
+        return self
+
+    def to_options(self):
+        """The :class:`gpudecode.search.tuning.SearchTuning` these keys describe."""
+        from gpudecode.backend import HostWait
+        from gpudecode.search.tuning import SearchTuning
+
+        fields = self.model_dump()
+        wait = HostWait(fields.pop("host_wait"), nap_s=fields.pop("host_wait_nap_s"),
+                        max_nap_s=fields.pop("host_wait_max_nap_s"))
+        return SearchTuning(host_wait=wait, **fields)
+
+
 class SearchConfig(_Section):
     type: str = defaults.SEARCH_TYPE  # a registered search type (gpudecode.search.registry)
     beam_size: PositiveInt = defaults.BEAM_SIZE
@@ -338,6 +372,7 @@ class SearchConfig(_Section):
     max_symbols_per_frame: PositiveInt = defaults.MAX_SYMBOLS_PER_FRAME
     recombination: Literal[defaults.RECOMBINATIONS] = defaults.RECOMBINATION
     options: dict[str, Any] = Field(default_factory=dict)  # free, for search types of plugins
+    tuning: SearchTuningConfig = Field(default_factory=SearchTuningConfig)
 
     @field_validator("type")
     @classmethod

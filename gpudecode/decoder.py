@@ -30,13 +30,19 @@ class Decoder:
     """Decodes feature arrays with the models, scorers and search of a :class:`Config`.
 
     The search is the registered type ``config.search.type`` (:mod:`gpudecode.search.registry`):
-    the decoder builds what the type asks for and hands it over as :attr:`search_setup`.
+    the decoder builds what the type asks for and hands it over as :attr:`search_setup`. It runs
+    with ``config.search.tuning`` (:class:`gpudecode.search.tuning.SearchTuning`, or ``tuning``
+    when given) and adds its timings and counts to ``stats`` (a
+    :class:`gpudecode.search.stats.SearchStats`; None: nothing measured).
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, tuning=None, stats=None):
         self.config = config
         runtime = config.runtime
         self.xp = array_module(runtime.device)
+        if runtime.device == "cuda" and runtime.cupy_pool_limit_bytes is not None:
+            with self.xp.cuda.Device(runtime.device_id):
+                self.xp.get_default_memory_pool().set_limit(size=runtime.cupy_pool_limit_bytes)
         self.session_options = SessionOptions(
             device=runtime.device, device_id=runtime.device_id, use_tf32=runtime.tf32,
             arena_limit_bytes=runtime.ort_arena_limit_bytes,
@@ -66,7 +72,8 @@ class Decoder:
         if self.search_type.needs_transducer:
             self.prediction, self.joint = self._build_transducer(config.models.transducer)
         setup = SearchSetup(config=search, scorers=tuple(self.scorers), xp=self.xp, blank=self.blank,
-                            sentence_end=self.sentence_end, prediction=self.prediction, joint=self.joint)
+                            sentence_end=self.sentence_end, prediction=self.prediction, joint=self.joint,
+                            tuning=search.tuning.to_options() if tuning is None else tuning, stats=stats)
         make_options = self.search_type.make_options
         self.search_options = make_options(setup) if make_options is not None else None
         #: What the search type decodes with (its options included).
@@ -78,13 +85,15 @@ class Decoder:
         return self.encoder_spec.num_features if self.encoder is not None else None
 
     @classmethod
-    def from_config(cls, config: Config | Mapping | str | Path, overrides: Sequence[str] = ()) -> Decoder:
-        """From a :class:`Config`, a dict (paths relative to the working directory) or a YAML file."""
+    def from_config(cls, config: Config | Mapping | str | Path, overrides: Sequence[str] = (), *, tuning=None,
+                    stats=None) -> Decoder:
+        """From a :class:`Config`, a dict (paths relative to the working directory) or a YAML file
+        (``tuning``, ``stats``: as for :class:`Decoder`)."""
         if isinstance(config, (str, Path)):
             config = load_config(config, overrides)
         elif isinstance(config, Mapping):
             config = validate_config(dict(config))
-        return cls(config)
+        return cls(config, tuning=tuning, stats=stats)
 
     def _special(self, role: str) -> int:
         index = getattr(self.vocabulary, f"{role}_index")

@@ -17,9 +17,8 @@ GRAPH_TIME_STEP = 32  # history buckets: powers of two up to this, then multiple
 GRAPH_MIN_ROWS = 8  # the smallest row bucket
 GRAPH_SHARED_BUFFERS = True  # one buffer per tensor name across buckets (SGLang's trick)
 GRAPH_WARM_UP_TIME = 0  # 0: capture lazily; else every history bucket up to this at the start
-SHARE_STREAM = True  # ONNX Runtime runs on CuPy's stream (user_compute_stream)
 ORT_ARENA_LIMIT_BYTES: int | None = None  # None: no limit
-CUPY_POOL_LIMIT_BYTES: int | None = None  # None: no limit
+CUPY_POOL_LIMIT_BYTES: int | None = None  # CuPy's device memory pool, the process's; None: no limit
 CUDNN_CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 # HEURISTIC, not ONNX Runtime's EXHAUSTIVE: decoding sees many shapes, and an exhaustive search
 # per new shape costs more than it saves.
@@ -46,9 +45,7 @@ BUILTIN_SCORER_TYPES = (
     "onnx-decoder",
     "prefix-lm",
     "recurrent-lm",
-    "ctc",
     "ctc-prefix",
-    "transducer",
     "length-reward",
 )
 SCORER_SCALE = 1.0

@@ -46,6 +46,23 @@ def test_example_config_decodes_and_matches_the_python_api(tmp_path):
         np.testing.assert_allclose([h.score for h in nbest], [h["score"] for h in by_id[utt]["nbest"]], atol=1e-6)
 
 
+def test_the_python_api_threads_tuning_and_stats_into_the_search():
+    """``search.tuning`` and a stats object reach the search: the same n-best with the stop test
+    read late (on numpy too), its step loop measured and its reads counted."""
+    from gpudecode.search.stats import SearchStats
+    from gpudecode.search.tuning import SearchTuning
+
+    features = {p.stem: np.load(p) for p in sorted((ROOT / "examples" / "features").glob("*.npy"))}
+    plain = Decoder.from_config(EXAMPLE).decode(features)
+    stats = SearchStats()
+    lagged = Decoder.from_config(EXAMPLE, ["search.tuning.lagged_stop_test=true"], stats=stats)
+    assert lagged.search_setup.tuning == SearchTuning(lagged_stop_test=True)
+    got = lagged.decode(features)
+    assert {u: [(h.labels, h.score) for h in n] for u, n in got.items()} == \
+        {u: [(h.labels, h.score) for h in n] for u, n in plain.items()}
+    assert stats.step_loop.count > 0 and stats.transfers > 0
+
+
 def test_overrides_and_unknown_keys(tmp_path):
     result = decode(EXAMPLE, "--output", tmp_path / "o", "-o", "search.beam_size=1", "-o", "io.formats=[jsonl]")
     assert result.exit_code == 0, result.output

@@ -67,7 +67,7 @@ def test_unknown_key_lists_valid_keys():
     assert "search.beam: unknown key (did you mean 'beam_size'?)" in message
     assert "valid keys in search: type, beam_size, nbest," in message
     assert "max_symbols_per_frame" in message
-    message = _error(MINIMAL, ["scorers=[{type: ctc}, {type: onnx-decoder, "
+    message = _error(MINIMAL, ["scorers=[{type: ctc-prefix}, {type: onnx-decoder, "
                                "state_manager: {kind: lstm}}]"])
     assert message.startswith("config: scorers[1].state_manager.kind: unknown key;")
     assert "valid keys in scorers[1].state_manager: type, max_history," in message
@@ -79,15 +79,36 @@ def test_bad_choice_lists_choices():
     assert ("scorers[1].state_manager.type: invalid choice 'transformer-gpu'; valid choices: "
             "transformer, transformer-cpu, transformer-cuda, transformer-16bit, "
             "transformer-8bit, lstm, lstm-cpu, lstm-cuda") in _error(
-        MINIMAL, ["scorers=[{type: ctc}, {type: onnx-decoder, "
+        MINIMAL, ["scorers=[{type: ctc-prefix}, {type: onnx-decoder, "
                   "state_manager: {type: transformer-gpu}}]"])
     assert "runtime.device: invalid choice 'gpu'; valid choices: cpu, cuda" in _error(
         MINIMAL, ["runtime.device=gpu"])
     assert "io.formats[1]: invalid choice 'xml'; valid choices: text, jsonl, ctm" in _error(
         MINIMAL, ["io.formats=[text, xml]"])
-    message = _error(MINIMAL, ["scorers=[{type: ctcc}]"])
-    assert "scorers[0].type: invalid choice 'ctcc' (did you mean 'ctc'?)" in message
+    message = _error(MINIMAL, ["scorers=[{type: ctc-prefx}]"])
+    assert "scorers[0].type: invalid choice 'ctc-prefx' (did you mean 'ctc-prefix'?)" in message
     assert "or a custom scorer as 'module:Class'" in message
+
+
+def test_search_tuning_keys_make_the_searches_tuning():
+    from gpudecode.backend import HostWait
+    from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
+
+    assert validate_config(MINIMAL).search.tuning.to_options() == DEFAULT_TUNING
+    config = validate_config(apply_overrides(MINIMAL, ["search.tuning.host_wait=spin", "search.tuning.stop_test_lag=3",
+                                                       "search.tuning.fused_label_step=false",
+                                                       "search.tuning.lagged_stop_test=true"]))
+    assert config.search.tuning.to_options() == SearchTuning(
+        stop_test_lag=3, fused_label_step=False, lagged_stop_test=True, host_wait=HostWait("spin"))
+    assert "search.tuning.host_wait_nap_s: host_wait_nap_s (0.01) exceeds host_wait_max_nap_s (0.001)" in _error(
+        MINIMAL, ["search.tuning.host_wait_nap_s=0.01"])
+    assert "search.tuning.host_wait: invalid choice 'doze'" in _error(MINIMAL, ["search.tuning.host_wait=doze"])
+
+
+def test_search_types_are_not_scorer_types():
+    """``ctc`` and ``transducer`` are searches (``search.type``), not label scorers."""
+    for name in ("ctc", "transducer"):
+        assert f"scorers[0].type: invalid choice {name!r}" in _error(MINIMAL, [f"scorers=[{{type: {name}}}]"])
 
 
 def test_wrong_types_and_values_name_the_key():
@@ -100,11 +121,11 @@ def test_wrong_types_and_values_name_the_key():
     assert "models.vocabulary.blank: expected a label string or an index" in _error(
         MINIMAL, ["models.vocabulary.blank=true"])
     assert "scorers[0].model.step: expected a path (got 3)" in _error(
-        MINIMAL, ["scorers=[{type: ctc, model: {step: 3}}]"])
+        MINIMAL, ["scorers=[{type: ctc-prefix, model: {step: 3}}]"])
     assert "search.nbest: nbest (9) exceeds beam_size (8)" in _error(
         MINIMAL, ["search.nbest=9"])
-    assert "scorers[1].name: duplicate scorer name 'ctc'" in _error(
-        MINIMAL, ["scorers=[{type: ctc}, {type: ctc}]"])
+    assert "scorers[1].name: duplicate scorer name 'ctc-prefix'" in _error(
+        MINIMAL, ["scorers=[{type: ctc-prefix}, {type: ctc-prefix}]"])
     assert "models.front_end.stats_file: normalisation 'global' needs stats_file" in _error(
         MINIMAL, ["models.front_end.normalisation=global"])
 
@@ -170,7 +191,7 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
     folder.mkdir(parents=True)
     _write(folder, {"models": {"vocabulary": {"path": "../data/vocab.txt"},
                                "encoder": {"path": "/abs/enc.onnx"}},
-                    "scorers": [{"type": "ctc", "model": ["a.onnx", "~/b.onnx"]}],
+                    "scorers": [{"type": "onnx-decoder", "model": ["a.onnx", "~/b.onnx"]}],
                     "io": {"output": "out", "references": "ref.txt"}})
     monkeypatch.chdir(tmp_path)
     config = load_config(Path("exp/conf/config.yaml"))
@@ -211,7 +232,7 @@ def test_check_paths_lists_every_missing_input(tmp_path):
     (tmp_path / "vocab.txt").write_text("a\n")
     path = _write(tmp_path, {**MINIMAL, "models": {**MINIMAL["models"],
                                                   "encoder": {"path": "enc.onnx"}},
-                             "scorers": [{"type": "ctc", "model": {"step": "step.onnx"}}],
+                             "scorers": [{"type": "prefix-lm", "model": {"step": "step.onnx"}}],
                              "io": {"output": "not-yet", "features": {"path": "feats"}}})
     config = load_config(path)
     with pytest.raises(ConfigError) as info:

@@ -24,8 +24,6 @@ from gpudecode.states import (
     create_state_manager,
     resolve_type,
 )
-from gpudecode.states import factory as factory_module
-from gpudecode.states import options as options_module
 from gpudecode.states.pool import StatePool
 
 # ---- state variable layouts ----------------------------------------------------------------------

@@ -216,7 +216,7 @@ LABEL_STEPS += [(8, 300, 2, 0.7, None, 1, 1), (4, 2500, 3, 0.0, 3.0, 0, 2), (3, 
 
 
 def run_label_step(beam, vocab, num_scorers, length_norm, threshold, half_scorers, row_scorers):
-    """``label_step.select_kernel`` (kernels/label_step.cu) against ``label_sync._select``, every
+    """``label_step.select_kernel`` (kernels/label_step.cu) against ``beam.select``, every
     output bit for bit, on tests/test_label_step.py's inputs (ties, -inf, ended and dead lanes)."""
     from gpudecode.search.label_sync import LabelSyncOptions
     from tests.test_label_step import both_selections

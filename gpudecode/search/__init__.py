@@ -10,13 +10,17 @@ Python entry::
 from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
 from gpudecode.search.results import Hypothesis
+from gpudecode.search.stats import SearchStats
 from gpudecode.search.topk import top_k_indices
 from gpudecode.search.transducer import TransducerOptions, transducer_greedy_search, transducer_search
+from gpudecode.search.tuning import SearchTuning
 
 __all__ = [
     "CtcPrefixOptions",
     "Hypothesis",
     "LabelSyncOptions",
+    "SearchStats",
+    "SearchTuning",
     "TransducerOptions",
     "ctc_greedy_search",
     "ctc_prefix_search",

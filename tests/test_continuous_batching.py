@@ -2,7 +2,7 @@
 each utterance alone, for several admission orders and numbers of active utterances; no slot
 leaks; one small transfer per step; admitting fewer utterances when memory runs out.
 
-Near-ties (DESIGN §8): every reference run alone records the smallest gap at a beam cutoff (the
+Near-ties: every reference run alone records the smallest gap at a beam cutoff (the
 k-th vs the (k+1)-th ranked candidate) and the test asserts it exceeds 1e-3.
 """
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decoder step (DESIGN §7): buckets, padding, shared buffers, fallback.
+"""CUDA graphs of the decoder step: buckets, padding, shared buffers, fallback.
 
 On the CPU the bucketed step runs as padded plain runs (``PaddedRuns``): the same inputs a
 captured graph would get, so padding exactness is tested without a GPU. Expected scores come

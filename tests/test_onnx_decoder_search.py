@@ -1,4 +1,4 @@
-"""Label-synchronous search with ONNX scorers against the numpy oracles (issue: DESIGN §8 exactness).
+"""Label-synchronous search with ONNX scorers against the numpy oracles (exactness: same labels, scores within 1e-4).
 
 Every expected value comes from the reference models' own numpy oracles (full-sequence, no cache),
 never from the search or the state managers.
@@ -116,7 +116,7 @@ def test_exhaustive_enumeration_with_a_beam_larger_than_all_candidates():
                                                ("bhtd", ("new", True, "dense", True)),
                                                ("bhtd", ("new", True, "dense", True, "left"))])
 def test_every_nbest_score_equals_the_full_sequence_oracle(device, kv_layout, export):
-    """(export: the model outputs the whole history or only the new step, DESIGN §5; the last two
+    """(export: the model outputs the whole history or only the new step; the last two
     with ONNX Runtime's fused ops, the last over left-aligned histories.)"""
     setup = Setup(5, device=device, kv_layout=kv_layout, export=export)
     scorer = setup.scorer()

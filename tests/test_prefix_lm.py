@@ -1,5 +1,5 @@
 """``prefix-lm``: a prefill model + step model against the no-cache oracles of the whole prompted
-sequence (DESIGN §8 exactness). Expected values come from the reference models' numpy oracles."""
+sequence (exactness). Expected values come from the reference models' numpy oracles."""
 
 from __future__ import annotations
 

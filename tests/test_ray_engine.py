@@ -1,6 +1,6 @@
 """`decode --engine ray`: a local Ray cluster with 2 CPU workers against the single-process run.
 
-Identical output (DESIGN §8: the same records per utterance id), a worker killed mid-shard,
+Identical output (the same records per utterance id), a worker killed mid-shard,
 the driver killed mid-run and resumed, resume across engines both ways, the error without Ray.
 """
 

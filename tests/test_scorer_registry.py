@@ -47,8 +47,8 @@ def test_registered_builtins_are_valid_config_types():
      (r"scorer type 'gpudecode.backend:NoSuchClass': module 'gpudecode.backend' has no "
       r"attribute 'NoSuchClass'")),
     ("gpudecode.backend:to_host", r"'gpudecode.backend:to_host': .* is not a class"),
-    ("gpudecode.search.results:Hypothesis",
-     (r"'gpudecode.search.results:Hypothesis': gpudecode.search.results.Hypothesis is not a "
+    ("gpudecode.hypothesis:Hypothesis",
+     (r"'gpudecode.hypothesis:Hypothesis': gpudecode.hypothesis.Hypothesis is not a "
       r"LabelScorer .*missing methods: begin, admit, initial_context, score, extend, release")),
     ("a:b:c", r"scorer type 'a:b:c': expected 'package.module:Class'"),
 ])

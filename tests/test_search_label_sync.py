@@ -1,7 +1,7 @@
 """Label-synchronous search against simple references: exhaustive enumeration, a per-hypothesis
 Python beam search (float64), greedy decoding, and sequence scores recomputed from the tables.
 
-"Exact" as in DESIGN §8: same label sequences, scores within 1e-4, and every test asserts that
+"Exact": same label sequences, scores within 1e-4, and every test asserts that
 the oracle's gap at each beam cutoff (and threshold boundary, and n-best order) exceeds 1e-3.
 """
 

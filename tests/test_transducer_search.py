@@ -1,6 +1,6 @@
 """Transducer beam search and greedy decoding against brute force (every alignment enumerated).
 
-"Exact" as in DESIGN §8: the same label sequences and scores within 1e-4. Comparisons between two
+"Exact": the same label sequences and scores within 1e-4. Comparisons between two
 runs of the search assert that every beam cutoff of the reference run had a gap above 1e-3
 (recorded by wrapping the search's top-k), so a near-tie cannot flip a result.
 """

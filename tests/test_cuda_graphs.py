@@ -171,7 +171,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("kv_layout, export", [("bhtd", ("full", False)), ("btd", ("full", False)),
                                                ("bhtd", ("new", True)), ("bhtd", ("new", True, "ragged"))])
 def test_bucketed_decoder_equals_the_oracle_and_the_unbucketed_run(device, kv_layout, export):
-    """(export: state outputs of the whole history or of the new step alone, DESIGN §5.)"""
+    """(export: state outputs of the whole history or of the new step alone.)"""
     xp = xp_of(device)
     setup = Setup(5, device=device, kv_layout=kv_layout, num_utts=3, frames=(40, 30, 36), export=export)
     graphs = GraphOptions(enabled=True, time_step=2, min_rows=8)  # 12 lanes -> 16 rows; times 1, 2, 4, 6, ...

@@ -124,8 +124,8 @@ def records(folder: Path) -> tuple[dict, int]:
 
 
 def assert_identical(got_folder: Path, expected_folder: Path) -> None:
-    """Every utterance exactly once, with the same records as the expected run (
-    same label sequences, every score within 1e-4)."""
+    """Every utterance exactly once, with the same records as the expected run
+    (same label sequences, every score within 1e-4)."""
     got, num_got = records(got_folder)
     expected, _ = records(expected_folder)
     assert num_got == len(got) == NUM_UTTS, (num_got, len(got))  # no duplicate lines

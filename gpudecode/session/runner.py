@@ -44,9 +44,12 @@ def _import_ort():
 class OnnxSession:
     """One ONNX model, loaded once, run on numpy (CPU provider) or CuPy (CUDA provider) tensors."""
 
-    def __init__(self, model: str | os.PathLike | bytes, options: SessionOptions = SessionOptions()):
+    def __init__(self, model: str | os.PathLike | bytes, options: SessionOptions = SessionOptions(), *,
+                 session_factory=None):
         ort = _import_ort()
         self.options = options
+        #: makes the ONNX Runtime session: ``factory(model, sess_options=..., providers=...)``
+        self._session_factory = session_factory or ort.InferenceSession
         self.source = "<bytes>" if isinstance(model, bytes) else str(model)
         self.name = "model" if isinstance(model, bytes) else Path(model).stem
         if not isinstance(model, bytes) and not Path(model).is_file():
@@ -89,14 +92,19 @@ class OnnxSession:
             self.cuda_graphs = self.graph_blocker is None
             # captured graphs keep the addresses of their first runs: no per-shape memory patterns
             ort_options.enable_mem_pattern = False
+        warned = False
         try:
-            self.session = self._create(model, ort_options, providers)
+            self.session, refused = create_inference_session(
+                self._session_factory, model, ort_options, providers, cuda_graphs=self.cuda_graphs,
+                source=self.source)
+            if refused is not None:
+                self.graph_blocker, self.cuda_graphs, warned = refused, False, True
             if options.device == "cuda":
                 self._check_cuda(optimised_path)
         finally:
             if optimised_path:
                 Path(optimised_path).unlink(missing_ok=True)
-        if self.graph_blocker is not None:
+        if self.graph_blocker is not None and not warned:
             log.warning("%s: CUDA graphs are off for this model (plain runs): %s", self.source, self.graph_blocker)
         self.tensors: ModelTensors = from_ort_session(self.session, self.source)
         self._run_options = ort.RunOptions()
@@ -105,19 +113,6 @@ class OnnxSession:
             # plain runs stay out of any graph (a session may have graphs on though capture is off)
             self._run_options.add_run_config_entry("gpu_graph_id", SKIP_GRAPH)
             self._empty = backend.require_cupy().empty(64, np.uint8)  # bound for zero-size tensors
-
-    def _create(self, model, ort_options, providers):
-        ort = self.ort
-        if self.cuda_graphs:
-            providers = [(providers[0][0], {**providers[0][1], "enable_cuda_graph": "1"}), *providers[1:]]
-        try:
-            return ort.InferenceSession(model, sess_options=ort_options, providers=providers)
-        except Exception as exc:
-            if not self.cuda_graphs:
-                raise SessionError(f"{self.source}: ONNX Runtime cannot load the model: {exc}") from exc
-            self.graph_blocker = f"ONNX Runtime cannot capture it: {exc}"
-            self.cuda_graphs = False
-            return self._create(model, ort_options, providers)
 
     def _cuda_provider_options(self) -> dict[str, str]:
         o = self.options
@@ -230,6 +225,34 @@ class OnnxSession:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.name}-{next(self._calls):06d}.npz"
         np.savez(path, **{k: backend.to_host(v) for k, v in inputs.items()})
+
+
+def create_inference_session(factory, model, sess_options, providers: Sequence, *, cuda_graphs: bool,
+                             source: str):
+    """(session, why CUDA graphs are off or None) from ``factory`` (``onnxruntime.InferenceSession``).
+
+    With ``cuda_graphs`` the first provider (CUDA, as ``(name, options)``) gets
+    ``enable_cuda_graph``; when ONNX Runtime refuses that (e.g. a graph with Memcpy nodes or nodes
+    on the CPU provider), one warning names why and the session is created again from
+    ``providers`` as given, without graphs. A model that cannot be loaded at all is a
+    :class:`SessionError`.
+    """
+    def create(with_providers):
+        try:
+            return factory(model, sess_options=sess_options, providers=list(with_providers))
+        except Exception as exc:
+            raise SessionError(f"{source}: ONNX Runtime cannot load the model: {exc}") from exc
+
+    if not cuda_graphs:
+        return create(providers), None
+    name, provider_options = providers[0]
+    try:
+        return factory(model, sess_options=sess_options,
+                       providers=[(name, {**provider_options, "enable_cuda_graph": "1"}), *providers[1:]]), None
+    except Exception as exc:
+        blocker = f"ONNX Runtime cannot capture it: {exc}"
+    log.warning("%s: CUDA graphs are off for this model (plain runs): %s", source, blocker)
+    return create(providers), blocker
 
 
 def _load_proto(model) -> onnx.ModelProto:

@@ -28,6 +28,12 @@ def main() -> None:
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--features", type=click.Path(), default=None, help="Feature file or folder (overrides io.features.path).")
+@click.option("--prompts", type=click.Path(dir_okay=False), default=None,
+              help="Token prompts 'utt-id label ...' per line (overrides io.prompts); without features and "
+                   "without an encoder, the prompts are the utterances (text generation).")
+@click.option("--prompts-format", type=click.Choice(defaults.PROMPT_FORMATS), default=None,
+              help="How the prompt file writes labels (overrides io.prompts_format): 'ids' (label indices) or "
+                   "'text' (labels of the vocabulary).")
 @click.option("--output", type=click.Path(file_okay=False), default=None, help="Output folder (overrides io.output).")
 @click.option("--references", type=click.Path(dir_okay=False), default=None,
               help="Reference transcripts 'utt-id words...' for WER/CER (overrides io.references).")
@@ -46,10 +52,10 @@ def main() -> None:
 @click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=None,
               help="GPUs per Ray worker (overrides runtime.engine.gpus_per_worker; 0.5: two workers share "
                    "a GPU).")
-def decode(config: str, features: str | None, output: str | None, references: str | None,
-           overrides: tuple[str, ...], resume: bool, engine: str | None, address: str | None,
+def decode(config: str, features: str | None, prompts: str | None, prompts_format: str | None,
+           output: str | None, references: str | None, overrides: tuple[str, ...], resume: bool, engine: str | None, address: str | None,
            workers: int | None, gpus_per_worker: float | None) -> None:
-    """Decode the features named by CONFIG (YAML) and write text / n-best / CTM results."""
+    """Decode the features (or token prompts) named by CONFIG (YAML) and write text / n-best / CTM results."""
     import json
     from pathlib import Path
 
@@ -63,9 +69,12 @@ def decode(config: str, features: str | None, output: str | None, references: st
     from gpudecode.session import ModelError, SessionError
 
     extra = list(overrides)
-    for key, value in (("io.features.path", features), ("io.output", output), ("io.references", references)):
+    for key, value in (("io.features.path", features), ("io.prompts", prompts), ("io.output", output),
+                       ("io.references", references)):
         if value is not None:  # command-line paths are relative to the working directory
             extra.append(f"{key}={Path(value).resolve()}")
+    if prompts_format is not None:
+        extra.append(f"io.prompts_format={prompts_format}")
     for key, value in (("type", engine), ("address", address), ("workers", workers),
                        ("gpus_per_worker", gpus_per_worker)):
         if value is not None:  # JSON is YAML: an address like host:port stays a string

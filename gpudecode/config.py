@@ -409,6 +409,10 @@ class IoConfig(_Section):
     references: ConfigPath | None = None
     word_merging: Literal[defaults.WORD_MERGINGS] = defaults.WORD_MERGING
     on_bad_input: Literal[defaults.ON_BAD_INPUT_CHOICES] = defaults.ON_BAD_INPUT
+    # per-utterance token prompts: "ID LABEL ..." per line; without features (and without
+    # models.encoder) the prompts are the utterances
+    prompts: ConfigPath | None = None
+    prompts_format: Literal[defaults.PROMPT_FORMATS] = defaults.PROMPT_FORMAT
 
     @field_validator("formats")
     @classmethod

@@ -161,21 +161,70 @@ class Decoder:
                                  **scorer.options)
         return create_scorer(scorer.type, **scorer.options)
 
-    def encode(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> UtteranceBatch:
-        """Runs the encoder once over the padded batch; its outputs become per-utterance inputs."""
+    def encode(self, ids: Sequence[str], features: Sequence[np.ndarray] | None,
+               prompts: Sequence[Sequence[int]] | None = None) -> UtteranceBatch:
+        """Runs the encoder once over the padded batch; its outputs become per-utterance inputs,
+        each with its sizes. ``prompts`` (label indices per utterance) become the ``prompt`` input
+        [U, P] with their own sizes. Without features (a model without an encoder) the utterances
+        are their prompts, each decoded up to ``search.max_labels`` labels."""
+        if features is None and self.encoder is not None:
+            raise ConfigError("models.encoder: the encoder needs features; give features with the prompts")
+        prompt_inputs, prompt_sizes = self._prompt_inputs(ids, prompts)
+        if features is None:
+            if prompts is None:
+                raise ValueError("nothing to decode: give features, or prompts for a model without an encoder")
+            return UtteranceBatch(ids=ids, input_lengths=self._generation_lengths(len(ids)),
+                                  inputs=prompt_inputs, sizes=prompt_sizes)
+        if len(features) != len(ids):
+            raise ValueError(f"{len(ids)} utterance ids but {len(features)} feature arrays")
         lengths = np.array([f.shape[0] for f in features], dtype=np.int32)
         if self.encoder is None:
-            inputs = {"encoder-states": _pad(features)}
-            return UtteranceBatch(ids=ids, input_lengths=lengths,
-                                  inputs={k: self.xp.asarray(v) for k, v in inputs.items()})
-        names = self.encoder_spec.names
-        size_dtype = self.encoder.tensors.input(names["features-size"]).dtype
-        outputs = self.encoder.run({names["features"]: _pad(features), names["features-size"]: lengths.astype(size_dtype)})
-        sizes = to_host(outputs.pop(names["encoder-states-size"])).astype(np.int64)
-        inputs = {k: self.xp.asarray(v) for k, v in outputs.items()}
-        if names["encoder-states"] != "encoder-states":
-            inputs["encoder-states"] = inputs.pop(names["encoder-states"])
-        return UtteranceBatch(ids=ids, input_lengths=sizes, inputs=inputs)
+            inputs = {"encoder-states": self.xp.asarray(_pad(features))}
+            sizes = lengths.astype(np.int64)
+        else:
+            names = self.encoder_spec.names
+            size_dtype = self.encoder.tensors.input(names["features-size"]).dtype
+            outputs = self.encoder.run({names["features"]: _pad(features),
+                                        names["features-size"]: lengths.astype(size_dtype)})
+            sizes = to_host(outputs.pop(names["encoder-states-size"])).astype(np.int64)
+            inputs = {k: self.xp.asarray(v) for k, v in outputs.items()}
+            if names["encoder-states"] != "encoder-states":
+                inputs["encoder-states"] = inputs.pop(names["encoder-states"])
+        return UtteranceBatch(ids=ids, input_lengths=sizes, inputs={**inputs, **prompt_inputs},
+                              sizes={**{k: sizes for k in inputs}, **prompt_sizes})
+
+    def _prompt_inputs(self, ids: Sequence[str], prompts):
+        """({"prompt": [U, P] int64 on xp}, {"prompt": [U] sizes}), or two empty dicts."""
+        if prompts is None:
+            return {}, {}
+        if len(prompts) != len(ids):
+            raise ValueError(f"{len(ids)} utterance ids but {len(prompts)} prompts")
+        if not self.takes_prompts:
+            raise ConfigError(
+                "scorers: the utterances bring token prompts, but no scorer reads them (a prefix-lm "
+                "whose prefill model takes 'input_ids' or 'prompt' does)")
+        rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        vocab = len(self.vocabulary)
+        for utt, row in zip(ids, rows):
+            if row.size and (row.min() < 0 or row.max() >= vocab):
+                bad = int(row[(row < 0) | (row >= vocab)][0])
+                raise ValueError(f"utterance {utt!r}: prompt label {bad} is out of range (0..{vocab - 1})")
+        sizes = np.array([r.size for r in rows], dtype=np.int64)
+        table = np.zeros((len(rows), int(sizes.max(initial=0))), dtype=np.int64)
+        for u, row in enumerate(rows):  # once per utterance at admission
+            table[u, :row.size] = row
+        return {"prompt": self.xp.asarray(table)}, {"prompt": sizes}
+
+    @property
+    def takes_prompts(self) -> bool:
+        """Whether a scorer reads the utterances' token prompts."""
+        return any(getattr(scorer, "takes_prompts", False) for _, scorer, _ in self.scorers)
+
+    def _generation_lengths(self, num_utts: int) -> np.ndarray:
+        """[U] input lengths of utterances without an encoder: their label limit is ``search.max_labels``."""
+        search = self.config.search
+        per_input = getattr(search, "max_labels_per_input", None) or 1.0
+        return np.full(num_utts, int(np.ceil(search.max_labels / per_input)), dtype=np.int64)
 
     @property
     def subsampling(self) -> int:
@@ -186,28 +235,52 @@ class Decoder:
             self._subsampling = _probe_subsampling(self.encoder, self.encoder_spec)
         return self._subsampling
 
-    def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray]) -> list[list[Hypothesis]]:
-        """N-best lists of one batch of utterances decoded together.
+    def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray] | None,
+                     prompts: Sequence[Sequence[int]] | None = None) -> list[list[Hypothesis]]:
+        """N-best lists of one batch of utterances decoded together (``prompts``: label indices per
+        utterance, or None; ``features`` None for a model without an encoder).
 
         For time-synchronous searches, ``Hypothesis.frames`` are encoder frames (see :attr:`subsampling`).
         """
-        return self.search_type.decode(self.search_setup, self.encode(ids, features))
+        return self.search_type.decode(self.search_setup, self.encode(ids, features, prompts))
 
-    def decode(self, features: Mapping[str, np.ndarray] | Sequence[np.ndarray]) -> dict[str, list[Hypothesis]]:
+    def decode(self, features: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None, *,
+               prompts: Mapping[str, Sequence[int]] | Sequence[Sequence[int]] | None = None
+               ) -> dict[str, list[Hypothesis]]:
         """N-best lists by utterance id (``features``: id -> [T, F] array, or a list: ids "0", "1", ...).
+
+        ``prompts``: each utterance's token prompt (label indices), by the same ids (a dict) or in
+        the same order (a list); a prefix-lm scorer prompts its model with them. Without
+        ``features`` (a model without an encoder) the prompts are the utterances, each continued
+        up to ``search.max_labels`` labels.
 
         Utterances are decoded in batches of ``search.batch_size``, longest first.
         """
-        if not isinstance(features, Mapping):
+        if features is None and prompts is None:
+            raise ValueError("nothing to decode: give features, or prompts for a model without an encoder")
+        if features is not None and not isinstance(features, Mapping):
             features = {str(i): f for i, f in enumerate(features)}
-        order = sorted(features, key=lambda k: -features[k].shape[0])
+        if prompts is not None and not isinstance(prompts, Mapping):
+            prompts = {str(i): p for i, p in enumerate(prompts)}
+        if features is not None and prompts is not None and set(prompts) != set(features):
+            missing = sorted(set(features) - set(prompts))
+            extra = sorted(set(prompts) - set(features))
+            raise ValueError(f"prompts and features differ in their ids: no prompt for {missing[:5]}, "
+                             f"no features for {extra[:5]}")
+        keys = list(features if features is not None else prompts)
+        if features is not None:
+            order = sorted(keys, key=lambda k: -features[k].shape[0])
+        else:
+            order = sorted(keys, key=lambda k: -len(prompts[k]))
         results = {}
         size = self.config.search.batch_size
         for start in range(0, len(order), size):
             ids = order[start:start + size]
-            for utt, nbest in zip(ids, self.decode_batch(ids, [np.asarray(features[i], np.float32) for i in ids])):
+            batch_features = None if features is None else [np.asarray(features[i], np.float32) for i in ids]
+            batch_prompts = None if prompts is None else [prompts[i] for i in ids]
+            for utt, nbest in zip(ids, self.decode_batch(ids, batch_features, batch_prompts)):
                 results[utt] = nbest
-        return {k: results[k] for k in features}
+        return {k: results[k] for k in keys}
 
     def close(self) -> None:
         for _, scorer, _ in self.scorers:

@@ -106,6 +106,8 @@ CTM_FILE = "hyp.ctm"
 WER_FILE = "wer.json"
 RESOLVED_CONFIG_FILE = "config.resolved.yaml"
 
+PROMPT_FORMATS = ("ids", "text")  # io.prompts_format: label indices, or labels looked up in the vocabulary
+PROMPT_FORMAT = "ids"
 # --- engine: where decoding runs ------------------------------------------------------------
 ENGINES = ("local", "ray")
 ENGINE = "local"  # local: this process; ray: a pool of decoder actors on a Ray cluster

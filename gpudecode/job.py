@@ -68,7 +68,11 @@ def decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: s
     released (never live states) and the batch is decoded in halves; an utterance that fails
     alone is reported (``stop``) or skipped (``skip``)."""
     try:
-        nbests = decoder.decode_batch([u.id for u in batch], [u.features for u in batch])
+        features = None if batch[0].features is None else [u.features for u in batch]
+        if batch[0].prompt is None:
+            nbests = decoder.decode_batch([u.id for u in batch], features)
+        else:
+            nbests = decoder.decode_batch([u.id for u in batch], features, [u.prompt for u in batch])
     except Exception as error:
         if not backend.is_out_of_memory(error):
             raise

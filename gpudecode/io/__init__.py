@@ -2,6 +2,7 @@
 
 Readers yield ``Utterance(id, features (T, F) float32)`` lazily from a folder of ``.npy``, an
 ``.npz``, HDF5 (RETURNN layout), Kaldi ark/scp, or audio through the log-mel front end.
+``io.prompts`` reads per-utterance token prompts (a prompt file).
 Writers write text, JSON lines and CTM incrementally; ``score_wer`` computes WER/CER.
 Optional packages (h5py, kaldiio, soundfile, jiwer) are imported only by the code that uses
 them.
@@ -25,6 +26,14 @@ from gpudecode.io.frontend import (
     LogMelOptions,
     mel_filterbank,
 )
+from gpudecode.io.prompts import (
+    PROMPT_FORMATS,
+    PromptedSource,
+    PromptError,
+    PromptSource,
+    parse_prompts,
+    read_prompts,
+)
 from gpudecode.io.readers import detect_format, open_features
 from gpudecode.io.vocabulary import Vocabulary, Word, merge_words
 from gpudecode.io.wer import read_transcripts, score_wer
@@ -37,8 +46,10 @@ from gpudecode.io.writers import (
 
 __all__ = [
     "FeatureError", "FeatureSource", "FrontEndError", "Hypothesis", "InputError",
-    "LogMelFrontEnd", "LogMelOptions", "ResultFileError", "ResultWriter", "Utterance",
+    "LogMelFrontEnd", "LogMelOptions", "PROMPT_FORMATS", "PromptError", "PromptSource",
+    "PromptedSource", "ResultFileError", "ResultWriter", "Utterance",
     "UtteranceResult", "Vocabulary", "VocabularyError", "Word", "bucket_by_length",
     "check_features", "detect_format", "mel_filterbank", "merge_words", "open_features",
+    "parse_prompts", "read_prompts",
     "read_done_ids", "read_transcripts", "score_wer",
 ]

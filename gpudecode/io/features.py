@@ -17,14 +17,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, eq=False)
 class Utterance:
-    """One input: ``features`` is ``(T, F)`` float32 with ``T >= 1``."""
+    """One input: ``features`` is ``(T, F)`` float32 with ``T >= 1`` (None for a model without an
+    encoder); ``prompt`` its token prompt, [P] int64 label indices (None: none)."""
 
     id: str
-    features: np.ndarray
+    features: np.ndarray | None
+    prompt: np.ndarray | None = None
 
     @property
     def num_frames(self) -> int:
-        return int(self.features.shape[0])
+        """Feature frames (0 without features)."""
+        return 0 if self.features is None else int(self.features.shape[0])
 
 
 def check_features(features: np.ndarray, *, path: str | Path, utterance_id: str,

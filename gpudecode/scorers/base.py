@@ -83,6 +83,10 @@ class LaneLayout:
         return (first[:, None] + np.arange(self.beam_size, dtype=np.int64)).reshape(-1)
 
 
+#: Per-utterance inputs that hold labels (token prompts): they always come with their own sizes.
+LABEL_INPUTS = ("prompt",)
+
+
 @dataclass(frozen=True)
 class UtteranceBatch:
     """Utterances entering a search together.
@@ -94,7 +98,9 @@ class UtteranceBatch:
     - ``inputs``: per-utterance inputs by name, each [U, ...] (numpy or CuPy), e.g.
       ``encoder-states`` [U, T, E] or precomputed cross-attention keys/values;
     - ``sizes``: valid lengths [U] per input name along its time axis (padded positions are
-      masked); an input without an entry uses ``input_lengths`` (see :meth:`size_of`).
+      masked). Token prompts (``prompt`` [U, P] label indices, padded at the end) always bring
+      theirs; an input without an entry is an encoder output, sized by ``input_lengths`` (see
+      :meth:`size_of`).
     """
 
     ids: Sequence[str]
@@ -115,6 +121,10 @@ class UtteranceBatch:
             if array.shape[:1] != (len(ids),):
                 raise ValueError(f"input {name!r}: expected [U={len(ids)}, ...], got shape "
                                  f"{tuple(array.shape)}")
+        for name in LABEL_INPUTS:
+            if name in self.inputs and name not in self.sizes:
+                raise ValueError(f"input {name!r}: token prompts carry their own sizes "
+                                 f"(sizes[{name!r}], [U] prompt lengths)")
         for name, array in self.sizes.items():
             if tuple(array.shape) != (len(ids),):
                 raise ValueError(f"sizes of {name!r}: expected shape ({len(ids)},), got "

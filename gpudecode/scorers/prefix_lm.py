@@ -51,6 +51,8 @@ from gpudecode.states.options import StateManagerOptions
 
 _LABEL_PROMPTS = ("prompt", "input_ids")
 _ENCODER_STATES = ("encoder-states", "encoder_hidden_states")
+#: inputs of a decoder-only prefill (Optimum's ``decoder_model``) built from the prompt sizes
+_PROMPT_POSITIONS = ("attention_mask", "position_ids")
 
 
 def _on(xp, array):
@@ -124,7 +126,8 @@ class PrefixLmScorer(OnnxDecoderScorer):
         tensors, source = self.prefill.tensors, self.prefill.source
         by_model = {io_map.get(k, k): k for k in (
             *_LABEL_PROMPTS, "prompt-size", "suffix", "suffix-size", *_ENCODER_STATES,
-            "encoder-states-size", "encoder_attention_mask", "scores", "logits", "prefix-length")}
+            "encoder-states-size", "encoder_attention_mask", "scores", "logits", "prefix-length",
+            *_PROMPT_POSITIONS)}
         names = {}
         for info in [*tensors.inputs, *tensors.outputs]:
             if info.name in by_model:
@@ -144,9 +147,6 @@ class PrefixLmScorer(OnnxDecoderScorer):
         if label_prompt is None and self.initial_prompt_labels:
             raise ValueError(f"{source}: initial_prompt_labels are given, but the prefill model has no "
                              f"'prompt' (or 'input_ids') input")
-        if label_prompt is not None and "prompt-size" not in names and not self.initial_prompt_labels:
-            raise ValueError(f"{source}: the prefill input '{label_prompt}' has no 'prompt-size' input, so "
-                             "its prompt cannot be empty; give initial_prompt_labels")
         if self.suffix_prompt_labels and "suffix" not in names:
             raise ValueError(f"{source}: suffix_prompt_labels are given, but the prefill model has no "
                              "'suffix' input")
@@ -165,10 +165,20 @@ class PrefixLmScorer(OnnxDecoderScorer):
             if own is not None and own in utterances.inputs:  # the utterances' own prompts
                 labels = to_host(utterances.inputs[own]).astype(np.int64)
                 sizes = to_host(utterances.size_of(own)).astype(np.int64)
+            elif own is not None and not static and size_logical not in names:
+                raise ValueError(f"{source}: the prefill input '{name}' gets no labels: the utterances bring "
+                                 f"no '{own}' input (token prompts) and initial_prompt_labels is empty")
             else:
                 labels = np.tile(np.asarray(static, np.int64), (num_utts, 1))
                 sizes = np.full(num_utts, len(static), np.int64)
-            if size_logical not in names and (sizes != labels.shape[1]).any():
+            if positions and own is not None:  # a decoder-only prefill: its mask carries the sizes
+                valid = np.arange(labels.shape[1])[None, :] < sizes[:, None]
+                for logical, value in (("attention_mask", valid),
+                                       ("position_ids", np.broadcast_to(np.arange(labels.shape[1]), labels.shape))):
+                    if logical in positions:
+                        feeds[positions[logical]] = xp.asarray(value.astype(tensors.input(positions[logical]).dtype))
+                        taken.add(positions[logical])
+            elif size_logical not in names and (sizes != labels.shape[1]).any():
                 raise ValueError(f"{source}: the prompts of '{name}' differ in length but the model has "
                                  f"no '{size_logical}' input")
             feeds[name] = xp.asarray(labels.astype(info.dtype))
@@ -180,11 +190,14 @@ class PrefixLmScorer(OnnxDecoderScorer):
             return sizes
 
         label_logical = next((k for k in _LABEL_PROMPTS if k in names and tensors.input(names[k])), None)
+        states_logical = next((k for k in _ENCODER_STATES if k in names and tensors.input(names[k])), None)
+        positions = {} if states_logical is not None else {
+            k: names[k] for k in _PROMPT_POSITIONS
+            if k in names and tensors.input(names[k]) is not None and names[k] not in utterances.inputs}
         if label_logical is not None:
             counted += labels_input(label_logical, "prompt-size", self.initial_prompt_labels, "prompt")
         if "suffix" in names:
             counted += labels_input("suffix", "suffix-size", self.suffix_prompt_labels, None)
-        states_logical = next((k for k in _ENCODER_STATES if k in names and tensors.input(names[k])), None)
         sizes = utterances.input_lengths
         if states_logical is not None:
             name = names[states_logical]
@@ -219,6 +232,12 @@ class PrefixLmScorer(OnnxDecoderScorer):
             bad = utterances.ids[int(np.argmax(counted < 1))]
             raise ValueError(f"{source}: utterance {bad!r} has an empty prompt (no label to prefill)")
         return feeds, counted, sizes
+
+    @property
+    def takes_prompts(self) -> bool:
+        """Whether the prefill reads the utterances' token prompts (its ``prompt``/``input_ids`` input)."""
+        return any(k in self._prefill_names and self.prefill.tensors.input(self._prefill_names[k]) is not None
+                   for k in _LABEL_PROMPTS)
 
     @property
     def _prefill_xp(self):

@@ -7,6 +7,7 @@ from gpudecode.testing.ctc import build_ctc_encoder
 from gpudecode.testing.encoder import build_encoder
 from gpudecode.testing.examples import write_examples
 from gpudecode.testing.lstm import build_lstm_lm
+from gpudecode.testing.optimum_lm import build_optimum_lm
 from gpudecode.testing.prefill import PrefillPair, build_optimum_pair, build_prefix_lm
 from gpudecode.session.hf import hf_attention_inputs
 from gpudecode.testing.reference import ReferenceModel
@@ -25,6 +26,7 @@ __all__ = [
     "build_encoder",
     "build_joint_network",
     "build_lstm_lm",
+    "build_optimum_lm",
     "build_optimum_pair",
     "build_prediction_network",
     "build_prefix_lm",

@@ -22,7 +22,8 @@ from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import Context, LabelScorer, LaneLayout, UtteranceBatch
 from gpudecode.scorers.lanes import LaneInputs
 from gpudecode.scorers.registry import register_scorer
-from gpudecode.session import OnnxSession, SessionOptions, discover_step_model
+from gpudecode.session import OnnxSession, SessionOptions
+from gpudecode.session.conventions import load_step_model_spec, resolve_model_path
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.session.step_model import StepModelRunner
 from gpudecode.states.factory import create_state_manager
@@ -92,9 +93,13 @@ class OnnxDecoderScorer(LabelScorer):
             raise ValueError("start_labels: at least one label (e.g. sentence-begin) is needed")
         if graphs.enabled and not isinstance(model, OnnxSession):
             session_options = replace(session_options, cuda_graphs=True)
-        self.session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
-        self.spec = discover_step_model(
-            self.session.tensors, io_map=io_map, state_patterns=state_patterns,
+        # a GenAI model folder or genai_config.json stands for its decoder file
+        self.session = model if isinstance(model, OnnxSession) else OnnxSession(resolve_model_path(model),
+                                                                                session_options)
+        # discovered with the model's hints (genai_config.json); a Hugging Face decoder's history
+        # alignment is proven by a parity probe, or the model is refused
+        self.spec = load_step_model_spec(
+            self.session, io_map=io_map, state_patterns=state_patterns,
             utterance_patterns=utterance_patterns, vocab_size=vocab_size,
         )
         self.vocab_size = int(vocab_size)

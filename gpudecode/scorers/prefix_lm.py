@@ -25,6 +25,14 @@ Prefill inputs, by logical name (``prefill_io_map`` maps them to the model's own
   ``encoder-states-size`` [U], ``encoder_attention_mask`` [U, S] (built from the sizes);
 - anything else: the utterances' input of that name.
 
+**A step model as its own prefill** (``prefill_model`` None: a merged Optimum decoder, an ONNX
+Runtime GenAI export — a decoder-only model with past inputs): at admission the prompts go through
+the step model itself with empty pasts, right-padded (each row's prompt first: a causal model never
+attends to the padding after a position), with ``attention_mask`` / ``position_ids`` (and
+``seqlens_k`` / ``total_sequence_length``) from the prompt sizes; its present outputs hold each
+row's prompt states first. At load a probe requires a short prompt alone and the same prompt padded
+in a batch with a longer one to give the same scores and states, else the model is refused.
+
 Prefill outputs: ``scores`` (or ``logits``) [U, V], [U, 1, V] or [U, P, V] (then the row's last
 prompt position is taken), the step model's state outputs, and optionally ``prefix-length`` [U]
 (prompt positions per row; without it a row has as many positions as prompt + suffix labels —
@@ -44,7 +52,9 @@ from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import Context, LaneLayout, UtteranceBatch
 from gpudecode.scorers.onnx_decoder import DecoderContext, OnnxDecoderScorer, converted_scores
 from gpudecode.scorers.registry import register_scorer
-from gpudecode.session import OnnxSession, SessionOptions, hf_encoder_attention_mask
+from gpudecode.session import ModelError, OnnxSession, SessionOptions, hf_encoder_attention_mask
+from gpudecode.session.conventions import resolve_model_path
+from gpudecode.session.step_model import hf_prompt_feeds
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.history import StateHistory
 from gpudecode.states.options import StateManagerOptions
@@ -80,8 +90,8 @@ class PrefixLmScorer(OnnxDecoderScorer):
         self,
         *,
         model,
-        prefill_model,
         vocab_size: int,
+        prefill_model=None,
         initial_prompt_labels: Sequence[int] = (),
         suffix_prompt_labels: Sequence[int] = (),
         state_manager: StateManagerOptions = StateManagerOptions(),
@@ -109,11 +119,18 @@ class PrefixLmScorer(OnnxDecoderScorer):
         self.prefill_scores_kind = prefill_scores_kind
         self.initial_prompt_labels = [int(label) for label in initial_prompt_labels]
         self.suffix_prompt_labels = [int(label) for label in suffix_prompt_labels]
-        if isinstance(prefill_model, OnnxSession):
-            self.prefill = prefill_model
+        #: the step model is its own prefill (empty pasts at admission)
+        self.self_prefill = prefill_model is None
+        if self.self_prefill:
+            self.prefill = self.session
+            self._prefill_names = self._check_self_prefill()
         else:
-            self.prefill = OnnxSession(prefill_model, prefill_session_options or session_options)
-        self._prefill_names = self._check_prefill(dict(prefill_io_map or {}))
+            if isinstance(prefill_model, OnnxSession):
+                self.prefill = prefill_model
+            else:
+                self.prefill = OnnxSession(resolve_model_path(prefill_model),
+                                           prefill_session_options or session_options)
+            self._prefill_names = self._check_prefill(dict(prefill_io_map or {}))
         outputs = {t.name for t in self.prefill.tensors.outputs}
         #: prefill outputs that become per-utterance inputs of the step model
         self._produced = sorted({self._source_of(u) for u in self.spec.utterance_inputs} & outputs)
@@ -121,6 +138,79 @@ class PrefixLmScorer(OnnxDecoderScorer):
         self._prefill_scores = None
 
     # --- the prefill model's contract --------------------------------------------------------------
+    def _check_self_prefill(self) -> dict[str, str]:
+        """The step model as its prefill: a Hugging Face decoder-only model whose states all have a
+        time axis (batch first); proven by :meth:`_probe_self_prefill`."""
+        spec, source = self.spec, self.spec.source
+        if self.suffix_prompt_labels:
+            raise ValueError(f"{source}: suffix_prompt_labels need a prefill model of their own")
+        if spec.convention != "huggingface" or spec.utterance_inputs or spec.in_place_outputs or any(
+                v.time_axis is None or v.batch_axis != 0 for v in spec.state_variables) or not spec.state_variables:
+            raise ValueError(f"{source}: the step model cannot be its own prefill: that needs a Hugging Face "
+                             "decoder-only model (input_ids + attention_mask, past_key_values with a time axis, "
+                             "no per-utterance inputs); give prefill_model")
+        self._probe_self_prefill()
+        return {"scores": spec.scores_output}
+
+    def _run_self_prefill(self, prompts: np.ndarray, sizes: np.ndarray):
+        """The step model over ``prompts`` [U, P] (host labels, right-padded; ``sizes`` [U]) with
+        empty pasts: its outputs by name."""
+        spec, xp = self.spec, self._prefill_xp
+        names = spec.hypothesis_inputs
+        feeds = {}
+        for v in spec.state_variables:
+            shape = list(v.shape)
+            shape[0], shape[v.time_axis] = len(prompts), 0
+            feeds[v.input_name] = xp.zeros(shape, dtype=v.dtype)
+        label_dtype = self.session.tensors.input(names["input_ids"]).dtype
+        feeds[names["input_ids"]] = xp.asarray(prompts.astype(label_dtype))
+        feeds.update(hf_prompt_feeds(spec, self.session.tensors, xp.asarray(sizes.astype(np.int64)), prompts.shape[1]))
+        return self.session.run(feeds, [spec.scores_output, *(v.output_name for v in spec.state_variables)])
+
+    def _probe_self_prefill(self) -> None:
+        """A prompt of 3 alone and right-padded next to a prompt of 5 must give the same last-position
+        scores and prompt states (fp32 1e-4, relative); else ModelError."""
+        rng = np.random.default_rng(0)
+        short, long = rng.integers(0, self.vocab_size, 3), rng.integers(0, self.vocab_size, 5)
+        alone = self._run_self_prefill(short[None, :], np.array([3]))
+        batch = np.stack([np.concatenate([short, long[:2]]), long])
+        padded = self._run_self_prefill(batch, np.array([3, 5]))
+        tolerance = 1e-4 if self.spec.state_variables[0].dtype in (np.float32, np.float64) else 2e-2
+        worst = 0.0
+        for name in [self.spec.scores_output, *(v.output_name for v in self.spec.state_variables)]:
+            a = to_host(alone[name]).astype(np.float64)
+            b = to_host(padded[name]).astype(np.float64)
+            if name == self.spec.scores_output:
+                a, b = a.reshape(1, -1, a.shape[-1])[:, -1], b.reshape(2, -1, b.shape[-1])[:1, 2]
+            else:
+                axis = next(v.time_axis for v in self.spec.state_variables if v.output_name == name)
+                b = np.take(b[:1], np.arange(3), axis=axis)
+                if a.shape != b.shape:
+                    worst = np.inf
+                    continue
+            worst = max(worst, float(np.abs(a - b).max() / max(1.0, np.abs(a).max())))
+        if not worst <= tolerance:
+            raise ModelError(f"{self.spec.source}: refused as its own prefill: a prompt of 3 labels alone and "
+                             "the same prompt right-padded in a batch with a prompt of 5 (attention_mask zeros "
+                             f"after it) give different scores or states: max difference {worst:.3g} (tolerance "
+                             f"{tolerance:.3g}); give a prefill_model")
+
+    def _self_prefill_feeds(self, utterances: UtteranceBatch):
+        """The prompts (the utterances' own, else ``initial_prompt_labels``) right-padded, their sizes."""
+        num_utts = utterances.num_utterances
+        if "prompt" in utterances.inputs:
+            prompts = to_host(utterances.inputs["prompt"]).astype(np.int64)
+            sizes = to_host(utterances.size_of("prompt")).astype(np.int64)
+        else:
+            prompts = np.tile(np.asarray(self.initial_prompt_labels, np.int64), (num_utts, 1))
+            sizes = np.full(num_utts, len(self.initial_prompt_labels), np.int64)
+        if (sizes < 1).any():
+            bad = utterances.ids[int(np.argmax(sizes < 1))]
+            raise ValueError(f"{self.spec.source}: utterance {bad!r} has an empty prompt (no label to prefill)")
+        prompts = prompts[:, :int(sizes.max())].copy()
+        prompts[np.arange(prompts.shape[1])[None, :] >= sizes[:, None]] = 0
+        return prompts, sizes
+
     def _check_prefill(self, io_map: dict[str, str]) -> dict[str, str]:
         """Logical name -> prefill tensor name; raises ValueError naming what is missing."""
         tensors, source = self.prefill.tensors, self.prefill.source
@@ -262,12 +352,16 @@ class PrefixLmScorer(OnnxDecoderScorer):
 
     def _admit_chunk(self, utterances: UtteranceBatch, groups: np.ndarray) -> None:
         names, spec = self._prefill_names, self.spec
-        feeds, counts, sizes = self._prefill_feeds(utterances)
         state_outputs = [v.output_name for v in spec.state_variables]
-        wanted = [names["scores"], *state_outputs, *self._produced]
-        if counts is None:
-            wanted.append(names["prefix-length"])
-        outputs = self.prefill.run(feeds, wanted)
+        if self.self_prefill:
+            prompts, counts = self._self_prefill_feeds(utterances)
+            outputs, sizes = self._run_self_prefill(prompts, counts), utterances.input_lengths
+        else:
+            feeds, counts, sizes = self._prefill_feeds(utterances)
+            wanted = [names["scores"], *state_outputs, *self._produced]
+            if counts is None:
+                wanted.append(names["prefix-length"])
+            outputs = self.prefill.run(feeds, wanted)
         if counts is None:
             counts = outputs[names["prefix-length"]]
         time_axis = spec.state_variables[0].time_axis

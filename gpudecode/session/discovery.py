@@ -40,7 +40,9 @@ DEFAULT_UTTERANCE_PATTERNS: tuple[str, ...] = (
 )
 
 RASR_INPUTS = ("token", "token-length", "prefix-length")
-HF_INPUTS = ("input_ids", "attention_mask", "position_ids")
+HF_INPUTS = ("input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length")
+#: explicit GroupQueryAttention lengths: [N] int32 (valid positions - 1) and a scalar int32 (T + 1)
+HF_LENGTH_INPUTS = ("seqlens_k", "total_sequence_length")
 SCORE_OUTPUTS = {"rasr": "scores", "huggingface": "logits"}
 INT_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
 FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("V2"))
@@ -84,6 +86,8 @@ class ModelSpec:
     history_alignment: str = "right"
     #: output -> state input whose buffer it is written into (metadata ``IN_PLACE_<output>``)
     in_place_outputs: Mapping[str, str] = field(default_factory=dict)
+    #: symbolic non-time state dimensions and the sizes they were resolved to (``state_dims``)
+    resolved_dims: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int | None:
@@ -161,7 +165,8 @@ def _batch_symbol(label_input: TensorInfo) -> object:
 
 
 def _state_variable(
-    tensors: ModelTensors, input_name: str, output_name: str, batch_symbol: object
+    tensors: ModelTensors, input_name: str, output_name: str, batch_symbol: object,
+    state_dims: Mapping[str, int] | None = None, resolved: dict | None = None,
 ) -> StateVariable:
     info = tensors.input(input_name)
     if info is None:
@@ -188,18 +193,34 @@ def _state_variable(
     if info.dtype not in FLOAT_TYPES + (np.dtype(np.int16), np.dtype(np.int8)):
         raise _fail(tensors, f"state input '{input_name}': expected a float or int16/int8 dtype, got {info.dtype.name}")
     batch_axis = info.shape.index(batch_symbol) if batch_symbol in info.shape and isinstance(batch_symbol, str) else 0
-    dynamic = [a for a, d in enumerate(info.shape) if a != batch_axis and not isinstance(d, int)]
+    shape = list(info.shape)
+    state_dims = dict(state_dims or {})
+    for axis, d in enumerate(shape):  # symbolic non-time dims resolved (head size, key-value heads)
+        if axis != batch_axis and isinstance(d, str) and d in state_dims:
+            shape[axis] = int(state_dims[d])
+            if resolved is not None:
+                resolved[d] = int(state_dims[d])
+    dynamic = [a for a, d in enumerate(shape) if a != batch_axis and not isinstance(d, int)]
     if len(dynamic) > 1:
+        # the time axis is the one whose size differs between past and present (past_sequence_length
+        # -> total_sequence_length); the others must be resolved
+        growing = [a for a in dynamic if a < out.rank and out.shape[a] != info.shape[a]]
+        unresolved = [a for a in dynamic if a not in growing] if len(growing) == 1 else dynamic
+        named = ", ".join(f"'{info.shape[a]}' (axis {a})" for a in unresolved)
         raise _fail(
             tensors,
             f"state input '{input_name}' {info.describe()}: expected at most one dynamic axis besides "
-            f"the batch axis {batch_axis} (the time axis), got axes {dynamic}",
+            f"the batch axis {batch_axis} (the time axis), got axes {dynamic}"
+            + (f"; the time axis is {growing[0]} (it grows from input to output '{output_name}'), and "
+               f"{named} is symbolic: resolve it with a genai_config.json next to the model (head_size, "
+               "num_key_value_heads), from a GroupQueryAttention graph, or with state_dims"
+               if len(growing) == 1 else ""),
         )
     return StateVariable(
         input_name=input_name,
         output_name=output_name,
         dtype=info.dtype,
-        shape=tuple(d if isinstance(d, int) else None for d in info.shape),
+        shape=tuple(d if isinstance(d, int) else None for d in shape),
         batch_axis=batch_axis,
         time_axis=dynamic[0] if dynamic else None,
     )
@@ -218,11 +239,16 @@ def discover_step_model(
     state_patterns: Sequence[tuple[str, str]] = (),
     utterance_patterns: Sequence[str] = (),
     vocab_size: int | None = None,
+    state_dims: Mapping[str, int] | None = None,
+    history_alignment: str | None = None,
 ) -> ModelSpec:
     """Recognise and validate a stateful step model (RASR or Hugging Face convention).
 
     ``state_patterns`` (input regex, output template) and ``utterance_patterns`` (input regex)
     add to the metadata (``STATE_*``, ``UTTERANCE_*``) and the Hugging Face defaults.
+    ``state_dims`` (symbol -> size) resolves symbolic non-time state dimensions, e.g. GenAI's
+    ``kv_cache_dim``. ``history_alignment`` (``right`` or ``left``) overrides the metadata's
+    (``HISTORY_ALIGNMENT``); a model with ``seqlens_k`` / ``total_sequence_length`` inputs is left-aligned.
     """
     io_map = dict(io_map or {})
     name = lambda logical: io_map.get(logical, logical)  # noqa: E731
@@ -244,8 +270,9 @@ def discover_step_model(
         info = tensors.input(name(logical))
         if info is None:
             continue  # checked below once the state variables are known
-        rank = (2,) if logical in ("attention_mask", "position_ids") else (1,)
-        _check(tensors, info, dtypes=INT_TYPES, ranks=rank, what="input")
+        rank = {"attention_mask": (2,), "position_ids": (2,), "total_sequence_length": (0, 1)}.get(logical, (1,))
+        dtypes = (np.dtype(np.int32),) if logical in HF_LENGTH_INPUTS else INT_TYPES
+        _check(tensors, info, dtypes=dtypes, ranks=rank, what="input")
         hypothesis_inputs[logical] = info.name
 
     scores = _require(tensors, "output", name(SCORE_OUTPUTS[convention]), SCORE_OUTPUTS[convention])
@@ -253,7 +280,8 @@ def discover_step_model(
 
     batch_symbol = _batch_symbol(label_input)
     pairs = _state_pairs(tensors, list(state_patterns) + list(DEFAULT_STATE_PATTERNS))
-    state_variables = tuple(_state_variable(tensors, i, o, batch_symbol) for i, o in pairs)
+    resolved: dict[str, int] = {}
+    state_variables = tuple(_state_variable(tensors, i, o, batch_symbol, state_dims, resolved) for i, o in pairs)
 
     if convention == "rasr" and "prefix-length" not in hypothesis_inputs and any(
         v.time_axis is not None for v in state_variables
@@ -298,18 +326,22 @@ def discover_step_model(
             tensors,
             f"metadata {UTTERANCE_ROWS_KEY}={utterance_rows!r}: expected one of {', '.join(UTTERANCE_ROWS)}",
         )
-    history_alignment = tensors.metadata.get(HISTORY_ALIGNMENT_KEY, "right")
+    explicit_lengths = [n for n in HF_LENGTH_INPUTS if n in hypothesis_inputs]
+    if history_alignment is None:
+        history_alignment = tensors.metadata.get(HISTORY_ALIGNMENT_KEY, "left" if explicit_lengths else "right")
     if history_alignment not in ("right", "left"):
-        raise _fail(tensors, f"metadata {HISTORY_ALIGNMENT_KEY}={history_alignment!r}: expected 'right' or 'left'")
-    if history_alignment == "left" and convention != "rasr":
-        raise _fail(tensors, f"metadata {HISTORY_ALIGNMENT_KEY}=left needs the RASR convention (prefix-length), "
-                             f"not {convention!r}, whose attention mask is built right-aligned")
+        raise _fail(tensors, f"history alignment {history_alignment!r} (metadata {HISTORY_ALIGNMENT_KEY}): "
+                             "expected 'right' or 'left'")
+    if explicit_lengths and history_alignment != "left":
+        raise _fail(tensors, f"inputs {explicit_lengths} (GroupQueryAttention's lengths: each row's history "
+                             "starts at position 0) need left-aligned histories, not right-aligned ones")
     in_place = _in_place_outputs(tensors, state_variables, history_alignment)
     spec = ModelSpec(
         source=tensors.source,
         utterance_rows=utterance_rows,
         history_alignment=history_alignment,
         in_place_outputs=in_place,
+        resolved_dims=resolved,
         convention=convention,
         tensors=tensors,
         hypothesis_inputs=hypothesis_inputs,

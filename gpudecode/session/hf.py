@@ -1,23 +1,58 @@
-"""Adapters for the Hugging Face decoder-with-past convention."""
+"""Adapters for the Hugging Face decoder-with-past convention (and GenAI's left-aligned variant)."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from gpudecode.backend import get_array_module
 
 
-def hf_attention_inputs(prefix_length, past_time: int, num_new: int = 1):
+def hf_attention_inputs(prefix_length, past_time: int, num_new: int = 1, alignment: str = "right"):
     """``attention_mask`` [N, T+S] and ``position_ids`` [N, S] (int64) from prefix lengths [N].
 
-    The history is right-aligned in the T past positions (left padding), so the last
-    ``prefix_length`` past positions and the S new ones are valid; new token p sits at position
-    ``prefix_length + p``. Works on numpy and CuPy arrays alike.
+    ``right``: the history is right-aligned in the T past positions (left padding), so the last
+    ``prefix_length`` past positions and the S new ones are valid. ``left`` (GroupQueryAttention
+    fed from the mask, as ONNX Runtime GenAI's exports): each row's history fills its first
+    ``prefix_length`` positions, and the mask is ones over the row's first ``prefix_length + S``
+    positions (the model derives each row's length from the mask's sum and writes the new steps
+    right after the history). New token p sits at position ``prefix_length + p`` either way.
+    Works on numpy and CuPy arrays alike.
     """
     xp = get_array_module(prefix_length)
     prefix = xp.asarray(prefix_length).astype(xp.int64)
     columns = xp.arange(past_time + num_new, dtype=xp.int64)
-    attention_mask = (columns[None, :] >= (past_time - prefix)[:, None]).astype(xp.int64)
+    if alignment == "left":
+        attention_mask = (columns[None, :] < (prefix + num_new)[:, None]).astype(xp.int64)
+    else:
+        attention_mask = (columns[None, :] >= (past_time - prefix)[:, None]).astype(xp.int64)
     position_ids = prefix[:, None] + xp.arange(num_new, dtype=xp.int64)[None, :]
     return attention_mask, position_ids
+
+
+def hf_length_inputs(prefix_length, past_time: int, num_new: int = 1):
+    """GroupQueryAttention's explicit length inputs, for a model that takes them: ``seqlens_k``
+    [N] int32 (each row's valid positions minus one: history + new steps - 1) and
+    ``total_sequence_length`` (a scalar int32, T + S, on the host)."""
+    xp = get_array_module(prefix_length)
+    seqlens = (xp.asarray(prefix_length).astype(xp.int32) + np.int32(num_new - 1)).astype(xp.int32)
+    return seqlens, np.array(past_time + num_new, dtype=np.int32)
+
+
+def new_step_states(present, prefix_length, time_axis: int, alignment: str):
+    """The new step's states [.., 1, ..] of a state output holding the whole history plus the new
+    step: at the last time position (``right``) or at each row's own length (``left``: the row's
+    history first); an output of one time step is returned as it is. Batch axis 0."""
+    if present.shape[time_axis] == 1:
+        return present
+    if alignment != "left":
+        index = [slice(None)] * present.ndim
+        index[time_axis] = slice(-1, None)
+        return present[tuple(index)]
+    xp = get_array_module(present)
+    shape = [1] * present.ndim
+    shape[0] = present.shape[0]
+    index = xp.asarray(prefix_length).astype(xp.int64).reshape(shape)
+    return xp.take_along_axis(present, index, axis=time_axis)
 
 
 def hf_encoder_attention_mask(sizes, time_size: int):

@@ -18,13 +18,58 @@ from typing import Any
 
 import numpy as np
 
-from gpudecode.backend import to_host
+from gpudecode.backend import get_array_module, to_host
 from gpudecode.session.discovery import ModelSpec
 from gpudecode.session.graphs import GraphBuckets, GraphOptions
-from gpudecode.session.hf import hf_attention_inputs
+from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states
 from gpudecode.session.runner import OnnxSession
 from gpudecode.states.history import StateHistory
 from gpudecode.states.managers import StateManager
+
+
+def hf_step_feeds(spec: ModelSpec, tensors, prefix_lengths, time_size: int, num_new: int = 1) -> dict:
+    """The Hugging Face convention's per-row inputs of a step over histories of ``prefix_lengths``
+    [N] in T = ``time_size`` past positions (``spec.history_alignment``), by model input name, in the
+    model's dtypes: ``attention_mask``, ``position_ids``, and GroupQueryAttention's explicit
+    ``seqlens_k`` / ``total_sequence_length`` where the model takes them."""
+    names = spec.hypothesis_inputs
+    mask, positions = hf_attention_inputs(prefix_lengths, time_size, num_new, spec.history_alignment)
+    values = {"attention_mask": mask, "position_ids": positions}
+    if "seqlens_k" in names or "total_sequence_length" in names:
+        seqlens, total = hf_length_inputs(prefix_lengths, time_size, num_new)
+        values.update(seqlens_k=seqlens, total_sequence_length=total)
+    feeds = {}
+    for logical, value in values.items():
+        if logical in names:
+            info = tensors.input(names[logical])
+            value = value.astype(info.dtype, copy=False)
+            if logical == "total_sequence_length":  # a scalar (or [1]) on the host
+                value = value.reshape(() if info.rank == 0 else (1,))
+            feeds[names[logical]] = value
+    return feeds
+
+
+def hf_prompt_feeds(spec: ModelSpec, tensors, sizes, width: int) -> dict:
+    """The Hugging Face convention's inputs of a prompt run with empty pasts: prompts of ``sizes``
+    [U] right-padded to ``width`` (each row's prompt first), by model input name in the model's
+    dtypes: ``attention_mask`` ones over each row's prompt, ``position_ids`` 0..width-1, and
+    GroupQueryAttention's ``seqlens_k`` (size - 1) / ``total_sequence_length`` (width)."""
+    xp = get_array_module(sizes)
+    names = spec.hypothesis_inputs
+    sizes = xp.asarray(sizes).astype(xp.int64)
+    columns = xp.arange(width, dtype=xp.int64)
+    values = {"attention_mask": (columns[None, :] < sizes[:, None]).astype(xp.int64),
+              "position_ids": xp.broadcast_to(columns[None, :], (sizes.shape[0], width)).copy(),
+              "seqlens_k": (sizes - 1).astype(xp.int32), "total_sequence_length": np.array(width, np.int32)}
+    feeds = {}
+    for logical, value in values.items():
+        if logical in names:
+            info = tensors.input(names[logical])
+            value = value.astype(info.dtype, copy=False)
+            if logical == "total_sequence_length":  # a scalar (or [1]) on the host
+                value = value.reshape(() if info.rank == 0 else (1,))
+            feeds[names[logical]] = value
+    return feeds
 
 
 def _rows(array, axis: int, count: int):
@@ -74,6 +119,9 @@ class StepModelRunner:
                 f"{spec.source}: cuda_graphs needs the state manager where the model runs "
                 f"({session.provider}), got a {states.device} state manager"
             )
+        if graphs.enabled and ("seqlens_k" in names or "total_sequence_length" in names):
+            raise ValueError(f"{spec.source}: cuda_graphs: a model with explicit 'seqlens_k' / "
+                             "'total_sequence_length' inputs runs without graphs (turn cuda_graphs off)")
         self.graphs = GraphBuckets(session, graphs) if graphs.enabled else None
         self._static: dict = {}  # (bucket, buffer generation, lanes version) -> _StaticInputs
         # left padding of the history is exact only when the model masks it
@@ -120,17 +168,13 @@ class StepModelRunner:
             if "prefix-length" in names:
                 feeds[names["prefix-length"]] = merged.prefix_lengths.astype(self._input_dtype("prefix-length"))
         else:
-            mask, positions = hf_attention_inputs(merged.prefix_lengths, merged.time_size)
-            if "attention_mask" in names:
-                feeds[names["attention_mask"]] = mask
-            if "position_ids" in names:
-                feeds[names["position_ids"]] = positions
+            feeds.update(hf_step_feeds(spec, self.session.tensors, merged.prefix_lengths, merged.time_size))
         input_rows = _input_rows(rows, lanes.group_size)
         for name, buffer in lanes.buffers.items():
             feeds[name] = buffer[input_rows]
         in_place = self._in_place(merged.inputs)
         outputs = self.session.run(feeds, self._output_names(in_place), outputs=in_place)
-        new_slots = self.states.split(self._state_outputs(outputs))
+        new_slots = self.states.split(self._new_steps(self._state_outputs(outputs), merged.prefix_lengths))
         return outputs[spec.scores_output], new_slots  # the run's own array
 
     def _run_bucketed(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
@@ -159,7 +203,8 @@ class StepModelRunner:
         if static.prefix_converted is not None:
             static.prefix_converted[...] = static.prefix
         if spec.convention != "rasr":
-            mask, positions = hf_attention_inputs(merged.prefix_lengths, padded_time)
+            mask, positions = hf_attention_inputs(merged.prefix_lengths, padded_time,
+                                                  alignment=spec.history_alignment)
             for name, value in ((names.get("attention_mask"), mask), (names.get("position_ids"), positions)):
                 if name is not None:
                     feeds[name][...] = value
@@ -167,7 +212,7 @@ class StepModelRunner:
         outputs = graphs.run(static.key, feeds, self._output_names(in_place),
                              lambda name, dtype, shape: in_place[name] if name in in_place
                              else buffers.view(name, dtype, shape, bucket))
-        states_out = self._state_outputs(outputs)
+        states_out = self._new_steps(self._state_outputs(outputs), merged.prefix_lengths)
         if self._rows_outermost:
             states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
                           for v in spec.state_variables}
@@ -211,6 +256,19 @@ class StepModelRunner:
                     array = array[tuple(index)]
             states[name] = array
         return states
+
+    def _new_steps(self, states: dict, prefix_lengths) -> dict:
+        """Hugging Face left-aligned histories (GroupQueryAttention fed from the mask): a present
+        output holding the history and the new step has the new step at each row's own length, not
+        last; it is read there. Everything else as it is (the split reads the last time step)."""
+        spec = self.spec
+        if spec.convention == "rasr" or spec.history_alignment != "left":
+            return states
+        by_output = {v.output_name: v for v in spec.state_variables}
+        return {name: new_step_states(array, prefix_lengths[:array.shape[0]], by_output[name].time_axis, "left")
+                if name in by_output and by_output[name].time_axis is not None and name not in spec.in_place_outputs
+                else array
+                for name, array in states.items()}
 
     def _natural_time(self, histories: StateHistory, time_size: int | None) -> int:
         """T of a call: the longest kept history (or ``time_size``), plus the position an in-place

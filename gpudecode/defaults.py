@@ -79,6 +79,14 @@ ADMISSION_ORDER = "longest-first"
 MAX_CACHED_SCORE_VECTORS = 10_000
 PRE_BEAM_SIZE: int | None = None  # None: no pre-pruning, every label is a candidate
 MAX_SYMBOLS_PER_FRAME = 10  # transducer (NeMo's default)
+# label-sync search semantics (the peers' generate options; defaults: today's search)
+MIN_LENGTH = 0  # sentence-end masked while a hypothesis has fewer labels
+FINISHED_MODES = ("in-beam", "separate")  # where terminated hypotheses live
+FINISHED = "in-beam"
+EARLY_STOPPING_MODES = (True, False, "never")  # finished "separate": when an utterance stops
+EARLY_STOPPING: bool | str = False
+LENGTH_COUNTS = ("labels", "prompt-and-labels")  # what the length normaliser counts
+LENGTH_COUNT = "labels"
 # search.tuning (speed only, never the results; see gpudecode.search.tuning)
 STOP_TEST_LAG = 2  # the label-sync stop test is read this many steps late (on CuPy)
 STOP_TEST_EVERY = 1  # ... and posted every this many steps
@@ -98,6 +106,8 @@ WORD_MERGINGS = ("none", "sentencepiece", "bpe")
 WORD_MERGING = "none"
 ON_BAD_INPUT_CHOICES = ("stop", "skip")
 ON_BAD_INPUT = "stop"
+PROMPT_FORMATS = ("ids", "text")  # io.prompts_format: label indices, or labels looked up in the vocabulary
+PROMPT_FORMAT = "ids"
 
 # File names inside the output folder.
 TEXT_FILE = "text"
@@ -106,8 +116,6 @@ CTM_FILE = "hyp.ctm"
 WER_FILE = "wer.json"
 RESOLVED_CONFIG_FILE = "config.resolved.yaml"
 
-PROMPT_FORMATS = ("ids", "text")  # io.prompts_format: label indices, or labels looked up in the vocabulary
-PROMPT_FORMAT = "ids"
 # --- engine: where decoding runs ------------------------------------------------------------
 ENGINES = ("local", "ray")
 ENGINE = "local"  # local: this process; ray: a pool of decoder actors on a Ray cluster

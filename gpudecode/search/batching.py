@@ -31,7 +31,17 @@ import numpy as np
 
 from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
-from gpudecode.search.beam import NEG_INF, Beam, LabelSyncOptions, LaggedReads, expand, hypotheses, returned_lanes
+from gpudecode.search.beam import (
+    NEG_INF,
+    Beam,
+    Finished,
+    LabelSyncOptions,
+    LaggedReads,
+    expand,
+    hypotheses,
+    prompt_lengths,
+    returned_lanes,
+)
 from gpudecode.search.prune import best_first, length_normaliser, normalised
 from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
 from gpudecode.search.stats import SearchStats, read_back
@@ -68,13 +78,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
 class _Lanes:
     """Per-lane bookkeeping of a continuous search (device arrays) and per-group host arrays."""
 
-    def __init__(self, layout: LaneLayout, num_scorers: int, max_limit: int):
+    def __init__(self, layout: LaneLayout, num_scorers: int, max_limit: int, separate: bool = False):
         xp, num_lanes = layout.xp, layout.num_lanes
         self.layout = layout
+        finished = None
+        if separate:  # finished "separate": the finished lists, done until a group is admitted
+            finished = Finished.empty(layout.num_groups, layout.beam_size, num_scorers, xp)
+            finished.done[...] = True
         self.beam = Beam(scores=xp.full(num_lanes, NEG_INF, dtype=np.float32),
                           scorer_scores=xp.zeros((num_scorers, num_lanes), dtype=np.float32),
                           lengths=xp.zeros(num_lanes, dtype=np.int64),
-                          ended=xp.ones(num_lanes, dtype=bool))
+                          ended=xp.ones(num_lanes, dtype=bool), finished=finished)
         self.start = xp.zeros(num_lanes, dtype=np.int64)  # step before the utterance's first
         self.deadline = xp.zeros(num_lanes, dtype=np.int64)  # step of the lane's last label
         # labels per lane, a ring by step: a lane's t-th label (step start + t) in column
@@ -82,16 +96,24 @@ class _Lanes:
         # its first, so the ring never wraps onto them
         self.tokens = xp.full((num_lanes, next_power_of_two(max_limit)), -1, dtype=np.int32)
         self.spare = self.tokens.copy()
+        # finished "separate": the label rows of the finished lists' entries (as ``tokens``)
+        self.finished_tokens = self.tokens.copy() if separate else None
         self.group_utterance = np.full(layout.num_groups, -1, dtype=np.int64)  # host
         self.group_limit = np.zeros(layout.num_groups, dtype=np.int64)  # host
         self.group_start = np.zeros(layout.num_groups, dtype=np.int64)  # host: step of the last reset
 
     def reset(self, groups: np.ndarray, admitted: np.ndarray, utterances: np.ndarray,
-              limits: np.ndarray, step: int) -> None:
-        """Lanes of ``groups`` restart at ``step``; ``admitted`` (a subset) hold ``utterances``."""
+              limits: np.ndarray, step: int, prompts: np.ndarray | None = None) -> None:
+        """Lanes of ``groups`` restart at ``step``; ``admitted`` (a subset) hold ``utterances``
+        (``prompts``: their prompt sizes, for the finished lists)."""
         xp, layout = self.layout.xp, self.layout
         lanes = xp.asarray(layout.lanes_of(groups))
         beam = self.beam
+        if beam.finished is not None:
+            beam.finished.reset(xp.asarray(groups), lanes, xp.asarray(~np.isin(groups, admitted)))
+            self.finished_tokens[lanes] = -1
+            if admitted.size and prompts is not None:
+                beam.finished.prompt_lengths[xp.asarray(admitted)] = xp.asarray(prompts)
         beam.scores[lanes] = NEG_INF
         beam.scorer_scores[:, lanes] = 0
         beam.lengths[lanes] = 0
@@ -114,16 +136,27 @@ class _Lanes:
         """Lane i's path = its parent's path + ``labels[i]`` if it emitted one (carried lanes write
         nothing)."""
         xp = self.layout.xp
+        finished = self.beam.finished
+        if finished is not None:  # the step's candidate rows merged into the finished lists' rows
+            num_groups, beam_size = self.layout.num_groups, self.layout.beam_size
+            rows = self.tokens[finished.candidate_lanes]
+            xp.copyto(rows[:, (step - 1) % self.tokens.shape[1]], finished.candidate_labels, casting="unsafe")
+            both = xp.concatenate([self.finished_tokens.reshape(num_groups, beam_size, -1),
+                                   rows.reshape(num_groups, beam_size, -1)], axis=1)
+            self.finished_tokens = xp.take_along_axis(both, finished.picked[:, :, None], axis=1).reshape(
+                self.tokens.shape)
         xp.take(self.tokens, parents, axis=0, out=self.spare)
         self.tokens, self.spare = self.spare, self.tokens
         xp.copyto(self.tokens[:, (step - 1) % self.tokens.shape[1]], labels, casting="unsafe", where=labels >= 0)
 
-    def labels(self, rows, width: int):
-        """[len(rows), width] int32: the labels of lanes ``rows`` in order, -1 after their last."""
+    def labels(self, rows, width: int, tokens=None):
+        """[len(rows), width] int32: the labels of lanes ``rows`` in order, -1 after their last
+        (``tokens``: of these rows instead, e.g. ``finished_tokens``)."""
         xp = self.layout.xp
-        capacity = self.tokens.shape[1]
+        tokens = self.tokens if tokens is None else tokens
+        capacity = tokens.shape[1]
         columns = (self.start[rows][:, None] + xp.arange(min(width, capacity))[None, :]) % capacity
-        return xp.take_along_axis(self.tokens[rows], columns, axis=1)
+        return xp.take_along_axis(tokens[rows], columns, axis=1)
 
 
 def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOptions,
@@ -145,7 +178,8 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
     min_free = max(1, num_groups // 8)
     limits = options.label_limits(utterances.input_lengths)
     queue = deque(admission_order(utterances.input_lengths, order).tolist())
-    lanes = _Lanes(layout, len(entries), int(limits.max()))
+    lanes = _Lanes(layout, len(entries), int(limits.max()), separate=options.finished == "separate")
+    prompts = prompt_lengths(utterances)
     masks = None
     results: list[list[Hypothesis] | None] = [None] * utterances.num_utterances
     pending: list[tuple] = []
@@ -157,7 +191,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
             begun.append(entry)
         free = np.arange(num_groups, dtype=np.int64)
         admitted, taken = _admit(entries, utterances, free, queue, any_active=False)
-        lanes.reset(free, admitted, taken, limits[taken], step=0)
+        lanes.reset(free, admitted, taken, limits[taken], step=0, prompts=prompts[taken])
         contexts = [e.scorer.initial_context(admitted) for e in entries]
         if tuning.lagged(tuning.lagged_continuous_mask, layout.xp):
             masks = LaggedReads(layout.xp, num_groups, wait=tuning.host_wait,
@@ -197,7 +231,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
             free = np.union1d(np.flatnonzero(lanes.group_utterance < 0), done)
             admitted, taken = _admit(entries, utterances, free, queue, any_active=active > done.size)
             reset = np.union1d(done, admitted)
-            lanes.reset(reset, admitted, taken, limits[taken], step=step)
+            lanes.reset(reset, admitted, taken, limits[taken], step=step, prompts=prompts[taken])
             contexts = [e.scorer.initial_context(reset, c) for e, c in zip(entries, contexts)]
             if stats is not None:
                 stats.refills.add(time.thread_time() - cpu, time.perf_counter() - wall)
@@ -249,10 +283,17 @@ def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions, stats:
     layout, beam = lanes.layout, lanes.beam
     xp = layout.xp
     rows = xp.asarray(layout.lanes_of(done))
+    width = int(lanes.group_limit[done].max())
+    finished = beam.finished
+    if finished is not None:  # finished "separate": the n-best lists are the finished lists
+        ranks = finished.ranks[rows]
+        order = best_first(ranks, layout.beam_size, stats)
+        return (lanes.group_utterance[done].copy(), order, ranks, finished.scores[rows],
+                finished.scorer_scores[:, rows], finished.lengths[rows],
+                lanes.labels(rows, width, lanes.finished_tokens))
     scores = beam.scores[rows]
     ranks = normalised(scores, length_normaliser(beam.lengths[rows], options.length_norm_scale, xp))
     order = best_first(ranks, layout.beam_size, stats)
-    width = int(lanes.group_limit[done].max())
     return (lanes.group_utterance[done].copy(), order, ranks, scores, beam.scorer_scores[:, rows],
             beam.lengths[rows], lanes.labels(rows, width))
 

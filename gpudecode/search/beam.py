@@ -15,12 +15,12 @@ from types import ModuleType
 import numpy as np
 
 from gpudecode import defaults
-from gpudecode.backend import DEFAULT_HOST_WAIT, HostClock, HostWait, wait_for
+from gpudecode.backend import DEFAULT_HOST_WAIT, HostClock, HostWait, to_host, wait_for
 from gpudecode.scorers.base import LaneLayout
 from gpudecode.scorers.combine import checked_scores, combine_scores
 from gpudecode.search import label_step
 from gpudecode.search.options import coerce_ints, option_error
-from gpudecode.search.prune import NEG_INF, length_normaliser, prune
+from gpudecode.search.prune import NEG_INF, length_normaliser, normalised, prune
 from gpudecode.search.results import Hypothesis, nbest_lists
 from gpudecode.search.stats import SearchStats, observed_top_k
 from gpudecode.search.topk import top_k_indices
@@ -41,7 +41,25 @@ class LabelSyncOptions:
       per utterance (at least 1), and never more than ``max_labels``;
     - ``nbest``: hypotheses returned per utterance (None: ``beam_size``);
     - ``pre_beam_size``: labels per lane that partial scorers (e.g. ``ctc-prefix``) score, the
-      best by the other scorers (None: max(2 × beam_size, 10)).
+      best by the other scorers (None: max(2 × beam_size, 10));
+    - ``min_length``: sentence-end gets -inf (before normalisation and pruning) while a hypothesis
+      has fewer than this many labels (the prompt not counted: Hugging Face's
+      ``min_new_tokens``; its ``min_length`` counts the prompt too);
+    - ``finished``: ``"in-beam"`` — a terminated hypothesis keeps its beam slot and competes with
+      the open ones (ranked by the normalised score); ``"separate"`` — Hugging Face's and ONNX
+      Runtime GenAI's beam search: ``beam_size`` open hypotheses ranked by their score, plus per
+      utterance a list of at most ``beam_size`` finished ones ranked by the normalised score (of
+      the best ``2 × beam_size`` candidates, those ending with sentence-end — or all of them at
+      the label limit — join the list when among the best ``beam_size``; the best
+      ``beam_size`` others stay open); the n-best list is the finished list;
+    - ``early_stopping`` (``"separate"`` only, Hugging Face's): True — an utterance stops once
+      ``beam_size`` hypotheses are finished; False — once they are and the best open score,
+      normalised at the current length, is no better than the worst finished one; ``"never"`` —
+      as False, but normalised at the label limit when ``length_norm_scale`` > 0;
+    - ``length_counts``: the length normalised by: ``"labels"`` — labels including
+      sentence-end (Hugging Face's generated tokens); ``"prompt-and-labels"`` (``"separate"``
+      only) — the utterance's prompt (its ``prompt`` input's size) plus the labels without
+      sentence-end (ONNX Runtime GenAI's sequence length).
     """
 
     beam_size: int
@@ -52,12 +70,28 @@ class LabelSyncOptions:
     max_labels: int = defaults.MAX_LABELS
     nbest: int | None = None
     pre_beam_size: int | None = None
+    min_length: int = defaults.MIN_LENGTH
+    finished: str = defaults.FINISHED
+    early_stopping: bool | str = defaults.EARLY_STOPPING
+    length_counts: str = defaults.LENGTH_COUNT
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
             return option_error(self, name, expected)
 
-        coerce_ints(self, ("beam_size", "sentence_end", "max_labels", "nbest", "pre_beam_size"))
+        coerce_ints(self, ("beam_size", "sentence_end", "max_labels", "nbest", "pre_beam_size", "min_length"))
+        if not isinstance(self.min_length, int) or self.min_length < 0:
+            raise bad("min_length", "an int >= 0")
+        if self.finished not in defaults.FINISHED_MODES:
+            raise bad("finished", f"one of {', '.join(defaults.FINISHED_MODES)}")
+        if not any(self.early_stopping is m or (isinstance(m, str) and self.early_stopping == m)
+                   for m in defaults.EARLY_STOPPING_MODES):
+            raise bad("early_stopping", "True, False or 'never'")
+        if self.length_counts not in defaults.LENGTH_COUNTS:
+            raise bad("length_counts", f"one of {', '.join(defaults.LENGTH_COUNTS)}")
+        if self.length_counts != "labels" and self.finished != "separate":
+            raise bad("length_counts", "'labels' unless finished is 'separate' (the in-beam ranking "
+                      "normalises every candidate by its label count)")
         if self.pre_beam_size is not None and not (isinstance(self.pre_beam_size, int) and self.pre_beam_size >= 1):
             raise bad("pre_beam_size", "None or an int >= 1")
         if not isinstance(self.beam_size, int) or self.beam_size < 1:
@@ -141,13 +175,60 @@ class LaggedReads:
 
 
 @dataclass
+class Finished:
+    """Per lane group (utterance) its list of finished hypotheses, ``finished="separate"``: arrays
+    [G · B] on ``xp``, row g · B + b the group's b-th best (by ``ranks``)."""
+
+    ranks: object  # [G·B] float32 normalised score; -inf: an empty entry
+    scores: object  # [G·B] float32 combined score
+    scorer_scores: object  # [S, G·B] float32
+    lengths: object  # [G·B] int64, labels including sentence-end
+    steps: object  # [G·B] int64, the step of its last label (0: empty)
+    lanes: object  # [G·B] int64, the lane (before that step) its last label extends
+    labels: object  # [G·B] int64, its last label
+    prompt_lengths: object  # [G] int64, the group's prompt size (length_counts "prompt-and-labels")
+    hopeful: object  # [G] bool, an open hypothesis may still improve the list (early_stopping)
+    done: object  # [G] bool, the group's search is over
+    #: the last step's merge: entry g·B + b came from column picked[g, b] of [its B old entries |
+    #: the step's B candidates], candidate g·B + c extending lane candidate_lanes[g·B + c] by
+    #: candidate_labels[g·B + c] (continuous batching copies label rows by it)
+    picked: object = None
+    candidate_lanes: object = None
+    candidate_labels: object = None
+
+    @classmethod
+    def empty(cls, num_groups: int, beam_size: int, num_scorers: int, xp) -> Finished:
+        size = num_groups * beam_size
+        return cls(ranks=xp.full(size, NEG_INF, dtype=np.float32), scores=xp.full(size, NEG_INF, dtype=np.float32),
+                   scorer_scores=xp.zeros((num_scorers, size), dtype=np.float32),
+                   lengths=xp.zeros(size, dtype=np.int64), steps=xp.zeros(size, dtype=np.int64),
+                   lanes=xp.zeros(size, dtype=np.int64), labels=xp.full(size, -1, dtype=np.int64),
+                   prompt_lengths=xp.zeros(num_groups, dtype=np.int64), hopeful=xp.ones(num_groups, dtype=bool),
+                   done=xp.zeros(num_groups, dtype=bool))
+
+    def reset(self, groups, lanes, done) -> None:
+        """Empties the lists of ``groups`` (device int array; their ``lanes``) in place; ``done``:
+        [len(groups)] bool, groups that hold no utterance."""
+        self.ranks[lanes] = NEG_INF
+        self.scores[lanes] = NEG_INF
+        self.scorer_scores[:, lanes] = 0
+        self.lengths[lanes] = 0
+        self.steps[lanes] = 0
+        self.labels[lanes] = -1
+        self.prompt_lengths[groups] = 0
+        self.hopeful[groups] = True
+        self.done[groups] = done
+
+
+@dataclass
 class Beam:
     """The hypotheses of all N lanes, as arrays on ``xp``."""
 
     scores: object  # [N] float32 combined score; -inf: dead lane
     scorer_scores: object  # [S, N] float32, each scorer's unscaled score
     lengths: object  # [N] int64, labels including sentence-end
-    ended: object  # [N] bool, terminated (or dead)
+    ended: object  # [N] bool, terminated (or dead); finished "separate": the group is done (or dead)
+    finished: Finished | None = None  # finished "separate": the finished lists
 
 
 def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSyncOptions,
@@ -161,8 +242,15 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     """
     xp = layout.xp
     vocab_size = int(entries[0].scorer.vocab_size)
-    in_kernel = tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
+    # min_length and the finished lists run the array version of the selection (not in the kernel)
+    in_kernel = (tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
+                 and options.min_length == 0 and options.finished == "in-beam")
     log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats)
+    if options.finished == "separate":
+        beam, parents, labels = select_separate(beam, _combined(terms), log_probs, deadline, step, layout, options,
+                                                stats)
+        contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
+        return beam, parents, labels, contexts
     norm = candidate_normaliser(beam, options, xp)
     if in_kernel:
         fields, parents, labels = label_step.select_kernel(beam, terms, log_probs, norm, deadline, step,
@@ -195,6 +283,7 @@ def select(beam: Beam, combined, log_probs, norm, at_limit, layout: LaneLayout,
     open_lanes = ~beam.ended
     candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, NEG_INF)
     candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
+    _mask_sentence_end(candidates, beam, options, xp)
     alive, parents, cand_labels = prune(candidates, beam_size, num_groups, xp, normaliser=norm,
                                         score_threshold=options.score_threshold, stats=stats)
     was_ended = beam.ended[parents]
@@ -210,6 +299,113 @@ def select(beam: Beam, combined, log_probs, norm, at_limit, layout: LaneLayout,
     ended = (was_ended | ~alive | (labels == options.sentence_end) | at_limit)
     beam = Beam(scores=scores, scorer_scores=scorer_scores,
                 lengths=beam.lengths[parents] + emitted, ended=ended)
+    return beam, parents, labels
+
+
+def _mask_sentence_end(candidates, beam: Beam, options: LabelSyncOptions, xp) -> None:
+    """``min_length``: sentence-end gets -inf in ``candidates`` [N, V] (in place) for open lanes
+    with fewer than ``min_length`` labels."""
+    if options.min_length:
+        short = ~beam.ended & (beam.lengths < options.min_length)
+        end = options.sentence_end
+        candidates[:, end] = xp.where(short, NEG_INF, candidates[:, end])
+
+
+def _counted_lengths(lengths, prompt_lengths, ends_with_end, options: LabelSyncOptions):
+    """The lengths the normaliser counts (``length_counts``) of hypotheses of ``lengths`` labels
+    (including a sentence-end where ``ends_with_end``)."""
+    if options.length_counts == "labels":
+        return lengths
+    return prompt_lengths + lengths - ends_with_end
+
+
+def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout: LaneLayout,
+                    options: LabelSyncOptions, stats: SearchStats | None = None) -> tuple[Beam, object, object]:
+    """A step of ``finished="separate"`` (Hugging Face's ``_beam_search``, array for array): per
+    utterance the best ``2 × beam_size`` candidates by score; those ending (sentence-end, or every
+    one at the label limit) among the best ``beam_size`` join the finished list (normalised by
+    ``length_counts``, the best ``beam_size`` of old and new kept), the best ``beam_size`` others
+    are the new open lanes. An utterance is done at its label limit, or (``early_stopping``) when
+    its list is full and, unless True, no open hypothesis can still improve it. Lanes of done
+    utterances (and dead ones) are ended and carry themselves."""
+    xp = layout.xp
+    num_groups, beam_size = layout.num_groups, layout.beam_size
+    vocab_size = int(combined.shape[1])
+    finished = beam.finished
+    open_lanes = ~beam.ended
+    candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, NEG_INF)
+    candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
+    _mask_sentence_end(candidates, beam, options, xp)
+    at_limit = deadline <= step
+    ranks = candidates.reshape(num_groups, beam_size * vocab_size)
+    size = min(2 * beam_size, beam_size * vocab_size)
+    observed_top_k(stats, ranks, size)
+    chosen = top_k_indices(ranks, size)  # [G, K] by score, lane-major then label on ties
+    score = xp.take_along_axis(ranks, chosen, axis=1)
+    base = (xp.arange(num_groups, dtype=np.int64) * beam_size)[:, None]
+    parent = base + chosen // vocab_size
+    label = chosen % vocab_size
+    ending = (score > NEG_INF) & open_lanes[parent] & ((label == options.sentence_end) | at_limit[parent])
+
+    # the open lanes: the best beam_size candidates that do not end
+    open_score = xp.where(ending, NEG_INF, score)
+    kept = top_k_indices(open_score, beam_size)  # [G, B]
+    scores = xp.take_along_axis(open_score, kept, axis=1).reshape(-1)
+    parents = xp.take_along_axis(parent, kept, axis=1).reshape(-1)
+    alive = scores > NEG_INF
+    labels = xp.where(alive & open_lanes[parents], xp.take_along_axis(label, kept, axis=1).reshape(-1), -1)
+    emitted = labels >= 0
+    safe_labels = xp.maximum(labels, 0)
+    scorer_scores = xp.stack([
+        beam.scorer_scores[s][parents] + xp.where(emitted, logp[parents, safe_labels], np.float32(0))
+        for s, logp in enumerate(log_probs)])
+    lengths = beam.lengths[parents] + emitted
+
+    # the finished lists: the ending candidates among the best beam_size join when they rank
+    end_parent = parent[:, :beam_size]
+    end_label = label[:, :beam_size]
+    end_lengths = beam.lengths[end_parent] + 1
+    counted = _counted_lengths(end_lengths, finished.prompt_lengths[:, None], end_label == options.sentence_end,
+                               options)
+    end_ranks = normalised(score[:, :beam_size], length_normaliser(counted, options.length_norm_scale, xp))
+    joins = ending[:, :beam_size] & (finished.hopeful & ~finished.done)[:, None]
+    end_ranks = xp.where(joins, end_ranks, NEG_INF)
+    merged = xp.concatenate([finished.ranks.reshape(num_groups, beam_size), end_ranks], axis=1)
+    picked = top_k_indices(merged, beam_size)  # [G, B]: old entries first on ties
+
+    def merge(old, new):
+        both = xp.concatenate([old.reshape(num_groups, beam_size), new.reshape(num_groups, beam_size)], axis=1)
+        return xp.take_along_axis(both, picked, axis=1).reshape(-1)
+
+    safe_end = xp.maximum(end_label, 0)
+    new_ranks = merge(finished.ranks, end_ranks)
+    end_scorer = [beam.scorer_scores[s][end_parent] + logp[end_parent, safe_end] for s, logp in enumerate(log_probs)]
+
+    # done: HF's stopping heuristic, the best open score normalised at the current length (or,
+    # "never" with a length penalty, at the label limit)
+    entries = new_ranks.reshape(num_groups, beam_size)
+    full = (entries > NEG_INF).all(axis=1)
+    first = base[:, 0]
+    open_length = lengths[first]
+    if options.early_stopping == "never" and options.length_norm_scale > 0:
+        open_length = open_length + deadline[first] - step
+    open_counted = _counted_lengths(open_length, finished.prompt_lengths, False, options)
+    best_open = normalised(scores[first], length_normaliser(open_counted, options.length_norm_scale, xp))
+    hopeful = finished.hopeful & (~full | (best_open > entries.min(axis=1)))
+    done = finished.done | ~hopeful | at_limit[first]
+    if options.early_stopping is True:
+        done = done | full
+    ended = xp.repeat(done, beam_size) | ~alive
+    new_finished = Finished(
+        ranks=new_ranks, scores=merge(finished.scores, score[:, :beam_size]),
+        scorer_scores=xp.stack([merge(old, new) for old, new in zip(finished.scorer_scores, end_scorer)])
+        if log_probs else finished.scorer_scores,
+        lengths=merge(finished.lengths, end_lengths), steps=merge(finished.steps, xp.full_like(end_lengths, step)),
+        lanes=merge(finished.lanes, end_parent), labels=merge(finished.labels, end_label),
+        prompt_lengths=finished.prompt_lengths, hopeful=hopeful, done=done, picked=picked,
+        candidate_lanes=end_parent.reshape(-1), candidate_labels=end_label.reshape(-1))
+    beam = Beam(scores=xp.where(alive, scores, NEG_INF), scorer_scores=scorer_scores, lengths=lengths, ended=ended,
+                finished=new_finished)
     return beam, parents, labels
 
 
@@ -259,6 +455,13 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
 def _combined(terms):
     """Σ scale · array of ``_scores``'s terms, as one [N, V] float32 array."""
     return combine_scores([t for t, _ in terms], [scale for _, scale in terms])
+
+
+def prompt_lengths(utterances) -> np.ndarray:
+    """[U] int64 (host): each utterance's prompt size (the size of its ``prompt`` input), else 0."""
+    if "prompt" not in utterances.inputs:
+        return np.zeros(utterances.num_utterances, dtype=np.int64)
+    return np.asarray(to_host(utterances.size_of("prompt")), dtype=np.int64)
 
 
 def returned_lanes(order: np.ndarray, num_best: int) -> np.ndarray:

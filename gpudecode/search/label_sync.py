@@ -14,6 +14,11 @@ a sentence-end score).
 Hypotheses are device arrays (scores, per-scorer scores, lengths, parents, labels); the step has
 no Python loop over hypotheses, labels or utterances, and one small device→host transfer (the
 stop test). The label sequences are traced back once at the end.
+
+``LabelSyncOptions.finished="separate"`` runs the peers' semantics instead (Hugging Face's and
+ONNX Runtime GenAI's beam search): ``beam_size`` open hypotheses per utterance, ranked by score,
+and a separate list of finished ones (:func:`gpudecode.search.beam.select_separate`);
+``min_length`` masks sentence-end in both modes.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from gpudecode.search.batching import ADMISSION_ORDERS, continuous_search
 from gpudecode.search.beam import (
     NEG_INF,
     Beam,
+    Finished,
     LabelSyncOptions,
     LaggedReads,
     expand,
     hypotheses,
+    prompt_lengths,
     returned_lanes,
 )
 from gpudecode.search.prune import best_first, length_normaliser, normalised
@@ -118,7 +125,8 @@ def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions, layo
             begun.append(entry)
             entry.scorer.admit(utterances, groups)
         contexts = [e.scorer.initial_context(groups) for e in entries]
-        beam, steps = _run(entries, contexts, layout, limits, options, tuning, stats)
+        beam, steps = _run(entries, contexts, layout, limits, options, tuning, stats,
+                           prompt_lengths(utterances))
     finally:
         for entry in begun:
             entry.scorer.release(groups)
@@ -126,16 +134,22 @@ def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions, layo
 
 
 def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray, options: LabelSyncOptions,
-         tuning: SearchTuning, stats: SearchStats | None) -> tuple[Beam, list[tuple[object, object]]]:
+         tuning: SearchTuning, stats: SearchStats | None,
+         prompts: np.ndarray | None = None) -> tuple[Beam, list[tuple[object, object]]]:
     xp = layout.xp
     beam_size = layout.beam_size
     num_lanes = layout.num_lanes
 
     first_lane = (xp.arange(num_lanes) % beam_size) == 0
+    finished = None
+    if options.finished == "separate":
+        finished = Finished.empty(layout.num_groups, beam_size, len(entries), xp)
+        if prompts is not None:
+            finished.prompt_lengths[...] = xp.asarray(prompts)
     beam = Beam(scores=xp.where(first_lane, np.float32(0), NEG_INF).astype(np.float32),
                  scorer_scores=xp.zeros((len(entries), num_lanes), dtype=np.float32),
                  lengths=xp.zeros(num_lanes, dtype=np.int64),
-                 ended=~first_lane)
+                 ended=~first_lane, finished=finished)
     lane_limit = xp.asarray(np.repeat(limits, beam_size))
     steps: list[tuple[object, object]] = []  # (parents [N], labels [N]) per step
 
@@ -171,6 +185,8 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray, options: Lab
 
 def _nbest(entries, beam: Beam, steps, layout: LaneLayout, options: LabelSyncOptions,
            tuning: SearchTuning, stats: SearchStats | None) -> list[list[Hypothesis]]:
+    if beam.finished is not None:
+        return _finished_nbest(entries, beam.finished, steps, layout, options, tuning, stats)
     xp, beam_size = layout.xp, layout.beam_size
     ranks = normalised(beam.scores, length_normaliser(beam.lengths, options.length_norm_scale, xp))
     order = best_first(ranks, beam_size, stats)  # [U, B]
@@ -193,3 +209,28 @@ def _nbest(entries, beam: Beam, steps, layout: LaneLayout, options: LabelSyncOpt
                           label_lists(traced.T, options.sentence_end), entries)
 
 
+
+
+def _finished_nbest(entries, finished: Finished, steps, layout: LaneLayout, options: LabelSyncOptions,
+                    tuning: SearchTuning, stats: SearchStats | None) -> list[list[Hypothesis]]:
+    """``finished="separate"``: the n-best lists are the finished lists; each entry is traced back
+    from the lane its last label extended, at the step it ended."""
+    xp = layout.xp
+    order = best_first(finished.ranks, layout.beam_size, stats)
+    parents = xp.stack([p for p, _ in steps])  # [T, N]
+    labels = xp.stack([lab for _, lab in steps])  # [T, N]
+    (order, ranks, scores, scorer_scores, lengths, ends, lanes, last, parents, labels) = read_back(
+        tuning, stats, order, finished.ranks, finished.scores, finished.scorer_scores, finished.lengths,
+        finished.steps, finished.lanes, finished.labels, parents, labels)
+    returned = returned_lanes(order, options.num_best)
+    entry = returned.ravel()
+    end, lane, label = ends[entry] - 1, lanes[entry], last[entry]  # end: the step's row in steps
+    num_steps = labels.shape[0]
+    traced = np.full((num_steps, entry.size), -1, labels.dtype)
+    for t in range(num_steps - 1, -1, -1):
+        before = t < end
+        traced[t] = np.where(t == end, label, np.where(before, labels[t, lane], -1))
+        lane = np.where(before, parents[t, lane], lane)
+    with no_cyclic_gc():
+        return hypotheses(returned, ranks, scores, scorer_scores, lengths,
+                          label_lists(traced.T, options.sentence_end), entries)

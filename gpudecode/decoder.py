@@ -137,9 +137,11 @@ class Decoder:
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
             )
         if scorer.type == "prefix-lm":
-            models = scorer.model if isinstance(scorer.model, dict) else {}
-            if set(models) != {"step", "prefill"}:
-                raise ConfigError(f"{key}.model: prefix-lm needs two ONNX models, as {{step: PATH, prefill: PATH}}")
+            models = (scorer.model if isinstance(scorer.model, dict)
+                      else {"step": scorer.model} if isinstance(scorer.model, (str, Path)) else {})
+            if set(models) not in ({"step", "prefill"}, {"step"}):
+                raise ConfigError(f"{key}.model: prefix-lm needs two ONNX models, as {{step: PATH, prefill: PATH}}, "
+                                  "or one step model that is its own prefill, as PATH (a GenAI model folder too)")
             unknown = set(scorer.options) - set(PROMPT_OPTIONS)
             if unknown:
                 raise ConfigError(f"{key}.options: unknown {sorted(unknown)}; valid: {', '.join(PROMPT_OPTIONS)}")
@@ -148,7 +150,7 @@ class Decoder:
             state_manager = (scorer.state_manager.to_options(self.config.runtime.device_id)
                              if scorer.state_manager else StateManagerOptions(device_id=self.config.runtime.device_id))
             return create_scorer(
-                "prefix-lm", model=models["step"], prefill_model=models["prefill"], vocab_size=len(self.vocabulary),
+                "prefix-lm", model=models["step"], prefill_model=models.get("prefill"), vocab_size=len(self.vocabulary),
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
                 **prompts,

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import onnx
 
-from gpudecode.session.discovery import ModelError, discover_encoder, discover_step_model
+from gpudecode.session.conventions import discover_with_hints, model_hints
+from gpudecode.session.discovery import ModelError, discover_encoder
+from gpudecode.session.genai import uses_group_query_attention
 from gpudecode.session.tensors import ModelTensors, from_onnx_model
 
 
@@ -23,9 +25,27 @@ def _is_joint_network(tensors: ModelTensors, io_map: Mapping[str, str]) -> bool:
             and tensors.output(name("log-probs")) is not None)
 
 
+def _alignment(spec, model) -> str:
+    """The history alignment line: RASR's from the metadata; a Hugging Face decoder's is chosen at
+    load by the parity probe (left for GroupQueryAttention fed from the mask)."""
+    if spec.convention == "rasr":
+        return ("left (each row's history first; the model reads prefix-length positions)"
+                if spec.history_alignment == "left" else "right (RASR: padding first)")
+    if spec.history_alignment == "left" or uses_group_query_attention(model):
+        return ("left, expected (GroupQueryAttention: the mask's ones over each row's first prefix+1 positions, "
+                "the new step read at the row's own length); proven at load by a parity probe, else refused")
+    return "right, expected (padding first, masked by attention_mask); proven at load by a parity probe, else refused"
+
+
 def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) -> str:
     """Inputs, outputs, state variables with time axes, per-utterance inputs, metadata, convention."""
     path = Path(path)
+    try:
+        hints = model_hints(path)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from exc
+    if hints is not None and (path.is_dir() or path.suffix == ".json"):
+        path = hints.model_file  # a GenAI model folder or genai_config.json: its decoder
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
     try:
@@ -34,6 +54,10 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
         raise ModelError(f"{path}: not a readable ONNX file ({exc})") from exc
     tensors: ModelTensors = from_onnx_model(model, str(path))
     lines = [f"model: {path}"]
+    if hints is not None:
+        eos = ", ".join(str(e) for e in hints.eos_token_ids) or "none"
+        lines.append(f"GenAI config: {hints.path} (sentence-begin {hints.bos_token_id}, sentence-end {eos}, "
+                     f"padding {hints.pad_token_id})")
     lines.append("inputs:")
     lines += _table([(t.name, t.describe()) for t in tensors.inputs])
     lines.append("outputs:")
@@ -64,7 +88,7 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
         if prediction:  # a transducer prediction network: its prediction vector stands where scores would
             io_map["scores"] = "prediction"
         try:
-            spec = discover_step_model(tensors, io_map=io_map)
+            spec = discover_with_hints(tensors, io_map=io_map, hints=hints)
         except ModelError as exc:
             lines.append(f"convention: not recognised ({exc})")
         else:
@@ -80,10 +104,12 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 axis = "none (one state per hypothesis)" if v.time_axis is None else str(v.time_axis)
                 rows.append((f"{v.input_name} -> {v.output_name}", f"{info.describe()}  batch axis {v.batch_axis}  time axis {axis}"))
             lines += _table(rows)
+            if spec.resolved_dims:
+                lines.append("symbolic state dims resolved: " + ", ".join(
+                    f"{k}={v}" for k, v in sorted(spec.resolved_dims.items()))
+                    + (" (genai_config.json)" if hints is not None else " (GroupQueryAttention nodes)"))
             if any(v.time_axis is not None for v in spec.state_variables):
-                lines.append("history alignment: " + ("left (each row's history first; the model reads prefix-length "
-                                                      "positions)" if spec.history_alignment == "left"
-                                                      else "right (RASR: padding first)"))
+                lines.append("history alignment: " + _alignment(spec, model))
             if spec.in_place_outputs:
                 lines.append("written in place (output -> the state input whose buffer it writes):")
                 lines += _table(sorted(spec.in_place_outputs.items()))

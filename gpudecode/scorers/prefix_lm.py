@@ -325,8 +325,9 @@ class PrefixLmScorer(OnnxDecoderScorer):
 
     @property
     def takes_prompts(self) -> bool:
-        """Whether the prefill reads the utterances' token prompts (its ``prompt``/``input_ids`` input)."""
-        return any(k in self._prefill_names and self.prefill.tensors.input(self._prefill_names[k]) is not None
+        """Whether the prefill reads the utterances' token prompts (its ``prompt``/``input_ids`` input;
+        a step model that is its own prefill always does)."""
+        return self.self_prefill or any(k in self._prefill_names and self.prefill.tensors.input(self._prefill_names[k]) is not None
                    for k in _LABEL_PROMPTS)
 
     @property

@@ -1,0 +1,88 @@
+"""Parity with ONNX Runtime GenAI on its own model builder's export (a Llama with GroupQueryAttention).
+
+The fixture ``tests/fixtures/peers/genai/`` (made by ``tools/peer-fixtures/genai.py``: a random-
+initialised Llama exported by ``python -m onnxruntime_genai.models.builder``, and GenAI's own
+``Generator`` outputs for its ``PROMPTS``) is the oracle in CI; under ``-m peers`` the same cases
+run against ``onnxruntime_genai`` live (and the fixture must still equal it). The toolkit loads the
+export as it is (``genai_config.json``, the symbolic head size, left-aligned histories chosen and
+proven at load), runs the step model as its own prefill and decodes all prompts in one batch
+(different prompt lengths), statically and with continuous batching: tokens must be equal and the
+greedy scores within 1e-4 of the sum of GenAI's token log-probabilities (its step logits).
+
+GenAI's oracle is one generator per prompt: its own batch of these prompts, left-padded, gives
+different tokens on the padded rows (recorded in the fixture as ``genai_batch_left_padded``), while
+its single-prompt runs equal transformers' greedy decodes of the same weights (``transformers_greedy``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpudecode.scorers import UtteranceBatch
+from gpudecode.scorers.prefix_lm import PrefixLmScorer
+from gpudecode.search import LabelSyncOptions, label_sync_search
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "peers" / "genai"
+DOCUMENT = json.loads((FIXTURE / "expected.json").read_text())
+PROMPTS: list[list[int]] = DOCUMENT["prompts"]
+EOS, MAX_LENGTH = DOCUMENT["eos"], DOCUMENT["max_length"]
+TOL = 1e-4
+SOURCES = ["fixture", pytest.param("live", marks=pytest.mark.peers)]
+
+
+def live_greedy() -> dict:
+    """GenAI's greedy decodes of ``PROMPTS``, run now by the fixture script's own code."""
+    spec = importlib.util.spec_from_file_location("genai_fixture", ROOT / "tools" / "peer-fixtures" / "genai.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runs = [script.generate(FIXTURE, [p], 1, with_scores=True) for p in PROMPTS]
+    return {"sequences": [r[0][0] for r in runs], "token_log_probs": [r[1][0] for r in runs]}
+
+
+def expected_greedy(source: str) -> dict:
+    if source == "fixture":
+        return DOCUMENT["greedy"]
+    live = live_greedy()
+    assert live["sequences"] == DOCUMENT["greedy"]["sequences"], "the fixture no longer equals GenAI's output"
+    return live
+
+
+def prompt_batch() -> UtteranceBatch:
+    """``PROMPTS`` in one batch; each may grow to GenAI's max_length (prompt + generated labels)."""
+    sizes = np.array([len(p) for p in PROMPTS])
+    table = np.zeros((len(PROMPTS), sizes.max()), np.int64)
+    for u, prompt in enumerate(PROMPTS):
+        table[u, :len(prompt)] = prompt
+    return UtteranceBatch(ids=[f"p{u}" for u in range(len(PROMPTS))], input_lengths=MAX_LENGTH - sizes,
+                          inputs={"prompt": table}, sizes={"prompt": sizes})
+
+
+@pytest.fixture(scope="module")
+def scorer() -> PrefixLmScorer:
+    """The GenAI model folder as it is: the step model is its own prefill."""
+    lm = PrefixLmScorer(model=str(FIXTURE), vocab_size=128, scores_kind="logits")
+    assert lm.self_prefill and lm.spec.history_alignment == "left"
+    return lm
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
+def test_greedy_equals_genai(scorer, source, continuous):
+    expected = expected_greedy(source)
+    options = LabelSyncOptions(beam_size=1, sentence_end=EOS, max_labels_per_input=1.0)
+    nbest = label_sync_search([("genai", scorer, 1.0)], prompt_batch(), options, xp=np,
+                              max_active_utterances=continuous)
+    for prompt, hyps, sequence, log_probs in zip(PROMPTS, nbest, expected["sequences"], expected["token_log_probs"]):
+        hyp = hyps[0]
+        assert [*prompt, *hyp.labels] == sequence  # GenAI's sequences leave out the final EOS
+        ended = hyp.length == len(hyp.labels) + 1
+        assert ended == (len(log_probs) > len(hyp.labels))  # GenAI scored an EOS step
+        assert hyp.score == pytest.approx(sum(log_probs), abs=TOL)
+    assert any(len(s) < MAX_LENGTH for s in expected["sequences"])  # EOS occurs...
+    assert any(len(s) == MAX_LENGTH for s in expected["sequences"])  # ...and the length limit too

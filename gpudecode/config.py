@@ -371,6 +371,11 @@ class SearchConfig(_Section):
     pre_beam_size: PositiveInt | None = defaults.PRE_BEAM_SIZE
     max_symbols_per_frame: PositiveInt = defaults.MAX_SYMBOLS_PER_FRAME
     recombination: Literal[defaults.RECOMBINATIONS] = defaults.RECOMBINATION
+    # label-sync: the peers' search semantics (gpudecode.search.beam.LabelSyncOptions)
+    min_length: NonNegativeInt = defaults.MIN_LENGTH
+    finished: Literal[defaults.FINISHED_MODES] = defaults.FINISHED
+    early_stopping: bool | Literal["never"] = defaults.EARLY_STOPPING
+    length_counts: Literal[defaults.LENGTH_COUNTS] = defaults.LENGTH_COUNT
     options: dict[str, Any] = Field(default_factory=dict)  # free, for search types of plugins
     tuning: SearchTuningConfig = Field(default_factory=SearchTuningConfig)
 
@@ -392,6 +397,12 @@ class SearchConfig(_Section):
         if self.pre_beam_size is not None and self.pre_beam_size < self.beam_size:
             raise _KeyedError(["pre_beam_size"], f"pre_beam_size ({self.pre_beam_size}) is "
                               f"smaller than beam_size ({self.beam_size})")
+        if self.length_counts != defaults.LENGTH_COUNT and self.finished == "in-beam":
+            raise _KeyedError(["length_counts"], f"length_counts {self.length_counts!r} needs "
+                              "finished: separate or separate-genai")
+        if self.finished == "separate-genai" and self.early_stopping == "never":
+            raise _KeyedError(["early_stopping"], "early_stopping 'never' is Hugging Face's; GenAI "
+                              "takes true or false")
         return self
 
 

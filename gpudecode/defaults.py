@@ -81,7 +81,7 @@ PRE_BEAM_SIZE: int | None = None  # None: no pre-pruning, every label is a candi
 MAX_SYMBOLS_PER_FRAME = 10  # transducer (NeMo's default)
 # label-sync search semantics (the peers' generate options; defaults: today's search)
 MIN_LENGTH = 0  # sentence-end masked while a hypothesis has fewer labels
-FINISHED_MODES = ("in-beam", "separate")  # where terminated hypotheses live
+FINISHED_MODES = ("in-beam", "separate", "separate-genai")  # where terminated hypotheses live
 FINISHED = "in-beam"
 EARLY_STOPPING_MODES = (True, False, "never")  # finished "separate": when an utterance stops
 EARLY_STOPPING: bool | str = False

@@ -141,8 +141,9 @@ class _Lanes:
             num_groups, beam_size = self.layout.num_groups, self.layout.beam_size
             rows = self.tokens[finished.candidate_lanes]
             xp.copyto(rows[:, (step - 1) % self.tokens.shape[1]], finished.candidate_labels, casting="unsafe")
-            both = xp.concatenate([self.finished_tokens.reshape(num_groups, beam_size, -1),
-                                   rows.reshape(num_groups, beam_size, -1)], axis=1)
+            width = self.tokens.shape[1]
+            both = xp.concatenate([self.finished_tokens.reshape(num_groups, beam_size, width),
+                                   rows.reshape(num_groups, -1, width)], axis=1)
             self.finished_tokens = xp.take_along_axis(both, finished.picked[:, :, None], axis=1).reshape(
                 self.tokens.shape)
         xp.take(self.tokens, parents, axis=0, out=self.spare)
@@ -178,7 +179,7 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
     min_free = max(1, num_groups // 8)
     limits = options.label_limits(utterances.input_lengths)
     queue = deque(admission_order(utterances.input_lengths, order).tolist())
-    lanes = _Lanes(layout, len(entries), int(limits.max()), separate=options.finished == "separate")
+    lanes = _Lanes(layout, len(entries), int(limits.max()), separate=options.finished != "in-beam")
     prompts = prompt_lengths(utterances)
     masks = None
     results: list[list[Hypothesis] | None] = [None] * utterances.num_utterances

@@ -52,13 +52,16 @@ class LabelSyncOptions:
       the best ``2 × beam_size`` candidates, those ending with sentence-end — or all of them at
       the label limit — join the list when among the best ``beam_size``; the best
       ``beam_size`` others stay open); the n-best list is the finished list;
-    - ``early_stopping`` (``"separate"`` only, Hugging Face's): True — an utterance stops once
-      ``beam_size`` hypotheses are finished; False — once they are and the best open score,
-      normalised at the current length, is no better than the worst finished one; ``"never"`` —
-      as False, but normalised at the label limit when ``length_norm_scale`` > 0;
+      ``"separate-genai"``: the same with ONNX Runtime GenAI's rules where they differ (its stop
+      test, and its open hypotheses joining the list at the label limit; see
+      :func:`select_separate`);
+    - ``early_stopping`` (the separate lists only): True — an utterance stops once ``beam_size``
+      hypotheses are finished; False — once they are and the best open score, normalised, is no
+      better than the worst finished one; ``"never"`` (Hugging Face only) — as False, but
+      normalised at the label limit when ``length_norm_scale`` > 0;
     - ``length_counts``: the length normalised by: ``"labels"`` — labels including
-      sentence-end (Hugging Face's generated tokens); ``"prompt-and-labels"`` (``"separate"``
-      only) — the utterance's prompt (its ``prompt`` input's size) plus the labels without
+      sentence-end (Hugging Face's generated tokens); ``"prompt-and-labels"`` (the separate
+      lists only) — the utterance's prompt (its ``prompt`` input's size) plus the labels without
       sentence-end (ONNX Runtime GenAI's sequence length).
     """
 
@@ -89,9 +92,11 @@ class LabelSyncOptions:
             raise bad("early_stopping", "True, False or 'never'")
         if self.length_counts not in defaults.LENGTH_COUNTS:
             raise bad("length_counts", f"one of {', '.join(defaults.LENGTH_COUNTS)}")
-        if self.length_counts != "labels" and self.finished != "separate":
-            raise bad("length_counts", "'labels' unless finished is 'separate' (the in-beam ranking "
-                      "normalises every candidate by its label count)")
+        if self.length_counts != "labels" and self.finished == "in-beam":
+            raise bad("length_counts", "'labels' when finished is 'in-beam' (its ranking normalises every "
+                      "candidate by its label count)")
+        if self.finished == "separate-genai" and self.early_stopping == "never":
+            raise bad("early_stopping", "True or False with finished 'separate-genai' (GenAI has no 'never')")
         if self.pre_beam_size is not None and not (isinstance(self.pre_beam_size, int) and self.pre_beam_size >= 1):
             raise bad("pre_beam_size", "None or an int >= 1")
         if not isinstance(self.beam_size, int) or self.beam_size < 1:
@@ -190,8 +195,8 @@ class Finished:
     hopeful: object  # [G] bool, an open hypothesis may still improve the list (early_stopping)
     done: object  # [G] bool, the group's search is over
     #: the last step's merge: entry g·B + b came from column picked[g, b] of [its B old entries |
-    #: the step's B candidates], candidate g·B + c extending lane candidate_lanes[g·B + c] by
-    #: candidate_labels[g·B + c] (continuous batching copies label rows by it)
+    #: the step's C candidates], candidate g·C + c extending lane candidate_lanes[g·C + c] by
+    #: candidate_labels[g·C + c] (continuous batching copies label rows by it)
     picked: object = None
     candidate_lanes: object = None
     candidate_labels: object = None
@@ -246,7 +251,7 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     in_kernel = (tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
                  and options.min_length == 0 and options.finished == "in-beam")
     log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats)
-    if options.finished == "separate":
+    if options.finished != "in-beam":
         beam, parents, labels = select_separate(beam, _combined(terms), log_probs, deadline, step, layout, options,
                                                 stats)
         contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
@@ -321,17 +326,25 @@ def _counted_lengths(lengths, prompt_lengths, ends_with_end, options: LabelSyncO
 
 def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout: LaneLayout,
                     options: LabelSyncOptions, stats: SearchStats | None = None) -> tuple[Beam, object, object]:
-    """A step of ``finished="separate"`` (Hugging Face's ``_beam_search``, array for array): per
-    utterance the best ``2 × beam_size`` candidates by score; those ending (sentence-end, or every
-    one at the label limit) among the best ``beam_size`` join the finished list (normalised by
-    ``length_counts``, the best ``beam_size`` of old and new kept), the best ``beam_size`` others
-    are the new open lanes. An utterance is done at its label limit, or (``early_stopping``) when
-    its list is full and, unless True, no open hypothesis can still improve it. Lanes of done
-    utterances (and dead ones) are ended and carry themselves."""
+    """A step of ``finished="separate"`` (Hugging Face's ``_beam_search``, array for array) or
+    ``"separate-genai"`` (ONNX Runtime GenAI's ``BeamSearchScorer``): per utterance the best
+    ``2 × beam_size`` candidates by score; those ending among the best ``beam_size`` join the
+    finished list (normalised by ``length_counts``; the best ``beam_size`` of old and new kept,
+    old first on ties), the best ``beam_size`` others are the new open lanes.
+
+    Where they differ: at the label limit, Hugging Face ends every candidate (those among the
+    best ``beam_size`` join), GenAI adds its ``beam_size`` open lanes; an utterance stops
+    (``early_stopping`` True: once its list is full) when its list is full and the best open
+    score (Hugging Face: the best open lane after the step, at its length — or at the label limit
+    for ``"never"`` with a length penalty) or the best candidate score (GenAI: of the ``2 ×
+    beam_size``, at the length before the step) normalised is no better than the worst entry.
+    Lanes of done utterances (and dead ones) are ended and carry themselves."""
     xp = layout.xp
     num_groups, beam_size = layout.num_groups, layout.beam_size
+    genai = options.finished == "separate-genai"
     vocab_size = int(combined.shape[1])
     finished = beam.finished
+    prompts = finished.prompt_lengths
     open_lanes = ~beam.ended
     candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, NEG_INF)
     candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
@@ -343,9 +356,13 @@ def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout
     chosen = top_k_indices(ranks, size)  # [G, K] by score, lane-major then label on ties
     score = xp.take_along_axis(ranks, chosen, axis=1)
     base = (xp.arange(num_groups, dtype=np.int64) * beam_size)[:, None]
+    first = base[:, 0]
     parent = base + chosen // vocab_size
     label = chosen % vocab_size
-    ending = (score > NEG_INF) & open_lanes[parent] & ((label == options.sentence_end) | at_limit[parent])
+    ends = label == options.sentence_end
+    if not genai:
+        ends = ends | at_limit[parent]
+    ending = (score > NEG_INF) & open_lanes[parent] & ends
 
     # the open lanes: the best beam_size candidates that do not end
     open_score = xp.where(ending, NEG_INF, score)
@@ -353,7 +370,8 @@ def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout
     scores = xp.take_along_axis(open_score, kept, axis=1).reshape(-1)
     parents = xp.take_along_axis(parent, kept, axis=1).reshape(-1)
     alive = scores > NEG_INF
-    labels = xp.where(alive & open_lanes[parents], xp.take_along_axis(label, kept, axis=1).reshape(-1), -1)
+    open_labels = xp.take_along_axis(label, kept, axis=1).reshape(-1)
+    labels = xp.where(alive & open_lanes[parents], open_labels, -1)
     emitted = labels >= 0
     safe_labels = xp.maximum(labels, 0)
     scorer_scores = xp.stack([
@@ -361,49 +379,78 @@ def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout
         for s, logp in enumerate(log_probs)])
     lengths = beam.lengths[parents] + emitted
 
-    # the finished lists: the ending candidates among the best beam_size join when they rank
+    def counted(lengths, with_end):
+        return _counted_lengths(lengths, prompts[:, None], with_end, options)
+
+    def rank(scores, lengths):
+        return normalised(scores, length_normaliser(lengths, options.length_norm_scale, xp))
+
+    # the ending candidates among the best beam_size join the finished lists when they rank
     end_parent = parent[:, :beam_size]
     end_label = label[:, :beam_size]
+    end_score = score[:, :beam_size]
     end_lengths = beam.lengths[end_parent] + 1
-    counted = _counted_lengths(end_lengths, finished.prompt_lengths[:, None], end_label == options.sentence_end,
-                               options)
-    end_ranks = normalised(score[:, :beam_size], length_normaliser(counted, options.length_norm_scale, xp))
+    end_ranks = rank(end_score, counted(end_lengths, end_label == options.sentence_end))
     joins = ending[:, :beam_size] & (finished.hopeful & ~finished.done)[:, None]
     end_ranks = xp.where(joins, end_ranks, NEG_INF)
-    merged = xp.concatenate([finished.ranks.reshape(num_groups, beam_size), end_ranks], axis=1)
-    picked = top_k_indices(merged, beam_size)  # [G, B]: old entries first on ties
+    old_ranks = finished.ranks.reshape(num_groups, beam_size)
 
-    def merge(old, new):
-        both = xp.concatenate([old.reshape(num_groups, beam_size), new.reshape(num_groups, beam_size)], axis=1)
+    if genai:  # GenAI: the stop test before the open lanes join at the limit
+        after = xp.take_along_axis(
+            xp.concatenate([old_ranks, end_ranks], axis=1),
+            top_k_indices(xp.concatenate([old_ranks, end_ranks], axis=1), beam_size), axis=1)
+        full = (after > NEG_INF).all(axis=1)
+        before = _counted_lengths(beam.lengths[parent[:, 0]], prompts, False, options)
+        improvable = after.min(axis=1) < rank(score[:, 0], before)
+        stops = full & (~improvable if options.early_stopping is False else True) & ~finished.done
+        done = finished.done | stops | at_limit[first]
+        hopeful = finished.hopeful
+        # at the limit, the open lanes of utterances still going join (GenAI's Finalize)
+        open_shape = (num_groups, beam_size)
+        open_parent, open_label = parents.reshape(open_shape), open_labels.reshape(open_shape)
+        open_lengths = lengths.reshape(open_shape)
+        open_ranks = rank(scores.reshape(open_shape), counted(open_lengths, False))
+        open_joins = (alive.reshape(open_shape) & (at_limit[first] & ~finished.done & ~stops)[:, None])
+        open_ranks = xp.where(open_joins, open_ranks, NEG_INF)
+        new = dict(ranks=(end_ranks, open_ranks), scores=(end_score, scores.reshape(open_shape)),
+                   lengths=(end_lengths, open_lengths), lanes=(end_parent, open_parent),
+                   labels=(end_label, open_label))
+        scorer_new = [(beam.scorer_scores[s][end_parent] + logp[end_parent, xp.maximum(end_label, 0)],
+                       scorer_scores[s].reshape(open_shape)) for s, logp in enumerate(log_probs)]
+    else:
+        new = dict(ranks=(end_ranks,), scores=(end_score,), lengths=(end_lengths,), lanes=(end_parent,),
+                   labels=(end_label,))
+        scorer_new = [(beam.scorer_scores[s][end_parent] + logp[end_parent, xp.maximum(end_label, 0)],)
+                      for s, logp in enumerate(log_probs)]
+    merged = xp.concatenate([old_ranks, *new["ranks"]], axis=1)
+    picked = top_k_indices(merged, beam_size)  # [G, B]: old entries first on ties, then in order
+
+    def merge(old, parts):
+        both = xp.concatenate([old.reshape(num_groups, beam_size), *parts], axis=1)
         return xp.take_along_axis(both, picked, axis=1).reshape(-1)
 
-    safe_end = xp.maximum(end_label, 0)
-    new_ranks = merge(finished.ranks, end_ranks)
-    end_scorer = [beam.scorer_scores[s][end_parent] + logp[end_parent, safe_end] for s, logp in enumerate(log_probs)]
-
-    # done: HF's stopping heuristic, the best open score normalised at the current length (or,
-    # "never" with a length penalty, at the label limit)
-    entries = new_ranks.reshape(num_groups, beam_size)
-    full = (entries > NEG_INF).all(axis=1)
-    first = base[:, 0]
-    open_length = lengths[first]
-    if options.early_stopping == "never" and options.length_norm_scale > 0:
-        open_length = open_length + deadline[first] - step
-    open_counted = _counted_lengths(open_length, finished.prompt_lengths, False, options)
-    best_open = normalised(scores[first], length_normaliser(open_counted, options.length_norm_scale, xp))
-    hopeful = finished.hopeful & (~full | (best_open > entries.min(axis=1)))
-    done = finished.done | ~hopeful | at_limit[first]
-    if options.early_stopping is True:
-        done = done | full
+    new_ranks = merge(finished.ranks, new["ranks"])
+    if not genai:  # HF: the stop test after the step, on the best open lane
+        entries = new_ranks.reshape(num_groups, beam_size)
+        full = (entries > NEG_INF).all(axis=1)
+        open_length = lengths[first]
+        if options.early_stopping == "never" and options.length_norm_scale > 0:
+            open_length = open_length + deadline[first] - step
+        best_open = rank(scores[first], _counted_lengths(open_length, prompts, False, options))
+        hopeful = finished.hopeful & (~full | (best_open > entries.min(axis=1)))
+        done = finished.done | ~hopeful | at_limit[first]
+        if options.early_stopping is True:
+            done = done | full
     ended = xp.repeat(done, beam_size) | ~alive
+    steps = tuple(xp.full_like(part, step) for part in new["lengths"])
     new_finished = Finished(
-        ranks=new_ranks, scores=merge(finished.scores, score[:, :beam_size]),
-        scorer_scores=xp.stack([merge(old, new) for old, new in zip(finished.scorer_scores, end_scorer)])
-        if log_probs else finished.scorer_scores,
-        lengths=merge(finished.lengths, end_lengths), steps=merge(finished.steps, xp.full_like(end_lengths, step)),
-        lanes=merge(finished.lanes, end_parent), labels=merge(finished.labels, end_label),
-        prompt_lengths=finished.prompt_lengths, hopeful=hopeful, done=done, picked=picked,
-        candidate_lanes=end_parent.reshape(-1), candidate_labels=end_label.reshape(-1))
+        ranks=new_ranks, scores=merge(finished.scores, new["scores"]),
+        scorer_scores=xp.stack([merge(old, parts) for old, parts in zip(finished.scorer_scores, scorer_new)]),
+        lengths=merge(finished.lengths, new["lengths"]), steps=merge(finished.steps, steps),
+        lanes=merge(finished.lanes, new["lanes"]), labels=merge(finished.labels, new["labels"]),
+        prompt_lengths=prompts, hopeful=hopeful, done=done, picked=picked,
+        candidate_lanes=xp.concatenate(new["lanes"], axis=1).reshape(-1),
+        candidate_labels=xp.concatenate(new["labels"], axis=1).reshape(-1))
     beam = Beam(scores=xp.where(alive, scores, NEG_INF), scorer_scores=scorer_scores, lengths=lengths, ended=ended,
                 finished=new_finished)
     return beam, parents, labels

@@ -19,7 +19,8 @@ def _label_sync_options(setup: SearchSetup) -> LabelSyncOptions:
         beam_size=search.beam_size, sentence_end=setup.sentence_end,
         length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,
         max_labels_per_input=search.max_labels_per_input, max_labels=search.max_labels,
-        nbest=search.nbest, pre_beam_size=search.pre_beam_size,
+        nbest=search.nbest, pre_beam_size=search.pre_beam_size, min_length=search.min_length,
+        finished=search.finished, early_stopping=search.early_stopping, length_counts=search.length_counts,
     )
 
 

@@ -142,7 +142,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray, options: Lab
 
     first_lane = (xp.arange(num_lanes) % beam_size) == 0
     finished = None
-    if options.finished == "separate":
+    if options.finished != "in-beam":
         finished = Finished.empty(layout.num_groups, beam_size, len(entries), xp)
         if prompts is not None:
             finished.prompt_lengths[...] = xp.asarray(prompts)

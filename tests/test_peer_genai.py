@@ -7,7 +7,10 @@ run against ``onnxruntime_genai`` live (and the fixture must still equal it). Th
 export as it is (``genai_config.json``, the symbolic head size, left-aligned histories chosen and
 proven at load), runs the step model as its own prefill and decodes all prompts in one batch
 (different prompt lengths), statically and with continuous batching: tokens must be equal and the
-greedy scores within 1e-4 of the sum of GenAI's token log-probabilities (its step logits).
+greedy scores within 1e-4 of the sum of GenAI's token log-probabilities (its step logits). Beam
+search (4 beams, GenAI's defaults early_stopping and length_penalty 1: ``finished="separate"``,
+``length_counts="prompt-and-labels"``) must return GenAI's 4 sequences in GenAI's order, each scored
+as a teacher-forced run of the whole sequence through the model says (1e-4).
 
 GenAI's oracle is one generator per prompt: its own batch of these prompts, left-padded, gives
 different tokens on the padded rows (recorded in the fixture as ``genai_batch_left_padded``), while
@@ -36,11 +39,17 @@ TOL = 1e-4
 SOURCES = ["fixture", pytest.param("live", marks=pytest.mark.peers)]
 
 
-def live_greedy() -> dict:
-    """GenAI's greedy decodes of ``PROMPTS``, run now by the fixture script's own code."""
+def fixture_script():
+    """``tools/peer-fixtures/genai.py``: its ``generate`` runs GenAI as the fixture was made."""
     spec = importlib.util.spec_from_file_location("genai_fixture", ROOT / "tools" / "peer-fixtures" / "genai.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def live_greedy() -> dict:
+    """GenAI's greedy decodes of ``PROMPTS``, run now by the fixture script's own code."""
+    script = fixture_script()
     runs = [script.generate(FIXTURE, [p], 1, with_scores=True) for p in PROMPTS]
     return {"sequences": [r[0][0] for r in runs], "token_log_probs": [r[1][0] for r in runs]}
 
@@ -53,13 +62,24 @@ def expected_greedy(source: str) -> dict:
     return live
 
 
-def prompt_batch() -> UtteranceBatch:
+def expected_beams(source: str) -> list[list[list[int]]]:
+    beam = DOCUMENT["beam"]
+    if source == "fixture":
+        return beam["sequences"]
+    script = fixture_script()
+    live = [script.generate(FIXTURE, [p], beam["num_beams"], with_scores=False, max_length=beam["max_length"])[0]
+            for p in PROMPTS]
+    assert live == beam["sequences"], "the fixture no longer equals GenAI's output"
+    return live
+
+
+def prompt_batch(max_length: int = MAX_LENGTH) -> UtteranceBatch:
     """``PROMPTS`` in one batch; each may grow to GenAI's max_length (prompt + generated labels)."""
     sizes = np.array([len(p) for p in PROMPTS])
     table = np.zeros((len(PROMPTS), sizes.max()), np.int64)
     for u, prompt in enumerate(PROMPTS):
         table[u, :len(prompt)] = prompt
-    return UtteranceBatch(ids=[f"p{u}" for u in range(len(PROMPTS))], input_lengths=MAX_LENGTH - sizes,
+    return UtteranceBatch(ids=[f"p{u}" for u in range(len(PROMPTS))], input_lengths=max_length - sizes,
                           inputs={"prompt": table}, sizes={"prompt": sizes})
 
 
@@ -86,3 +106,41 @@ def test_greedy_equals_genai(scorer, source, continuous):
         assert hyp.score == pytest.approx(sum(log_probs), abs=TOL)
     assert any(len(s) < MAX_LENGTH for s in expected["sequences"])  # EOS occurs...
     assert any(len(s) == MAX_LENGTH for s in expected["sequences"])  # ...and the length limit too
+
+
+def teacher_forced_score(sequence: list[int], prompt_length: int) -> float:
+    """The log-probability of ``sequence[prompt_length:]`` from one run of the whole sequence
+    through the export (empty pasts: the prompt-processing path, not the step the search runs)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(FIXTURE / "model.onnx"))
+    feeds = {"input_ids": np.array([sequence]), "attention_mask": np.ones((1, len(sequence)), np.int64)}
+    for info in session.get_inputs():
+        if info.name.startswith("past_key_values"):
+            feeds[info.name] = np.zeros((1, 2, 0, 16), np.float32)
+    logits = session.run(["logits"], feeds)[0][0].astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return float(sum(log_probs[p - 1, sequence[p]] for p in range(prompt_length, len(sequence))))
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
+def test_beam_search_equals_genai(scorer, source, continuous):
+    beam = DOCUMENT["beam"]
+    expected = expected_beams(source)
+    options = LabelSyncOptions(
+        beam_size=beam["num_beams"], sentence_end=EOS, max_labels_per_input=1.0, max_labels=beam["max_length"],
+        finished="separate", early_stopping=beam["early_stopping"], length_norm_scale=beam["length_penalty"],
+        length_counts="prompt-and-labels", nbest=beam["num_beams"])
+    nbest = label_sync_search([("genai", scorer, 1.0)], prompt_batch(beam["max_length"]), options, xp=np,
+                              max_active_utterances=continuous)
+    ended = 0
+    for prompt, hyps, sequences in zip(PROMPTS, nbest, expected):
+        assert [[*prompt, *h.labels] for h in hyps] == sequences
+        for hyp in hyps:
+            terminated = hyp.length == len(hyp.labels) + 1
+            ended += terminated
+            scored = [*prompt, *hyp.labels, *([EOS] if terminated else [])]
+            assert hyp.score == pytest.approx(teacher_forced_score(scored, len(prompt)), abs=TOL)
+    assert 0 < ended < sum(map(len, expected))  # lists of sentence-end and length-limit hypotheses

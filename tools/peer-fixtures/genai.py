@@ -41,6 +41,10 @@ VOCAB = 128
 BOS, EOS, PAD = 1, 79, 0
 MAX_LENGTH = 20  # prompt + generated tokens, GenAI's max_length
 NUM_BEAMS = 4
+#: the beam search's max_length: long enough that GenAI's lists fill with sentence-end hypotheses
+#: before the limit (at the limit GenAI, as Hugging Face's former BeamSearchScorer, adds the open
+#: beams only to an utterance not yet done; recorded at MAX_LENGTH as ``beam_at_max_length_20``)
+BEAM_MAX_LENGTH = 40
 #: token prompts of different lengths (no PAD inside a prompt: GenAI masks pad ids)
 PROMPTS = [
     [BOS, 17, 33, 5, 90, 61, 7],
@@ -90,13 +94,14 @@ def padded(prompts):
     return np.array([[PAD] * (width - len(p)) + p for p in prompts], dtype=np.int32)
 
 
-def generate(model_dir: Path, prompts, num_beams: int, with_scores: bool):
-    """GenAI's sequences (and, greedy, the log-probability of each generated token)."""
+def generate(model_dir: Path, prompts, num_beams: int, with_scores: bool, max_length: int = MAX_LENGTH):
+    """GenAI's sequences (and, greedy, the log-probability of each generated token). Search options
+    not given here are the genai_config.json's: early_stopping true, length_penalty 1."""
     import onnxruntime_genai as og
 
     model = og.Model(str(model_dir))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=MAX_LENGTH, do_sample=False, num_beams=num_beams,
+    params.set_search_options(max_length=max_length, do_sample=False, num_beams=num_beams,
                               num_return_sequences=num_beams, batch_size=len(prompts))
     generator = og.Generator(model, params)
     generator.append_tokens(padded(prompts))
@@ -130,16 +135,20 @@ def main() -> None:
         export(hf_dir, out_dir)
         # the builder writes the weights as external data: the fixture keeps them inside model.onnx
         model = onnx.load(str(out_dir / "model.onnx"), load_external_data=True)
+        model.producer_version = onnxruntime_genai.__version__  # the builder appends the cwd's git commit
         onnx.save(model, str(OUT / "model.onnx"), save_as_external_data=False)
         shutil.copy(out_dir / "genai_config.json", OUT / "genai_config.json")
     greedy = [generate(OUT, [p], 1, with_scores=True) for p in PROMPTS]
-    beams = [generate(OUT, [p], NUM_BEAMS, with_scores=False)[0] for p in PROMPTS]
+    beams = [generate(OUT, [p], NUM_BEAMS, with_scores=False, max_length=BEAM_MAX_LENGTH)[0] for p in PROMPTS]
+    beams_short = [generate(OUT, [p], NUM_BEAMS, with_scores=False)[0] for p in PROMPTS]
     batched, _ = generate(OUT, PROMPTS, 1, with_scores=False)
     expected = {
         "prompts": PROMPTS,
         "bos": BOS, "eos": EOS, "pad": PAD, "max_length": MAX_LENGTH,
         "greedy": {"sequences": [g[0][0] for g in greedy], "token_log_probs": [g[1][0] for g in greedy]},
-        "beam": {"num_beams": NUM_BEAMS, "sequences": beams},
+        "beam": {"num_beams": NUM_BEAMS, "max_length": BEAM_MAX_LENGTH, "early_stopping": True,
+                 "length_penalty": 1.0, "sequences": beams},
+        "beam_at_max_length_20": {"num_beams": NUM_BEAMS, "max_length": MAX_LENGTH, "sequences": beams_short},
         "transformers_greedy": hf_greedy,
         # GenAI's own batch of the same prompts, left-padded with PAD: its rows with padding differ
         # from the single-prompt runs above (and from transformers); kept as a record, not an oracle

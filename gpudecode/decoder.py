@@ -279,8 +279,11 @@ class Decoder:
         for start in range(0, len(order), size):
             ids = order[start:start + size]
             batch_features = None if features is None else [np.asarray(features[i], np.float32) for i in ids]
-            batch_prompts = None if prompts is None else [prompts[i] for i in ids]
-            for utt, nbest in zip(ids, self.decode_batch(ids, batch_features, batch_prompts)):
+            if prompts is None:
+                nbests = self.decode_batch(ids, batch_features)
+            else:
+                nbests = self.decode_batch(ids, batch_features, [prompts[i] for i in ids])
+            for utt, nbest in zip(ids, nbests):
                 results[utt] = nbest
         return {k: results[k] for k in keys}
 

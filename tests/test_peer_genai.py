@@ -144,3 +144,21 @@ def test_beam_search_equals_genai(scorer, source, continuous):
             scored = [*prompt, *hyp.labels, *([EOS] if terminated else [])]
             assert hyp.score == pytest.approx(teacher_forced_score(scored, len(prompt)), abs=TOL)
     assert 0 < ended < sum(map(len, expected))  # lists of sentence-end and length-limit hypotheses
+
+
+def test_bundled_config_decodes_the_export_greedily_as_genai(tmp_path):
+    """``configs/genai-generate.yaml`` (the model folder as it is, a prompt file) with one beam: each
+    continuation is GenAI's greedy one, up to the config's ``search.max_labels``."""
+    from click.testing import CliRunner
+
+    from gpudecode.cli import main
+    from gpudecode.config import load_config
+
+    config = ROOT / "configs" / "genai-generate.yaml"
+    result = CliRunner().invoke(main, ["decode", str(config), "--output", str(tmp_path), "-o", "search.beam_size=1"])
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r["nbest"][0] for r in map(json.loads, (tmp_path / "nbest.jsonl").read_text().splitlines())}
+    limit = load_config(config).search.max_labels
+    assert sorted(records) == [f"p{u}" for u in range(len(PROMPTS))]
+    for u, (prompt, sequence) in enumerate(zip(PROMPTS, DOCUMENT["greedy"]["sequences"])):
+        assert records[f"p{u}"]["labels"] == sequence[len(prompt):][:limit]

@@ -5,19 +5,21 @@ Run in the peers environment (torch, transformers, onnxruntime-genai), from the 
     .venv-peers/bin/python tools/peer-fixtures/genai.py
 
 A random-initialised Llama (fixed seed; 2 layers, hidden 64, 4 heads, 2 key-value heads: grouped
-query attention; MLP 96 — the builder takes any Linear of the vocabulary size for the LM head; vocabulary 128) is saved with ``save_pretrained`` next to a word-level tokenizer
-(the builder loads one; the fixture does not need it) and exported with GenAI's model builder::
+query attention; MLP width 96, since the builder takes any Linear of the vocabulary size for the LM
+head; vocabulary 128) is saved with ``save_pretrained`` next to a word-level tokenizer (the builder
+loads one; the fixture does not need it) and exported with GenAI's model builder::
 
     python -m onnxruntime_genai.models.builder -i <hf dir> -o <out> -p fp32 -e cpu
 
-``model.onnx`` (its external weights moved inside: one file) and ``genai_config.json`` are copied to
-``tests/fixtures/peers/genai/``. Then GenAI's own ``Generator`` decodes ``PROMPTS`` (token ids of
-different lengths), one prompt per generator, greedily and with beam search, and ``expected.json``
-records its outputs (prompt + generated tokens, as ``get_sequence`` returns them; greedy rows also
-with the log-probability of each generated token from the step's logits), transformers' greedy
-decodes of the same prompts (equal to GenAI's, which leave out the final EOS) and the peer versions. (GenAI's own batch of these
+``model.onnx`` (its external weights moved inside: one file) and ``genai_config.json`` are copied
+to ``tests/fixtures/peers/genai/``, with ``vocab.txt`` (the tokenizer's labels ``t0`` … ``t127``).
+Then GenAI's own ``Generator`` decodes ``PROMPTS`` (token ids of different lengths), one prompt
+per generator, greedily and with beam search, and ``expected.json`` records its outputs (prompt +
+generated tokens, as ``get_sequence`` returns them; greedy rows also with the log-probability of
+each generated token from the step's logits), transformers' greedy decodes of the same prompts
+(equal to GenAI's, which leave out the final EOS) and the peer versions. GenAI's own batch of these
 prompts, left-padded, differs from its single-prompt runs on the padded rows; it is recorded as
-``genai_batch_left_padded`` but is no oracle.)
+``genai_batch_left_padded`` but is no oracle.
 
 Made with: torch 2.13.0+cpu, transformers 5.24.0, onnxruntime 1.32.0, onnxruntime-genai 0.18.0,
 tokenizers 0.23.3 (also in ``versions`` of expected.json).
@@ -138,6 +140,8 @@ def main() -> None:
         model.producer_version = onnxruntime_genai.__version__  # the builder appends the cwd's git commit
         onnx.save(model, str(OUT / "model.onnx"), save_as_external_data=False)
         shutil.copy(out_dir / "genai_config.json", OUT / "genai_config.json")
+    # the tokenizer's labels, one per line (a vocabulary for configs/genai-generate.yaml)
+    (OUT / "vocab.txt").write_text("".join(f"t{i}\n" for i in range(VOCAB)))
     greedy = [generate(OUT, [p], 1, with_scores=True) for p in PROMPTS]
     beams = [generate(OUT, [p], NUM_BEAMS, with_scores=False, max_length=BEAM_MAX_LENGTH)[0] for p in PROMPTS]
     beams_short = [generate(OUT, [p], NUM_BEAMS, with_scores=False)[0] for p in PROMPTS]

@@ -261,3 +261,18 @@ def test_cli_prompts_with_features(tmp_path):
     expected = Decoder.from_config(PREFIX_LM).decode(features, prompts=prompts)
     for utt, hyps in expected.items():
         assert [h["labels"] for h in records[utt]["nbest"]] == [h.labels for h in hyps]
+
+
+def test_the_optimum_decoder_model_equals_its_oracle_on_padded_prompts():
+    pair = build_optimum_lm(2)
+    feeds = {"input_ids": np.array([[2, 3, 4], [5, 6, 0]]), "attention_mask": np.array([[1, 1, 1], [1, 1, 0]]),
+             "position_ids": np.tile(np.arange(3), (2, 1))}
+    session = ort.InferenceSession(pair.prefill.serialized())
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    expected = pair.prefill.oracle(feeds)
+    valid = feeds["attention_mask"].astype(bool)
+    np.testing.assert_allclose(got["logits"][valid], expected["logits"][valid], atol=1e-5)
+    for name in expected:
+        if name != "logits":
+            np.testing.assert_allclose(got[name].transpose(0, 2, 1, 3)[valid],
+                                       expected[name].transpose(0, 2, 1, 3)[valid], atol=1e-5)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpudecode.testing._graph import GraphBuilder, log_softmax, onnx_type
+from gpudecode.testing._graph import GraphBuilder, cast_all, log_softmax, onnx_type
 from gpudecode.testing.prefill import PrefillPair, _empty_past
 from gpudecode.testing.reference import Feeds, ReferenceModel
-from gpudecode.testing.transformer import _Config, _decoder_weights, _graph_layers, build_transformer_lm
+from gpudecode.testing.transformer import _Config, _decoder_weights, _forward, _graph_layers, build_transformer_lm
 
 
 def build_optimum_lm(
@@ -60,8 +60,26 @@ def build_optimum_lm(
         outputs += [(key, np.float32, state_shape), (value, np.float32, state_shape)]
     model = g.build(inputs, outputs, name="reference-optimum-decoder-model")
 
+    w32 = cast_all(w, np.float32)
+
     def prefill_oracle(feeds: Feeds) -> Feeds:
-        raise NotImplementedError("compare the pair through its sequence oracle")
+        """Each row's valid prefix (``attention_mask`` ones) run alone, no cache; padded positions 0."""
+        ids, mask, pos = (np.asarray(feeds[k], np.int64) for k in ("input_ids", "attention_mask", "position_ids"))
+        n_rows, length = ids.shape
+        result = {"logits": np.zeros((n_rows, length, vocab_size), np.float32)}
+        for _, _, key, value in names:
+            result[key] = np.zeros((n_rows, num_heads, length, cfg.head_dim), np.float32)
+            result[value] = np.zeros_like(result[key])
+        empty = np.zeros((1, num_heads, 0, cfg.head_dim), np.float32)
+        for n in range(n_rows):
+            count = int(mask[n].sum())
+            x = (w32["tok_emb"][ids[n, :count]] + w32["pos_emb"][pos[n, :count]])[None]
+            logits, new = _forward(w32, cfg, x, [(empty, empty)] * num_layers, np.tril(np.ones((count, count), bool))[None])
+            result["logits"][n, :count] = logits[0]
+            for (_, _, key, value), (k, v) in zip(names, new):
+                result[key][n, :, :count] = k[0]
+                result[value][n, :, :count] = v[0]
+        return result
 
     def oracle(labels, prompt, encoder_states, suffix):
         if encoder_states is not None or suffix:

@@ -149,7 +149,18 @@ class PrefixLmScorer(OnnxDecoderScorer):
             raise ValueError(f"{source}: the step model cannot be its own prefill: that needs a Hugging Face "
                              "decoder-only model (input_ids + attention_mask, past_key_values with a time axis, "
                              "no per-utterance inputs); give prefill_model")
-        self._probe_self_prefill()
+        label = self.session.tensors.input(spec.hypothesis_inputs["input_ids"])
+        if isinstance(label.shape[1], int):
+            raise ValueError(f"{source}: the step model cannot be its own prefill: its input '{label.name}' "
+                             f"{label.describe()} takes {label.shape[1]} label(s) per call, not a whole prompt; "
+                             "give prefill_model")
+        try:
+            self._probe_self_prefill()
+        except ModelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model refusing a prompt run is a load error
+            raise ModelError(f"{source}: refused as its own prefill: a prompt run with empty pasts fails "
+                             f"({str(exc).splitlines()[0][:300]}); give prefill_model") from exc
         return {"scores": spec.scores_output}
 
     def _run_self_prefill(self, prompts: np.ndarray, sizes: np.ndarray):

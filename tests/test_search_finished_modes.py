@@ -208,6 +208,7 @@ def test_separate_genai_equals_live_genai_beam_search(case):
     (dict(length_counts="tokens"), "length_counts"),
     (dict(length_counts="prompt-and-labels"), "length_counts"),  # in-beam ranks by label counts
     (dict(finished="separate-genai", early_stopping="never"), "early_stopping"),
+    (dict(finished="separate", score_threshold=5.0), "score_threshold"),
 ])
 def test_bad_options_are_refused_by_name(fields, name):
     with pytest.raises(ValueError, match=f"LabelSyncOptions.{name}"):

@@ -95,6 +95,8 @@ class LabelSyncOptions:
         if self.length_counts != "labels" and self.finished == "in-beam":
             raise bad("length_counts", "'labels' when finished is 'in-beam' (its ranking normalises every "
                       "candidate by its label count)")
+        if self.finished != "in-beam" and self.score_threshold is not None:
+            raise bad("score_threshold", "None with the separate finished lists (the peers prune by count only)")
         if self.finished == "separate-genai" and self.early_stopping == "never":
             raise bad("early_stopping", "True or False with finished 'separate-genai' (GenAI has no 'never')")
         if self.pre_beam_size is not None and not (isinstance(self.pre_beam_size, int) and self.pre_beam_size >= 1):

@@ -23,7 +23,7 @@ from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.session import ModelError, OnnxSession, discover_step_model, from_onnx_model
 from gpudecode.session.conventions import load_step_model_spec, probe_alignment
 from gpudecode.session.genai import read_genai_config
-from gpudecode.testing.genai_lm import build_genai_lm
+from gpudecode.testing import build_genai_lm
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "peers" / "genai"
 V, EOS = 16, 3

@@ -6,6 +6,7 @@ Built with ``onnx.helper`` (opset 17, IR version 9), deterministic from a seed; 
 from gpudecode.testing.ctc import build_ctc_encoder
 from gpudecode.testing.encoder import build_encoder
 from gpudecode.testing.examples import write_examples
+from gpudecode.testing.genai_lm import build_genai_lm
 from gpudecode.testing.lstm import build_lstm_lm
 from gpudecode.testing.optimum_lm import build_optimum_lm
 from gpudecode.testing.prefill import PrefillPair, build_optimum_pair, build_prefix_lm
@@ -24,6 +25,7 @@ __all__ = [
     "ReferenceModel",
     "build_ctc_encoder",
     "build_encoder",
+    "build_genai_lm",
     "build_joint_network",
     "build_lstm_lm",
     "build_optimum_lm",

@@ -23,6 +23,8 @@ import pytest
 from gpudecode.scorers import UtteranceBatch
 from gpudecode.scorers.prefix_lm import PrefixLmScorer
 from gpudecode.search import LabelSyncOptions, label_sync_search
+from gpudecode.session import SessionOptions
+from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.options import StateManagerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +36,19 @@ CASES: dict[str, dict] = DOCUMENT["cases"]
 TOL = 1e-4
 
 
-def scorer() -> PrefixLmScorer:
+def scorer(device: str = "cpu", graphs: bool = False) -> PrefixLmScorer:
     return PrefixLmScorer(model=str(FIXTURE / "model.onnx"), prefill_model=str(FIXTURE / "prefill.onnx"),
                           vocab_size=VOCAB, scores_kind="logits", prefill_io_map={"prompt-size": "prompt_lengths"},
-                          state_manager=StateManagerOptions(type="transformer-cpu"))
+                          state_manager=StateManagerOptions(type=f"transformer-{device}"),
+                          session_options=SessionOptions(device=device), graphs=GraphOptions(enabled=graphs))
+
+
+def array_module(device: str):
+    if device == "cuda":
+        import cupy
+
+        return cupy
+    return np
 
 
 def batch(prompts: list[list[int]], max_new: int = MAX_NEW) -> UtteranceBatch:
@@ -62,11 +73,11 @@ def options(generate: dict, prompt_length: int = 0) -> LabelSyncOptions:
         nbest=generate.get("num_return_sequences", 1), min_length=min_length)
 
 
-def decode(generate: dict, **search) -> list[list[dict]]:
+def decode(generate: dict, device: str = "cpu", graphs: bool = False, **search) -> list[list[dict]]:
     """The toolkit's n-best lists of ``PROMPTS`` as ``generate`` reports them: tokens (EOS kept)
     and the length-normalised score. A prompt-counting ``min_length`` differs per prompt, so
     each prompt is then decoded alone."""
-    lm = scorer()
+    lm = scorer(device, graphs)
     if "min_length" in generate:
         groups = [[u] for u in range(len(PROMPTS))]
     else:
@@ -74,7 +85,8 @@ def decode(generate: dict, **search) -> list[list[dict]]:
     results: list = [None] * len(PROMPTS)
     for group in groups:
         opts = options(generate, len(PROMPTS[group[0]]))
-        nbest = label_sync_search([("gpt2", lm, 1.0)], batch([PROMPTS[u] for u in group]), opts, **search)
+        nbest = label_sync_search([("gpt2", lm, 1.0)], batch([PROMPTS[u] for u in group]), opts,
+                                  xp=array_module(device), **search)
         for u, hyps in zip(group, nbest):
             results[u] = [{"tokens": h.labels + [EOS] * (h.length - len(h.labels)),
                            "score": h.score / h.length ** opts.length_norm_scale} for h in hyps]
@@ -128,6 +140,15 @@ def test_separate_mode_equals_generate(case):
 @pytest.mark.parametrize("case", ["greedy", "beam4-late", "beam8-late", "beam4-min-new-tokens"])
 def test_separate_mode_with_continuous_batching_equals_generate(case):
     assert_same(decode(CASES[case], max_active_utterances=2, admission_order="input"), DOCUMENT["expected"][case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["no-graphs", "graphs"])
+@pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_separate_mode_on_the_gpu_equals_generate(case, continuous, graphs):
+    assert_same(decode(CASES[case], device="cuda", graphs=graphs, max_active_utterances=continuous),
+                DOCUMENT["expected"][case])
 
 
 @pytest.mark.peers

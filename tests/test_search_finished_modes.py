@@ -22,6 +22,8 @@ from gpudecode.config import SearchConfig
 from gpudecode.scorers import UtteranceBatch
 from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.search.registry import SearchSetup, search_type
+from gpudecode.session import SessionOptions
+from gpudecode.states.options import StateManagerOptions
 from tests.test_search_label_sync import TrigramTableScorer, random_tables, table_logp
 
 V, EOS, BEAM = 6, 2, 3
@@ -130,6 +132,21 @@ def test_separate_lists_equal_the_peers_reference(seed, settings, continuous):
         assert all(len(h.labels) >= options.min_length for h in hyps)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("continuous", [None, 2], ids=["static", "continuous"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{v}" for v in s.values()))
+def test_separate_lists_on_cupy_equal_numpy(settings, continuous):
+    import cupy
+
+    tables = random_tables(0, len(LIMITS), V, EOS, eos_bias=1.0)
+    options = LabelSyncOptions(beam_size=BEAM, sentence_end=EOS, max_labels_per_input=1.0, nbest=BEAM, **settings)
+    results = [label_sync_search([("lm", TrigramTableScorer(V), 1.0)], table_batch(tables), options, xp=xp,
+                                 max_active_utterances=continuous) for xp in (np, cupy)]
+    for cpu, gpu in zip(*results):
+        assert [h.labels for h in cpu] == [h.labels for h in gpu]
+        np.testing.assert_allclose([h.score for h in cpu], [h.score for h in gpu], atol=1e-4)
+
+
 def test_the_modes_differ_where_the_peers_do():
     """On these tables the three modes do not all agree (the test above is no tautology)."""
     tables = random_tables(0, len(LIMITS), V, EOS, eos_bias=1.0)
@@ -152,7 +169,7 @@ def genai_beam_cases() -> list[str]:
             and "sequences" in v]
 
 
-def genai_decode(case: dict, max_length: int, continuous=None) -> list[list[list[int]]]:
+def genai_decode(case: dict, max_length: int, continuous=None, device: str = "cpu") -> list[list[list[int]]]:
     """The toolkit's n-best lists of the GenAI fixture's prompts, as GenAI's sequences (prompt +
     generated tokens, EOS left out)."""
     from gpudecode.scorers.prefix_lm import PrefixLmScorer
@@ -169,8 +186,13 @@ def genai_decode(case: dict, max_length: int, continuous=None) -> list[list[list
                                finished="separate-genai", early_stopping=case.get("early_stopping", True),
                                length_norm_scale=case.get("length_penalty", 1.0), length_counts="prompt-and-labels",
                                nbest=case["num_beams"])
-    lm = PrefixLmScorer(model=str(GENAI), vocab_size=128, scores_kind="logits")
-    nbest = label_sync_search([("lm", lm, 1.0)], batch, options, max_active_utterances=continuous)
+    lm = PrefixLmScorer(model=str(GENAI), vocab_size=128, scores_kind="logits",
+                        state_manager=StateManagerOptions(type=f"transformer-{device}"),
+                        session_options=SessionOptions(device=device))
+    xp = np
+    if device == "cuda":
+        import cupy as xp
+    nbest = label_sync_search([("lm", lm, 1.0)], batch, options, max_active_utterances=continuous, xp=xp)
     return [[prompt + h.labels for h in hyps] for prompt, hyps in zip(prompts, nbest)]
 
 
@@ -182,6 +204,16 @@ def test_separate_genai_equals_genai_beam_search(case, continuous):
     doc = genai_document()
     expected = doc[case]
     got = genai_decode(expected, expected.get("max_length", doc["max_length"]), continuous)
+    assert got == expected["sequences"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
+@pytest.mark.parametrize("case", genai_beam_cases())
+def test_separate_genai_on_the_gpu_equals_genai_beam_search(case, continuous):
+    doc = genai_document()
+    expected = doc[case]
+    got = genai_decode(expected, expected.get("max_length", doc["max_length"]), continuous, device="cuda")
     assert got == expected["sequences"]
 
 

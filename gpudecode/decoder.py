@@ -204,7 +204,7 @@ class Decoder:
         if not self.takes_prompts:
             raise ConfigError(
                 "scorers: the utterances bring token prompts, but no scorer reads them (a prefix-lm "
-                "whose prefill model takes 'input_ids' or 'prompt' does)")
+                "does: its prefill model takes 'input_ids' or 'prompt', or its step model is its own prefill)")
         rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
         vocab = len(self.vocabulary)
         for utt, row in zip(ids, rows):

@@ -276,3 +276,15 @@ def test_the_optimum_decoder_model_equals_its_oracle_on_padded_prompts():
         if name != "logits":
             np.testing.assert_allclose(got[name].transpose(0, 2, 1, 3)[valid],
                                        expected[name].transpose(0, 2, 1, 3)[valid], atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "cuda-graphs"])
+def test_text_generation_on_cuda_equals_the_cpu(graphs):
+    overrides = ["runtime.device=cuda", f"runtime.cuda_graphs.enabled={str(graphs).lower()}",
+                 "runtime.cuda_graphs.time_step=4"]
+    cpu = Decoder.from_config(GENERATE).decode(prompts=GENERATE_PROMPTS)
+    cuda = Decoder.from_config(GENERATE, overrides).decode(prompts=GENERATE_PROMPTS)
+    for utt, hyps in cpu.items():
+        assert [h.labels for h in cuda[utt]] == [h.labels for h in hyps]
+        np.testing.assert_allclose([h.score for h in cuda[utt]], [h.score for h in hyps], atol=1e-4)

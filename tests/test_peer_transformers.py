@@ -19,7 +19,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+import yaml
+from click.testing import CliRunner
 
+from gpudecode.cli import main as cli_main
+from gpudecode.decoder import Decoder
 from gpudecode.scorers import UtteranceBatch
 from gpudecode.scorers.prefix_lm import PrefixLmScorer
 from gpudecode.search import LabelSyncOptions, label_sync_search
@@ -37,8 +41,8 @@ TOL = 1e-4
 
 
 def scorer(device: str = "cpu", graphs: bool = False) -> PrefixLmScorer:
-    return PrefixLmScorer(model=str(FIXTURE / "model.onnx"), prefill_model=str(FIXTURE / "prefill.onnx"),
-                          vocab_size=VOCAB, scores_kind="logits", prefill_io_map={"prompt-size": "prompt_lengths"},
+    return PrefixLmScorer(model=str(FIXTURE / "decoder_with_past_model.onnx"),
+                          prefill_model=str(FIXTURE / "decoder_model.onnx"), vocab_size=VOCAB, scores_kind="logits",
                           state_manager=StateManagerOptions(type=f"transformer-{device}"),
                           session_options=SessionOptions(device=device), graphs=GraphOptions(enabled=graphs))
 
@@ -187,11 +191,13 @@ def test_min_length_equals_live_generate():
 def exhaustive_nbest(prompt: list[int], scale: float, min_length: int) -> list[tuple[list[int], float, float]]:
     """Every hypothesis of at most 2 labels, scored by the prefill model over the whole sequence
     (no cache, no search; float64 log-softmax): (labels, score, rank) sorted by rank."""
-    session = ort.InferenceSession(str(FIXTURE / "prefill.onnx"))
+    session = ort.InferenceSession(str(FIXTURE / "decoder_model.onnx"))
 
     def log_probs(rows: list[list[int]]) -> np.ndarray:
         ids = np.asarray(rows, np.int64)
-        logits = session.run(["logits"], {"input_ids": ids, "prompt_lengths": np.full(len(rows), ids.shape[1])})[0]
+        positions = np.tile(np.arange(ids.shape[1]), (len(rows), 1))
+        logits = session.run(["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                          "position_ids": positions})[0]
         last = logits[:, -1].astype(np.float64)
         return last - np.log(np.exp(last - last.max(-1, keepdims=True)).sum(-1, keepdims=True)) - last.max(
             -1, keepdims=True)
@@ -236,3 +242,55 @@ def test_in_beam_mode_equals_brute_force(scale, min_length):
         assert all(tuple(labels) in returned for labels, _, rank in oracle if rank > cut + TOL)
         if min_length:
             assert all(len(h.labels) == 2 for h in hyps) and all(EOS not in h.labels for h in hyps)
+
+
+# --- from a config ------------------------------------------------------------------------------
+def config_file(tmp_path: Path, case: str) -> Path:
+    """A config of the user guide's "Bring your own model" with the case's search keys."""
+    generate = CASES[case]
+    search = {"type": "label-sync", "beam_size": generate["num_beams"], "max_labels": MAX_NEW,
+              "nbest": generate.get("num_return_sequences", 1), "finished": "separate",
+              "early_stopping": generate.get("early_stopping", False),
+              "length_norm_scale": 0.0 if generate["num_beams"] == 1 else generate.get("length_penalty", 1.0),
+              "min_length": generate.get("min_new_tokens", 0)}
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"p{u} {' '.join(map(str, p))}\n" for u, p in enumerate(PROMPTS)))
+    data = {
+        "models": {"vocabulary": {"path": str(FIXTURE / "vocab.txt"), "sentence_end": f"t{EOS}"}},
+        "scorers": [{"type": "prefix-lm", "name": "gpt2", "scores_kind": "logits",
+                     "model": {"prefill": str(FIXTURE / "decoder_model.onnx"),
+                               "step": str(FIXTURE / "decoder_with_past_model.onnx")},
+                     "state_manager": {"type": "transformer"}}],
+        "search": search,
+        "io": {"prompts": str(prompts), "prompts_format": "ids", "output": str(tmp_path / "out"),
+               "formats": ["jsonl"]},
+    }
+    path = tmp_path / "gpt2.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("case", ["beam8-late", "beam4-early", "beam4-min-new-tokens"])
+def test_config_with_finished_separate_equals_generate(tmp_path, case):
+    """``gpudecode decode`` with ``search.finished: separate`` and a prompt file, and the same
+    config through ``Decoder.decode(prompts=...)``."""
+    scale = CASES[case].get("length_penalty", 1.0)
+    result = CliRunner().invoke(cli_main, ["decode", str(config_file(tmp_path, case))])
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "out" / "nbest.jsonl").read_text().splitlines())}
+
+
+    def generated(labels):  # (no length in the records: one shorter than the limit ended with EOS)
+        return labels + [EOS] * (len(labels) < MAX_NEW)
+
+    got = [[{"tokens": generated(h["labels"]), "score": h["score"] / len(generated(h["labels"])) ** scale}
+            for h in records[f"p{u}"]["nbest"]] for u in range(len(PROMPTS))]
+    assert_same(got, DOCUMENT["expected"][case])
+    decoder = Decoder.from_config(config_file(tmp_path, case))
+    try:
+        nbest = decoder.decode(prompts=PROMPTS)
+    finally:
+        decoder.close()
+    got = [[{"tokens": h.labels + [EOS] * (h.length - len(h.labels)), "score": h.score / h.length ** scale}
+            for h in nbest[str(u)]] for u in range(len(PROMPTS))]
+    assert_same(got, DOCUMENT["expected"][case])

@@ -8,14 +8,16 @@ Run in the peers environment (torch, transformers, onnxruntime), from the reposi
 A random-initialised ``GPT2LMHeadModel`` (fixed seed; 2 layers, n_embd 64, 4 heads, MLP 128, vocabulary
 100, n_positions 32; ``initializer_range`` 0.3 so that its distributions are peaked enough for
 beam decisions not to hinge on float rounding) is exported with ``torch.onnx.export`` twice,
-from the same weights, into ``tests/fixtures/peers/gpt2/``:
+from the same weights, into ``tests/fixtures/peers/gpt2/`` with Optimum's names:
 
-- ``model.onnx``, the step model (``decoder_with_past_model``): inputs ``input_ids`` [N, 1],
+- ``decoder_with_past_model.onnx``, the step model: inputs ``input_ids`` [N, 1],
   ``attention_mask`` [N, T + 1], ``position_ids`` [N, 1], ``past_key_values.{i}.key|value``
   [N, 4, T, 16]; outputs ``logits`` [N, 1, 100] and ``present.{i}.key|value`` [N, 4, T + 1, 16];
-- ``prefill.onnx`` (``decoder_model``, prompts padded at the end): inputs ``input_ids`` [U, P] and
-  ``prompt_lengths`` [U] (the attention mask is built from them inside: ones over each row's
-  prompt); outputs ``logits`` [U, P, 100] and ``present.{i}.key|value`` [U, 4, P, 16].
+- ``decoder_model.onnx``, the prefill: inputs ``input_ids``, ``attention_mask``, ``position_ids``
+  [U, P]; outputs ``logits`` [U, P, 100] and ``present.{i}.key|value`` [U, 4, P, 16].
+
+A vocabulary file ``vocab.txt`` (labels ``t0`` … ``t99``, so that a config can name sentence-end)
+is written next to them.
 
 Then transformers' ``generate`` decodes ``PROMPTS`` (one prompt per call: no padding) in every case
 of ``CASES`` and ``expected.json`` records, per case and prompt, the generated tokens (the prompt
@@ -110,10 +112,9 @@ def export(lm, directory: Path) -> None:
             super().__init__()
             self.lm = lm
 
-        def forward(self, input_ids, prompt_lengths):
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            mask = (positions[None, :] < prompt_lengths[:, None]).to(torch.int64)
-            out = self.lm(input_ids=input_ids, attention_mask=mask, use_cache=True)
+        def forward(self, input_ids, attention_mask, position_ids):
+            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=True)
             return (out.logits, *_presents(out.past_key_values))
 
     head = EMBD // HEADS
@@ -127,16 +128,16 @@ def export(lm, directory: Path) -> None:
                "position_ids": {0: "batch"}, "logits": {0: "batch"}}
     dynamic.update({name: {0: "batch", 2: "past"} for name in past_names})
     dynamic.update({name: {0: "batch", 2: "total"} for name in present_names})
-    torch.onnx.export(Step(), step_inputs, directory / "model.onnx", dynamo=False, opset_version=17,
+    torch.onnx.export(Step(), step_inputs, directory / "decoder_with_past_model.onnx", dynamo=False, opset_version=17,
                       input_names=["input_ids", "attention_mask", "position_ids", *past_names],
                       output_names=["logits", *present_names], dynamic_axes=dynamic)
-    prefill_inputs = (torch.tensor([[5, 6, 7, 8], [1, 2, 0, 0]]), torch.tensor([4, 2]))
-    dynamic = {"input_ids": {0: "batch", 1: "prompt"}, "prompt_lengths": {0: "batch"},
-               "logits": {0: "batch", 1: "prompt"}}
+    prefill_inputs = (torch.tensor([[5, 6, 7, 8], [1, 2, 0, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+                      torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]))
+    dynamic = {name: {0: "batch", 1: "prompt"} for name in ("input_ids", "attention_mask", "position_ids", "logits")}
     dynamic.update({name: {0: "batch", 2: "prompt"} for name in present_names})
-    torch.onnx.export(Prefill(), prefill_inputs, directory / "prefill.onnx", dynamo=False, opset_version=17,
-                      input_names=["input_ids", "prompt_lengths"], output_names=["logits", *present_names],
-                      dynamic_axes=dynamic)
+    torch.onnx.export(Prefill(), prefill_inputs, directory / "decoder_model.onnx", dynamo=False, opset_version=17,
+                      input_names=["input_ids", "attention_mask", "position_ids"],
+                      output_names=["logits", *present_names], dynamic_axes=dynamic)
 
 
 def generate(lm, prompt: list[int], options: dict) -> list[dict]:
@@ -186,11 +187,12 @@ def check_export(reference, directory: Path) -> None:
     import numpy as np
     import onnxruntime as ort
 
-    prefill = ort.InferenceSession(str(directory / "prefill.onnx"))
-    step = ort.InferenceSession(str(directory / "model.onnx"))
+    prefill = ort.InferenceSession(str(directory / "decoder_model.onnx"))
+    step = ort.InferenceSession(str(directory / "decoder_with_past_model.onnx"))
     tokens = np.asarray([CHECK_SEQUENCE], np.int64)
     names = [o.name for o in prefill.get_outputs()]
-    out = prefill.run(None, {"input_ids": tokens[:, :3], "prompt_lengths": np.array([3])})
+    out = prefill.run(None, {"input_ids": tokens[:, :3], "attention_mask": np.ones((1, 3), np.int64),
+                             "position_ids": np.arange(3)[None]})
     logits, past = [out[0][0]], dict(zip(names[1:], out[1:]))
     for p in range(3, tokens.shape[1]):
         feeds = {"input_ids": tokens[:, p:p + 1], "attention_mask": np.ones((1, p + 1), np.int64),
@@ -220,6 +222,7 @@ def main() -> None:
         reference = lm(torch.tensor([CHECK_SEQUENCE])).logits[0].numpy()
     export(lm, OUT)
     check_export(reference, OUT)
+    (OUT / "vocab.txt").write_text("".join(f"t{i}\n" for i in range(VOCAB)))
     document = {"versions": versions(), "vocab_size": VOCAB, "eos": EOS, "max_new_tokens": MAX_NEW_TOKENS,
                 "prompts": PROMPTS, "cases": {k: {**v} for k, v in CASES.items()}, "expected": outputs}
     (OUT / "expected.json").write_text(json.dumps(document, indent=1) + "\n")

@@ -148,3 +148,17 @@ def test_attention_that_ignores_the_mask_is_refused_under_every_convention(tmp_p
                                          r"[0-9.e+-]+ .*; left-aligned histories .*: max difference [0-9.e+-]+ .*"
                                          r"must ignore masked"):
         PrefixLmScorer(model=str(path), vocab_size=V, scores_kind="logits")
+
+
+def test_a_history_beyond_the_genai_context_is_an_error():
+    """genai_config.json's context_length (64) bounds the histories: a search that would feed more
+    past positions stops with an error instead of truncating them."""
+    scorer = PrefixLmScorer(model=str(FIXTURE), vocab_size=128, scores_kind="logits")
+    assert scorer.spec.max_time == 63
+    prompt = [1, 17, 33, 5, 90, 61, 7]  # its greedy continuation does not end within the context
+    options = LabelSyncOptions(beam_size=1, sentence_end=79, max_labels_per_input=1.0, max_labels=100)
+    with pytest.raises(ValueError, match=r"a history of 64 labels \(prompt included\) exceeds the model's "
+                                         r"context of 64 positions"):
+        label_sync_search([("lm", scorer, 1.0)], prompt_batch([prompt], 80), options, xp=np)
+    nbest = label_sync_search([("lm", scorer, 1.0)], prompt_batch([prompt], 64 - len(prompt)), options, xp=np)
+    assert len(prompt) + len(nbest[0][0].labels) == 64  # up to the whole context, as GenAI's max_length

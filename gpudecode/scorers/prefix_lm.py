@@ -452,7 +452,8 @@ class PrefixLmScorer(OnnxDecoderScorer):
             fresh[lanes] = False
         self._group_bound[groups] = 0
         for pgroups, slots, counts in pending:
-            self._group_bound[pgroups] = slots.shape[1]
+            # the fresh step appends nothing, but extend() counts it: one less keeps the bound exact
+            self._group_bound[pgroups] = slots.shape[1] - 1
             lanes = xp.asarray(layout.lanes_of(pgroups))
             table[lanes, :slots.shape[1]] = xp.repeat(xp.asarray(slots), beam, axis=0)
             lengths[lanes] = xp.repeat(xp.asarray(counts), beam)

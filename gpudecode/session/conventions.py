@@ -87,7 +87,7 @@ def discover_with_hints(
                                    utterance_patterns=utterance_patterns, vocab_size=vocab_size,
                                    state_dims=state_dims)
     try:
-        return discover(dims)
+        spec = discover(dims)
     except ModelError as first:
         if "is symbolic" not in str(first) or not Path(tensors.source).is_file():
             raise
@@ -96,7 +96,10 @@ def discover_with_hints(
         graph_dims = graph_state_dims(onnx.load(tensors.source, load_external_data=False))
         if not graph_dims:
             raise
-        return discover({**graph_dims, **dims})
+        spec = discover({**graph_dims, **dims})
+    if hints is not None and hints.context_length:  # GenAI: positions of the rotary tables
+        spec = replace(spec, max_time=int(hints.context_length) - 1)
+    return spec
 
 
 def load_step_model_spec(session, *, io_map=None, state_patterns=(), utterance_patterns=(), vocab_size=None,

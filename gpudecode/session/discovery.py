@@ -88,6 +88,8 @@ class ModelSpec:
     in_place_outputs: Mapping[str, str] = field(default_factory=dict)
     #: symbolic non-time state dimensions and the sizes they were resolved to (``state_dims``)
     resolved_dims: Mapping[str, int] = field(default_factory=dict)
+    #: the most past positions a step may have (the model's context less the new step), if known
+    max_time: int | None = None
 
     @property
     def vocab_size(self) -> int | None:

@@ -31,6 +31,7 @@ class GenAiConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+    context_length: int | None = None
     search: dict = field(default_factory=dict)
 
 
@@ -89,6 +90,7 @@ def read_genai_config(path) -> GenAiConfig:
         bos_token_id=model.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=model.get("pad_token_id"),
+        context_length=model.get("context_length"),
         search=dict(data.get("search", {})),
     )
 

@@ -155,7 +155,7 @@ class StepModelRunner:
 
     def _run_plain(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
         xp, spec = self.states.xp, self.spec
-        if spec.in_place_outputs:
+        if spec.in_place_outputs or spec.max_time is not None:
             time_size = self._natural_time(histories, time_size)
         merged = self.states.merge(histories, time_size=time_size)
         labels = labels.astype(self.label_dtype)[:, None]
@@ -194,6 +194,8 @@ class StepModelRunner:
         else:
             natural = self._natural_time(histories, time_size)
             padded_time = graphs.time(natural) if self._pad_time else natural
+            if spec.max_time is not None:  # no bucket beyond the model's context
+                padded_time = max(natural, min(padded_time, spec.max_time))
         bucket = (rows.start, padded_rows, padded_time)
         static = self._static_io(bucket, lanes)
         merged = self.states.merge(histories, out=static.states, prefix_lengths_out=static.prefix)
@@ -274,6 +276,15 @@ class StepModelRunner:
         """T of a call: the longest kept history (or ``time_size``), plus the position an in-place
         model (``spec.in_place_outputs``) writes the new step into."""
         natural = min(histories.width, self.states.max_history) if time_size is None else time_size
+        limit = self.spec.max_time
+        if limit is not None and natural > limit:  # the width is a bound: the longest history decides
+            longest = min(int(to_host(histories.lengths.max())) if histories.num_rows else 0,
+                          self.states.max_history)
+            if longest > limit:
+                raise ValueError(f"{self.spec.source}: a history of {longest} labels (prompt included) "
+                                 f"exceeds the model's context of {limit + 1} positions; lower "
+                                 "search.max_labels or shorten the prompts")
+            natural = longest
         return natural + bool(self.spec.in_place_outputs)
 
     def _in_place(self, state_inputs: dict) -> dict:

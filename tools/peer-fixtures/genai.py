@@ -43,10 +43,11 @@ VOCAB = 128
 BOS, EOS, PAD = 1, 79, 0
 MAX_LENGTH = 20  # prompt + generated tokens, GenAI's max_length
 NUM_BEAMS = 4
-#: the beam search's max_length: long enough that GenAI's lists fill with sentence-end hypotheses
-#: before the limit (at the limit GenAI, as Hugging Face's former BeamSearchScorer, adds the open
-#: beams only to an utterance not yet done; recorded at MAX_LENGTH as ``beam_at_max_length_20``)
-BEAM_MAX_LENGTH = 40
+#: the beam search's max_length, the model's whole context (max_position_embeddings): GenAI's lists
+#: fill with sentence-end hypotheses before the limit (at the limit GenAI, as Hugging Face's former
+#: BeamSearchScorer, adds the open beams only to an utterance not yet done; recorded at MAX_LENGTH
+#: as ``beam_at_max_length_20``)
+BEAM_MAX_LENGTH = 64
 #: token prompts of different lengths (no PAD inside a prompt: GenAI masks pad ids)
 PROMPTS = [
     [BOS, 17, 33, 5, 90, 61, 7],

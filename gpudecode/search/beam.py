@@ -44,10 +44,10 @@ class LabelSyncOptions:
       best by the other scorers (None: max(2 × beam_size, 10));
     - ``min_length``: sentence-end gets -inf (before normalisation and pruning) while a hypothesis
       has fewer than this many labels (the prompt not counted: Hugging Face's
-      ``min_new_tokens``; its ``min_length`` counts the prompt too);
+      ``min_new_tokens``; its ``min_length``, and GenAI's, count the prompt too);
     - ``finished``: ``"in-beam"`` — a terminated hypothesis keeps its beam slot and competes with
-      the open ones (ranked by the normalised score); ``"separate"`` — Hugging Face's and ONNX
-      Runtime GenAI's beam search: ``beam_size`` open hypotheses ranked by their score, plus per
+      the open ones (ranked by the normalised score); ``"separate"`` — Hugging Face's beam search
+      (``generate`` with ``num_beams``): ``beam_size`` open hypotheses ranked by their score, plus per
       utterance a list of at most ``beam_size`` finished ones ranked by the normalised score (of
       the best ``2 × beam_size`` candidates, those ending with sentence-end — or all of them at
       the label limit — join the list when among the best ``beam_size``; the best

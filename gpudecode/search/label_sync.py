@@ -15,10 +15,10 @@ Hypotheses are device arrays (scores, per-scorer scores, lengths, parents, label
 no Python loop over hypotheses, labels or utterances, and one small device→host transfer (the
 stop test). The label sequences are traced back once at the end.
 
-``LabelSyncOptions.finished="separate"`` runs the peers' semantics instead (Hugging Face's and
-ONNX Runtime GenAI's beam search): ``beam_size`` open hypotheses per utterance, ranked by score,
-and a separate list of finished ones (:func:`gpudecode.search.beam.select_separate`);
-``min_length`` masks sentence-end in both modes.
+``LabelSyncOptions.finished="separate"`` (``"separate-genai"``) runs a peer's semantics instead
+(Hugging Face's, ONNX Runtime GenAI's beam search): ``beam_size`` open hypotheses per utterance,
+ranked by score, and a separate list of finished ones, which is the n-best list
+(:func:`gpudecode.search.beam.select_separate`); ``min_length`` masks sentence-end in every mode.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())  # a file, or a GenAI model folder
 @click.option("--io-map", "io_map", multiple=True, metavar="LOGICAL=NAME",
               help="Map a logical tensor name (token, prefix-length, scores, ...) to the model's own.")
 def inspect(model: str, io_map: tuple[str, ...]) -> None:

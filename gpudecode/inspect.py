@@ -46,6 +46,8 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
         raise ModelError(str(exc)) from exc
     if hints is not None and (path.is_dir() or path.suffix == ".json"):
         path = hints.model_file  # a GenAI model folder or genai_config.json: its decoder
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is a folder without a genai_config.json: give the model file")
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
     try:

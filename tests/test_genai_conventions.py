@@ -67,7 +67,7 @@ def test_genai_export_loads_left_aligned_and_inspect_says_so():
     left = probe_alignment(scorer.session, scorer.spec)
     assert not right.passed and right.difference > 0.1
     assert left.passed and left.difference <= 1e-5
-    out = CliRunner().invoke(main, ["inspect", str(FIXTURE / "genai_config.json")])
+    out = CliRunner().invoke(main, ["inspect", str(FIXTURE)])  # the model folder
     assert out.exit_code == 0, out.output
     assert "convention: huggingface" in out.output
     assert "symbolic state dims resolved: kv_cache_dim=16 (genai_config.json)" in out.output

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudecode import backend
+from gpudecode.config import Config, ConfigError
 from gpudecode.decoder import Decoder
+from gpudecode.io import PromptedSource, PromptSource, open_features, read_prompts
 
 
 @dataclass
@@ -57,6 +59,34 @@ class RunSummary:
             rows.append(("batches split (out of GPU memory)", str(self.retried_batches)))
         rows.append(("output", str(self.output)))
         return rows
+
+
+def open_utterances(config: Config, vocabulary, *, encoder: bool, num_features: int | None = None):
+    """The utterances of ``config.io`` as a source (``ids``, ``lengths``, ``read``, ``batches``,
+    ``skipped``; a context manager): the features, the features with their prompts (every
+    utterance needs one), or, without an encoder and without features, the prompts alone.
+    ``vocabulary`` resolves prompts written as text; ``num_features``: F the encoder expects."""
+    io = config.io
+    prompts = None
+    if io.prompts is not None:
+        prompts = read_prompts(io.prompts, vocabulary=vocabulary, format=io.prompts_format)
+    if io.features is None:
+        if encoder:
+            raise ConfigError("io.features: models.encoder needs features to decode (set io.features.path or "
+                              "pass --features)")
+        if prompts is None:
+            raise ConfigError("io.features: no features to decode (set io.features.path or pass --features; "
+                              "for a model without an encoder, io.prompts or --prompts)")
+        return PromptSource(prompts, path=io.prompts)
+    source = open_features(io.features.path, io.features.format, config.models.front_end,
+                           num_features=io.features.num_features or num_features, on_error=io.on_bad_input)
+    if prompts is None:
+        return source
+    try:
+        return PromptedSource(source, prompts, path=io.prompts)
+    except BaseException:
+        source.close()
+        raise
 
 
 class OutOfMemory(RuntimeError):

@@ -13,17 +13,8 @@ from pathlib import Path
 from gpudecode import backend, defaults
 from gpudecode.config import Config, ConfigError, dump_resolved
 from gpudecode.decoder import Decoder
-from gpudecode.io import (
-    PromptedSource,
-    PromptSource,
-    ResultWriter,
-    UtteranceResult,
-    open_features,
-    read_done_ids,
-    read_prompts,
-    score_wer,
-)
-from gpudecode.job import OutOfMemory, RunSummary, decode_fitting
+from gpudecode.io import ResultWriter, UtteranceResult, read_done_ids, score_wer
+from gpudecode.job import OutOfMemory, RunSummary, decode_fitting, open_utterances
 
 __all__ = ["OutOfMemory", "RunSummary", "run_decode"]
 
@@ -50,9 +41,6 @@ def run_decode(config: Config, *, resume: bool = False,
             "pass --resume to continue that run, or choose another --output"
         )
     if config.runtime.engine.type != "local":
-        if io.prompts is not None or io.features is None:
-            raise ConfigError("io.prompts: the ray engine decodes features without prompts; decode prompts "
-                              "with runtime.engine.type local")
         from gpudecode.engines import run_on_engine
 
         return run_on_engine(config, done=done, resume=resume, progress=progress, on_status=on_status)
@@ -60,7 +48,8 @@ def run_decode(config: Config, *, resume: bool = False,
     front_end = config.models.front_end
     summary = RunSummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output)
     try:
-        source = _open_source(config, decoder)
+        source = open_utterances(config, decoder.vocabulary, encoder=decoder.encoder is not None,
+                                 num_features=decoder.encoder_num_features)
     except BaseException:
         decoder.close()
         raise
@@ -88,27 +77,3 @@ def run_decode(config: Config, *, resume: bool = False,
     if io.references is not None and "text" in io.formats:
         summary.wer = score_wer(output / defaults.TEXT_FILE, io.references, output / defaults.WER_FILE)
     return summary
-
-
-def _open_source(config: Config, decoder: Decoder):
-    """The utterances of ``config.io``: features, features with their prompts, or (without an
-    encoder and without features) the prompts alone."""
-    io = config.io
-    prompts = None
-    if io.prompts is not None:
-        prompts = read_prompts(io.prompts, vocabulary=decoder.vocabulary, format=io.prompts_format)
-    if io.features is None:
-        if decoder.encoder is not None:
-            raise ConfigError("io.features: models.encoder needs features to decode (set io.features.path or "
-                              "pass --features)")
-        return PromptSource(prompts, path=io.prompts)
-    source = open_features(io.features.path, io.features.format, config.models.front_end,
-                           num_features=io.features.num_features or decoder.encoder_num_features,
-                           on_error=io.on_bad_input)
-    if prompts is None:
-        return source
-    try:
-        return PromptedSource(source, prompts, path=io.prompts)
-    except BaseException:
-        source.close()
-        raise

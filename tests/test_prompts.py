@@ -246,8 +246,6 @@ def test_cli_prompt_errors(tmp_path):
     # no features, no prompts
     result = decode(GENERATE, "-o", "io.prompts=null", "--output", tmp_path / "out3")
     assert result.exit_code != 0 and "no features to decode" in result.output
-    result = decode(GENERATE, "--engine", "ray", "--output", tmp_path / "out4")
-    assert result.exit_code != 0 and "the ray engine decodes features without prompts" in result.output
 
 
 def test_cli_prompts_with_features(tmp_path):

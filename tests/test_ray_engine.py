@@ -208,6 +208,26 @@ def test_ctc_on_ray_writes_the_same_ctm_as_the_local_run(cluster, tmp_path):
     assert ctm["ray"] == ctm["local"] and len(ctm["local"]) > 10
 
 
+def test_prompts_on_ray_give_the_local_output(cluster, tmp_path):
+    """Text generation from a prompt file (no encoder, no features), and features with prompts."""
+    config = ROOT / "configs" / "lm-generate.yaml"
+    local = decode(config, "--output", tmp_path / "local")
+    assert local.exit_code == 0, local.output
+    on_ray = decode(config, "--engine", "ray", "--workers", "2", "-o", "search.batch_size=1", "--output", tmp_path / "ray")
+    assert on_ray.exit_code == 0, on_ray.output
+    got, count = records(tmp_path / "ray")
+    expected, _ = records(tmp_path / "local")
+    assert got == expected and count == 4
+    ids = sorted(p.stem for p in (ROOT / "examples" / "features").glob("*.npy"))
+    (tmp_path / "prompts.txt").write_text("".join(f"{u} {3 + i} 4\n" for i, u in enumerate(ids)))
+    prefix = ROOT / "configs" / "prefix-lm.yaml"
+    local = decode(prefix, "--prompts", tmp_path / "prompts.txt", "--output", tmp_path / "local2")
+    on_ray = decode(prefix, "--prompts", tmp_path / "prompts.txt", "--engine", "ray", "--workers", "2",
+                    "--output", tmp_path / "ray2")
+    assert local.exit_code == 0 and on_ray.exit_code == 0, on_ray.output
+    assert records(tmp_path / "ray2")[0] == records(tmp_path / "local2")[0]
+
+
 def test_a_worker_killed_mid_shard_is_restarted_and_nothing_is_lost(cluster, data, tmp_path, monkeypatch):
     folder, configs = data
     marker = tmp_path / "killed"

@@ -8,11 +8,11 @@ and groups consecutive batches into shards (Ray Data blocks of
 ``runtime.engine.batches_per_shard`` batches). ``Dataset.map_batches`` with a callable class,
 :class:`DecodeWorker`, runs a fixed pool of actors: one per GPU (``runtime.engine.gpus_per_worker``;
 a fraction lets workers share one) or, on the CPU path, one per ``runtime.engine.cpus_per_worker``
-CPUs. Each actor loads its ``Decoder`` (sessions, state pools) and opens the features once — from
-paths every worker can see — and decodes one search batch per call with the single-process code
-path (``Decoder.decode_batch`` with the out-of-memory fallback). Each batch comes back as one row;
-the driver writes it through the same ``ResultWriter``, so ``--resume`` works across engines both
-ways.
+CPUs. Each actor loads its ``Decoder`` (sessions, state pools) and opens the features (and
+prompts) once — from paths every worker can see — and decodes one search batch per call with the
+single-process code path (``Decoder.decode_batch`` with the out-of-memory fallback). Each batch
+comes back as one row; the driver writes it through the same ``ResultWriter``, so ``--resume``
+works across engines both ways.
 
 Fault tolerance is Ray's: an actor that dies (killed, out of host memory) is restarted
 (``runtime.engine.max_restarts``) and the shards it had not returned are decoded again
@@ -49,10 +49,9 @@ from gpudecode.io import (
     UtteranceResult,
     Vocabulary,
     bucket_by_length,
-    open_features,
     score_wer,
 )
-from gpudecode.job import OutOfMemory, RunSummary, decode_fitting
+from gpudecode.job import OutOfMemory, RunSummary, decode_fitting, open_utterances
 from gpudecode.search import Hypothesis
 
 __all__ = ["BatchResult", "DecodeWorker", "RaySummary", "WorkerStatus", "plan_shards", "run_decode_ray"]
@@ -171,10 +170,9 @@ class DecodeWorker:
         self.error: tuple[str, str, str] | None = None
         try:
             self.decoder = Decoder(self.config)
-            io = self.config.io
-            self.source = open_features(io.features.path, io.features.format, self.config.models.front_end,
-                                        num_features=io.features.num_features or self.decoder.encoder_num_features,
-                                        on_error=io.on_bad_input)
+            self.source = open_utterances(self.config, self.decoder.vocabulary,
+                                          encoder=self.decoder.encoder is not None,
+                                          num_features=self.decoder.encoder_num_features)
         except Exception as error:  # reported with the first batch
             self.error = _describe(error)
 
@@ -342,8 +340,7 @@ def run_decode_ray(config: Config, *, done: set[str], resume: bool,
     output = Path(io.output)
     vocabulary = _load_vocabulary(config)
     summary = RaySummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output)
-    with open_features(io.features.path, io.features.format, front_end, num_features=io.features.num_features,
-                       on_error=io.on_bad_input) as source:
+    with open_utterances(config, vocabulary, encoder=config.models.encoder is not None) as source:
         lengths = [(u, n) for u, n in source.lengths().items() if u not in done]
         summary.skipped = [str(error) for error in source.skipped]
     batches = bucket_by_length(lengths, config.search.batch_size)  # as the single-process run batches

@@ -174,6 +174,14 @@ class PromptedSource:
     def __len__(self) -> int:
         return len(self.source)
 
+    def lengths(self) -> dict[str, int]:
+        """Feature frames per utterance id (as the feature source gives them)."""
+        return self.source.lengths()
+
+    def read(self, utt_id: str) -> Utterance:
+        u = self.source.read(utt_id)
+        return Utterance(u.id, u.features, prompt=self.prompts[u.id])
+
     def batches(self, batch_size: int, *, exclude=(), longest_first: bool = True) -> Iterator[list[Utterance]]:
         for batch in self.source.batches(batch_size, exclude=exclude, longest_first=longest_first):
             yield [Utterance(u.id, u.features, prompt=self.prompts[u.id]) for u in batch]

@@ -3,8 +3,8 @@
 Hints: a ``genai_config.json`` next to the model (ONNX Runtime GenAI) gives names, the symbolic
 head size and key-value heads; a GroupQueryAttention graph gives them too. Then, for a Hugging Face
 decoder with a time axis, the **parity probe** proves that the toolkit feeds the model correctly:
-one row whose history fills its past exactly and the same history padded (with noise in the padding)
-must give the same scores and the same new token states. It tries the right-aligned convention
+a history padded (with noise in the padding) next to a longer unpadded history in one batch must
+give each the scores and new token states it gives alone, unpadded. It tries the right-aligned convention
 (padding first, the default) and the left-aligned one (each row's history first, the mask's ones
 over its first prefix+1 positions, the new step read at the row's own length: GroupQueryAttention
 fed from ``attention_mask``, as GenAI's exports), and keeps the first that agrees; a model for
@@ -121,8 +121,9 @@ def load_step_model_spec(session, *, io_map=None, state_patterns=(), utterance_p
             return replace(spec, history_alignment=alignment)
     raise ModelError(
         f"{spec.source}: refused: the toolkit cannot prove it feeds this model's attention correctly. A history "
-        f"of {PROBE_HISTORY} steps, once unpadded and once with {PROBE_PADDING} padding positions (noise), gives "
-        "different scores or new token states under every convention tried: "
+        f"of {PROBE_HISTORY} steps padded with {PROBE_PADDING} positions (noise), in one batch with an unpadded "
+        f"history of {PROBE_HISTORY + PROBE_PADDING}, gives other scores or new token states than each alone "
+        "under every convention tried: "
         + "; ".join(r.describe() for r in results)
         + ". The model's attention must ignore masked (attention_mask = 0) past positions.")
 
@@ -150,8 +151,9 @@ def _utterance_feeds(spec: ModelSpec, rng: np.random.Generator) -> dict:
 
 
 def probe_alignment(session, spec: ModelSpec, *, seed: int = 0) -> ProbeResult:
-    """Runs one history unpadded and padded through the model in ``spec.history_alignment``; the
-    largest difference of their scores and new token states (see the module's docstring)."""
+    """Runs histories unpadded and padded through the model in ``spec.history_alignment``; the
+    largest difference of their scores and new token states (see the module's docstring). One
+    batch holds the padded history next to a longer unpadded one, each compared with its run alone."""
     rng = np.random.default_rng(seed)
     xp = array_module(session.provider)
     variables = spec.state_variables
@@ -168,40 +170,50 @@ def probe_alignment(session, spec: ModelSpec, *, seed: int = 0) -> ProbeResult:
         shape[0], shape[v.time_axis] = 1, time
         return np.zeros(shape, dtype=v.dtype)
 
-    def step(states: dict, prefix: int, label: int):
+    def step(states: dict, prefixes: list[int], labels: list[int]):
+        rows = len(prefixes)
         time = states[variables[0].input_name].shape[variables[0].time_axis]
-        prefix_lengths = xp.asarray(np.array([prefix], np.int32))
-        feeds = {k: xp.asarray(v) for k, v in {**states, **utterances}.items()}
-        feeds[label_name] = xp.asarray(np.array([[label]], dtype=label_dtype))
+        prefix_lengths = xp.asarray(np.array(prefixes, np.int32))
+        per_row = spec.utterance_rows != "utterance"
+        feeds = {k: xp.asarray(v) for k, v in states.items()}
+        feeds.update({k: xp.asarray(np.repeat(v, rows, axis=0) if per_row else v) for k, v in utterances.items()})
+        feeds[label_name] = xp.asarray(np.array(labels, dtype=label_dtype)[:, None])
         feeds.update(hf_step_feeds(spec, spec.tensors, prefix_lengths, time))
         out = session.run(feeds, wanted)
         scores = to_host(out[spec.scores_output]).astype(np.float64)
-        scores = scores.reshape(1, -1, scores.shape[-1])[:, -1]
+        scores = scores.reshape(rows, -1, scores.shape[-1])[:, -1]
         new = {v.input_name: to_host(new_step_states(out[v.output_name], prefix_lengths, v.time_axis,
-                                                     spec.history_alignment)).astype(v.dtype)
+                                                     spec.history_alignment)).astype(np.float64)
                for v in variables}
         return scores, new
 
-    labels = rng.integers(0, vocab, PROBE_HISTORY + 1)
+    short, long = PROBE_HISTORY, PROBE_HISTORY + PROBE_PADDING
+    labels = [int(x) for x in rng.integers(0, vocab, long + 2)]
     try:
-        history = {v.input_name: empty(v, 0) for v in variables}
-        for t in range(PROBE_HISTORY):  # the history, one unpadded step at a time
-            _, new = step(history, t, int(labels[t]))
-            history = {v.input_name: np.concatenate([history[v.input_name], new[v.input_name]], axis=v.time_axis)
-                       for v in variables}
-        reference, reference_new = step(history, PROBE_HISTORY, int(labels[-1]))
-        padded = {}
+        histories = [{v.input_name: empty(v, 0) for v in variables}]
+        for t in range(long):  # the histories, one unpadded step at a time
+            _, new = step(histories[-1], [t], [labels[t]])
+            histories.append({v.input_name: np.concatenate([histories[-1][v.input_name],
+                                                            new[v.input_name].astype(v.dtype)], axis=v.time_axis)
+                              for v in variables})
+        alone = [step(histories[short], [short], [labels[long]]), step(histories[long], [long], [labels[long + 1]])]
+        batch = {}
         for v in variables:
-            past = history[v.input_name]
+            past = histories[short][v.input_name]
             scale = max(1.0, float(np.abs(past.astype(np.float64)).max()))
             noise = (rng.standard_normal(empty(v, PROBE_PADDING).shape) * 3 * scale).astype(v.dtype)
-            parts = [noise, past] if spec.history_alignment == "right" else [past, noise]
-            padded[v.input_name] = np.concatenate(parts, axis=v.time_axis)
-        scores, new = step(padded, PROBE_HISTORY, int(labels[-1]))
+            padded = np.concatenate([noise, past] if spec.history_alignment == "right" else [past, noise],
+                                    axis=v.time_axis)
+            batch[v.input_name] = np.concatenate([padded, histories[long][v.input_name]], axis=0)
+        together = step(batch, [short, long], [labels[long], labels[long + 1]])
     except Exception as exc:  # noqa: BLE001 - the model refusing our feeds is a probe result
         return ProbeResult(spec.history_alignment, None, tolerance, error=str(exc).splitlines()[0][:300])
-    differences = [np.abs(scores - reference).max() / max(1.0, np.abs(reference).max())]
-    for v in variables:
-        a, b = reference_new[v.input_name].astype(np.float64), new[v.input_name].astype(np.float64)
-        differences.append(np.abs(a - b).max() / max(1.0, np.abs(a).max()) if a.shape == b.shape else np.inf)
-    return ProbeResult(spec.history_alignment, float(max(differences)), tolerance)
+
+    def difference(a, b) -> float:
+        return float(np.abs(a - b).max() / max(1.0, np.abs(a).max())) if a.shape == b.shape else np.inf
+
+    differences = []
+    for row, (scores, new) in enumerate(alone):
+        differences.append(difference(scores[0], together[0][row]))
+        differences += [difference(new[v.input_name][0], together[1][v.input_name][row]) for v in variables]
+    return ProbeResult(spec.history_alignment, max(differences), tolerance)

@@ -8,9 +8,11 @@ export as it is (``genai_config.json``, the symbolic head size, left-aligned his
 proven at load), runs the step model as its own prefill and decodes all prompts in one batch
 (different prompt lengths), statically and with continuous batching: tokens must be equal and the
 greedy scores within 1e-4 of the sum of GenAI's token log-probabilities (its step logits). Beam
-search (4 beams, GenAI's defaults early_stopping and length_penalty 1: ``finished="separate"``,
-``length_counts="prompt-and-labels"``) must return GenAI's 4 sequences in GenAI's order, each scored
-as a teacher-forced run of the whole sequence through the model says (1e-4).
+search (4 beams, GenAI's defaults early_stopping and length_penalty 1: ``finished="separate-genai"``,
+``length_counts="prompt-and-labels"``), with max_length the whole context (64) and 20 (where lists
+fill up at the limit, and GenAI's rules there differ from Hugging Face's), must return GenAI's 4
+sequences in GenAI's order, each scored as a teacher-forced run of the whole sequence through the
+model says (1e-4).
 
 GenAI's oracle is one generator per prompt: its own batch of these prompts, left-padded, gives
 different tokens on the padded rows (recorded in the fixture as ``genai_batch_left_padded``), while
@@ -62,8 +64,8 @@ def expected_greedy(source: str) -> dict:
     return live
 
 
-def expected_beams(source: str) -> list[list[list[int]]]:
-    beam = DOCUMENT["beam"]
+def expected_beams(source: str, case: str) -> list[list[list[int]]]:
+    beam = DOCUMENT[case]
     if source == "fixture":
         return beam["sequences"]
     script = fixture_script()
@@ -125,13 +127,14 @@ def teacher_forced_score(sequence: list[int], prompt_length: int) -> float:
 
 
 @pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("case", ["beam", "beam_at_max_length_20"])
 @pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
-def test_beam_search_equals_genai(scorer, source, continuous):
-    beam = DOCUMENT["beam"]
-    expected = expected_beams(source)
-    options = LabelSyncOptions(
+def test_beam_search_equals_genai(scorer, source, case, continuous):
+    beam = DOCUMENT[case]
+    expected = expected_beams(source, case)
+    options = LabelSyncOptions(  # GenAI's search options: genai_config.json's early_stopping, length_penalty
         beam_size=beam["num_beams"], sentence_end=EOS, max_labels_per_input=1.0, max_labels=beam["max_length"],
-        finished="separate", early_stopping=beam["early_stopping"], length_norm_scale=beam["length_penalty"],
+        finished="separate-genai", early_stopping=True, length_norm_scale=1.0,
         length_counts="prompt-and-labels", nbest=beam["num_beams"])
     nbest = label_sync_search([("genai", scorer, 1.0)], prompt_batch(beam["max_length"]), options, xp=np,
                               max_active_utterances=continuous)

@@ -43,10 +43,9 @@ VOCAB = 128
 BOS, EOS, PAD = 1, 79, 0
 MAX_LENGTH = 20  # prompt + generated tokens, GenAI's max_length
 NUM_BEAMS = 4
-#: the beam search's max_length, the model's whole context (max_position_embeddings): GenAI's lists
-#: fill with sentence-end hypotheses before the limit (at the limit GenAI, as Hugging Face's former
-#: BeamSearchScorer, adds the open beams only to an utterance not yet done; recorded at MAX_LENGTH
-#: as ``beam_at_max_length_20``)
+#: the beam search's max_length, the model's whole context (max_position_embeddings); the beam search
+#: is also recorded at MAX_LENGTH (``beam_at_max_length_20``), where lists fill up at the limit (GenAI,
+#: as Hugging Face's former BeamSearchScorer, then adds the open beams only to an utterance not done)
 BEAM_MAX_LENGTH = 64
 #: token prompts of different lengths (no PAD inside a prompt: GenAI masks pad ids)
 PROMPTS = [
@@ -153,7 +152,8 @@ def main() -> None:
         "greedy": {"sequences": [g[0][0] for g in greedy], "token_log_probs": [g[1][0] for g in greedy]},
         "beam": {"num_beams": NUM_BEAMS, "max_length": BEAM_MAX_LENGTH, "early_stopping": True,
                  "length_penalty": 1.0, "sequences": beams},
-        "beam_at_max_length_20": {"num_beams": NUM_BEAMS, "max_length": MAX_LENGTH, "sequences": beams_short},
+        "beam_at_max_length_20": {"num_beams": NUM_BEAMS, "max_length": MAX_LENGTH, "early_stopping": True,
+                                  "length_penalty": 1.0, "sequences": beams_short},
         "transformers_greedy": hf_greedy,
         # GenAI's own batch of the same prompts, left-padded with PAD: its rows with padding differ
         # from the single-prompt runs above (and from transformers); kept as a record, not an oracle

@@ -29,8 +29,9 @@ Prefill inputs, by logical name (``prefill_io_map`` maps them to the model's own
 Runtime GenAI export — a decoder-only model with past inputs): at admission the prompts go through
 the step model itself with empty pasts, right-padded (each row's prompt first: a causal model never
 attends to the padding after a position), with ``attention_mask`` / ``position_ids`` (and
-``seqlens_k`` / ``total_sequence_length``) from the prompt sizes; its present outputs hold each
-row's prompt states first. At load a probe requires a short prompt alone and the same prompt padded
+``seqlens_k`` / ``total_sequence_length``) from the prompt sizes, and a merged Optimum decoder's
+``use_cache_branch`` False (its branch without pasts; True on every step); its present outputs hold
+each row's prompt states first. At load a probe requires a short prompt alone and the same prompt padded
 in a batch with a longer one to give the same scores and states, else the model is refused.
 
 Prefill outputs: ``scores`` (or ``logits``) [U, V], [U, 1, V] or [U, P, V] (then the row's last

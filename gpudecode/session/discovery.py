@@ -40,9 +40,12 @@ DEFAULT_UTTERANCE_PATTERNS: tuple[str, ...] = (
 )
 
 RASR_INPUTS = ("token", "token-length", "prefix-length")
-HF_INPUTS = ("input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length")
+HF_INPUTS = ("input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length", "use_cache_branch")
 #: explicit GroupQueryAttention lengths: [N] int32 (valid positions - 1) and a scalar int32 (T + 1)
 HF_LENGTH_INPUTS = ("seqlens_k", "total_sequence_length")
+#: Optimum's merged decoder (``decoder_model_merged``): a [1] bool choosing its branch, False on a
+#: prompt run with empty pasts (the ``decoder_model`` graph), True on a step (``decoder_with_past_model``)
+HF_BRANCH_INPUT = "use_cache_branch"
 SCORE_OUTPUTS = {"rasr": "scores", "huggingface": "logits"}
 INT_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
 FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("V2"))
@@ -272,8 +275,10 @@ def discover_step_model(
         info = tensors.input(name(logical))
         if info is None:
             continue  # checked below once the state variables are known
-        rank = {"attention_mask": (2,), "position_ids": (2,), "total_sequence_length": (0, 1)}.get(logical, (1,))
-        dtypes = (np.dtype(np.int32),) if logical in HF_LENGTH_INPUTS else INT_TYPES
+        rank = {"attention_mask": (2,), "position_ids": (2,), "total_sequence_length": (0, 1),
+                HF_BRANCH_INPUT: (0, 1)}.get(logical, (1,))
+        dtypes = ((np.dtype(np.int32),) if logical in HF_LENGTH_INPUTS
+                  else (np.dtype(np.bool_),) if logical == HF_BRANCH_INPUT else INT_TYPES)
         _check(tensors, info, dtypes=dtypes, ranks=rank, what="input")
         hypothesis_inputs[logical] = info.name
 

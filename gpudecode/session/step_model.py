@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from gpudecode.backend import get_array_module, to_host
-from gpudecode.session.discovery import ModelSpec
+from gpudecode.session.discovery import HF_BRANCH_INPUT, ModelSpec
 from gpudecode.session.graphs import GraphBuckets, GraphOptions
 from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states
 from gpudecode.session.runner import OnnxSession
@@ -30,20 +30,28 @@ from gpudecode.states.managers import StateManager
 def hf_step_feeds(spec: ModelSpec, tensors, prefix_lengths, time_size: int, num_new: int = 1) -> dict:
     """The Hugging Face convention's per-row inputs of a step over histories of ``prefix_lengths``
     [N] in T = ``time_size`` past positions (``spec.history_alignment``), by model input name, in the
-    model's dtypes: ``attention_mask``, ``position_ids``, and GroupQueryAttention's explicit
-    ``seqlens_k`` / ``total_sequence_length`` where the model takes them."""
+    model's dtypes: ``attention_mask``, ``position_ids``, GroupQueryAttention's explicit
+    ``seqlens_k`` / ``total_sequence_length``, and a merged Optimum decoder's ``use_cache_branch``
+    (True: the with-past branch), where the model takes them."""
     names = spec.hypothesis_inputs
     mask, positions = hf_attention_inputs(prefix_lengths, time_size, num_new, spec.history_alignment)
-    values = {"attention_mask": mask, "position_ids": positions}
+    values = {"attention_mask": mask, "position_ids": positions, HF_BRANCH_INPUT: np.array(True)}
     if "seqlens_k" in names or "total_sequence_length" in names:
         seqlens, total = hf_length_inputs(prefix_lengths, time_size, num_new)
         values.update(seqlens_k=seqlens, total_sequence_length=total)
+    return _hf_feeds(names, tensors, values)
+
+
+def _hf_feeds(names: dict, tensors, values: dict) -> dict:
+    """``values`` (by logical name) of the inputs the model takes, by model input name in its
+    dtypes; the scalars ``total_sequence_length`` and ``use_cache_branch`` stay on the host, shaped
+    () or [1] as the model declares them."""
     feeds = {}
     for logical, value in values.items():
         if logical in names:
             info = tensors.input(names[logical])
             value = value.astype(info.dtype, copy=False)
-            if logical == "total_sequence_length":  # a scalar (or [1]) on the host
+            if logical in ("total_sequence_length", HF_BRANCH_INPUT):
                 value = value.reshape(() if info.rank == 0 else (1,))
             feeds[names[logical]] = value
     return feeds
@@ -52,24 +60,18 @@ def hf_step_feeds(spec: ModelSpec, tensors, prefix_lengths, time_size: int, num_
 def hf_prompt_feeds(spec: ModelSpec, tensors, sizes, width: int) -> dict:
     """The Hugging Face convention's inputs of a prompt run with empty pasts: prompts of ``sizes``
     [U] right-padded to ``width`` (each row's prompt first), by model input name in the model's
-    dtypes: ``attention_mask`` ones over each row's prompt, ``position_ids`` 0..width-1, and
-    GroupQueryAttention's ``seqlens_k`` (size - 1) / ``total_sequence_length`` (width)."""
+    dtypes: ``attention_mask`` ones over each row's prompt, ``position_ids`` 0..width-1,
+    GroupQueryAttention's ``seqlens_k`` (size - 1) / ``total_sequence_length`` (width), and a
+    merged Optimum decoder's ``use_cache_branch`` (False: the branch without pasts)."""
     xp = get_array_module(sizes)
     names = spec.hypothesis_inputs
     sizes = xp.asarray(sizes).astype(xp.int64)
     columns = xp.arange(width, dtype=xp.int64)
     values = {"attention_mask": (columns[None, :] < sizes[:, None]).astype(xp.int64),
               "position_ids": xp.broadcast_to(columns[None, :], (sizes.shape[0], width)).copy(),
-              "seqlens_k": (sizes - 1).astype(xp.int32), "total_sequence_length": np.array(width, np.int32)}
-    feeds = {}
-    for logical, value in values.items():
-        if logical in names:
-            info = tensors.input(names[logical])
-            value = value.astype(info.dtype, copy=False)
-            if logical == "total_sequence_length":  # a scalar (or [1]) on the host
-                value = value.reshape(() if info.rank == 0 else (1,))
-            feeds[names[logical]] = value
-    return feeds
+              "seqlens_k": (sizes - 1).astype(xp.int32), "total_sequence_length": np.array(width, np.int32),
+              HF_BRANCH_INPUT: np.array(False)}
+    return _hf_feeds(names, tensors, values)
 
 
 def _rows(array, axis: int, count: int):
@@ -337,6 +339,8 @@ class StepModelRunner:
             for logical, shape in shapes.items():
                 if logical in names:
                     feeds[names[logical]] = view(names[logical], self._input_dtype(logical), shape)
+            if HF_BRANCH_INPUT in names:  # a merged decoder's branch: a host constant (an If's condition)
+                feeds.update(_hf_feeds(names, self.session.tensors, {HF_BRANCH_INPUT: np.array(True)}))
         lane_key = []
         input_rows = _input_rows(slice(start, start + padded_rows), lanes.group_size)
         for name, buffer in lanes.buffers.items():

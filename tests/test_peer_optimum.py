@@ -189,6 +189,14 @@ def test_form_with_continuous_batching_equals_generate(form, case):
                 DOCUMENT["expected"][case])
 
 
+@pytest.mark.parametrize("case", ["greedy", "beam8-late"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_form_with_bucketed_runs_equals_generate(form, case):
+    """``cuda_graphs`` on the CPU: every step padded to its (rows, history) bucket and fed from the
+    graph buffers (the merged model's ``use_cache_branch`` among the static inputs)."""
+    assert_same(decode(form, CASES[case], graphs=True, max_active_utterances=3), DOCUMENT["expected"][case])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True], ids=["no-graphs", "graphs"])
 @pytest.mark.parametrize("case", ["greedy", "beam4-early", "beam8-late", "beam4-min-length"])
@@ -218,6 +226,24 @@ def test_exports_are_of_the_live_model():
     with torch.no_grad():
         reference = lm(torch.tensor([fixture.CHECK_SEQUENCE])).logits[0].numpy()
     fixture.check_exports(reference, FIXTURE)
+
+
+@pytest.mark.parametrize("case", ["greedy", "beam4-late"])
+@pytest.mark.parametrize("form", ["default", "merged"])
+def test_as_a_recurrent_lm_from_a_start_label_equals_generate(form, case):
+    """A ``recurrent-lm`` (an LM as fused into another decoder's search) started from one label:
+    ``generate`` of that one-label prompt (``PROMPTS[1]``)."""
+    from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
+
+    (start,) = PROMPTS[1]
+    lm = RecurrentLmScorer(model=str(FIXTURE / FORMS[form][1]), vocab_size=VOCAB, start_labels=[start],
+                           scores_kind="logits", state_manager=StateManagerOptions(type="transformer-cpu"))
+    opts = options(CASES[case])
+    utterances = UtteranceBatch(ids=["p1"], input_lengths=np.array([MAX_NEW]), inputs={}, sizes={})
+    (hyps,) = label_sync_search([("lm", lm, 1.0)], utterances, opts)
+    got = [{"tokens": h.labels + [EOS] * (h.length - len(h.labels)),
+            "score": h.score / h.length ** opts.length_norm_scale} for h in hyps]
+    assert_same([got], DOCUMENT["expected"][case][1:2])
 
 
 # --- refused at load -----------------------------------------------------------------------------

@@ -25,7 +25,9 @@ are peaked enough for beam decisions not to hinge on float rounding) is saved wi
   the pasts ignored; True: ``decoder_with_past_model``);
 
 each checked by Optimum's own validation (``validate_models_outputs``) and against the model's
-logits (``check_exports``). A vocabulary ``vocab.txt`` (labels ``t0`` ... ``t99``) is written next to
+logits (``check_exports``). With optimum-onnx 0.1.0 ``model.onnx`` is byte for byte
+``decoder_with_past_model.onnx`` (git stores it once); a re-run reproduces every file but the merged
+model's names of its shared weights (Optimum's merge numbers them in a varying order). A vocabulary ``vocab.txt`` (labels ``t0`` ... ``t99``) is written next to
 them.
 
 Then transformers' ``generate`` decodes the GPT-2 fixture's ``PROMPTS`` (one prompt per call: no

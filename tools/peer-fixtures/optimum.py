@@ -27,8 +27,8 @@ are peaked enough for beam decisions not to hinge on float rounding) is saved wi
 each checked by Optimum's own validation (``validate_models_outputs``) and against the model's
 logits (``check_exports``). With optimum-onnx 0.1.0 ``model.onnx`` is byte for byte
 ``decoder_with_past_model.onnx`` (git stores it once); a re-run reproduces every file but the merged
-model's names of its shared weights (Optimum's merge numbers them in a varying order). A vocabulary ``vocab.txt`` (labels ``t0`` ... ``t99``) is written next to
-them.
+model's names of its shared weights (Optimum's merge numbers them in a varying order). A vocabulary
+``vocab.txt`` (labels ``t0`` ... ``t99``) is written next to them.
 
 Then transformers' ``generate`` decodes the GPT-2 fixture's ``PROMPTS`` (one prompt per call: no
 padding) in every case of its ``CASES`` (``tools/peer-fixtures/gpt2.py``: greedy, beam 4 and 8,

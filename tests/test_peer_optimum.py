@@ -15,7 +15,8 @@ fixture must still equal it). Forms:
 The toolkit decodes all prompts of a case in one batch (different prompt lengths) in the
 ``finished="separate"`` mode (transformers' beam rules): token sequences must be equal and scores
 within 1e-4 (``sequences_scores``: the score divided by ``length ** length_penalty``; greedy: the sum
-of the tokens' log-probabilities). The live tests build the model from the seed again and run
+of the tokens' log-probabilities). Today's (in-beam) mode is checked against a brute-force oracle
+on the same export. The live tests build the model from the seed again and run
 ``generate``: with the transformers the fixture was made with (4.57, which optimum-onnx 0.1.0 needs:
 ``PYTHONPATH=/path/to/transformers-4.57``) and with transformers 5.24 alike, which initialise the same
 weights and give the same outputs.
@@ -244,6 +245,54 @@ def test_as_a_recurrent_lm_from_a_start_label_equals_generate(form, case):
     got = [{"tokens": h.labels + [EOS] * (h.length - len(h.labels)),
             "score": h.score / h.length ** opts.length_norm_scale} for h in hyps]
     assert_same([got], DOCUMENT["expected"][case][1:2])
+
+
+# --- today's mode against brute force ---------------------------------------------------------
+def exhaustive_nbest(prompt: list[int], scale: float) -> list[tuple[list[int], float, float]]:
+    """Every hypothesis of at most 2 labels, scored by ``decoder_model.onnx`` over the whole
+    sequence (no pasts, no search; float64 log-softmax): (labels, score, rank) sorted by rank."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(FIXTURE / FILES["prefill"]))
+
+    def log_probs(rows: list[list[int]]) -> np.ndarray:
+        ids = np.asarray(rows, np.int64)
+        positions = np.tile(np.arange(ids.shape[1]), (len(rows), 1))
+        last = session.run(["logits"], {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                        "position_ids": positions})[0][:, -1].astype(np.float64)
+        top = last.max(-1, keepdims=True)
+        return last - top - np.log(np.exp(last - top).sum(-1, keepdims=True))
+
+    first = log_probs([prompt])[0]
+    seconds = log_probs([prompt + [label] for label in range(VOCAB)])
+    hyps = [([], first[EOS], 1)]
+    hyps += [([a] if b == EOS else [a, b], first[a] + seconds[a, b], 2)
+             for a in range(VOCAB) if a != EOS for b in range(VOCAB)]
+    return sorted(((labels, score, score / length ** scale) for labels, score, length in hyps), key=lambda h: -h[2])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0])
+@pytest.mark.parametrize("form", ["pair", "merged"])
+def test_in_beam_mode_equals_brute_force(form, scale):
+    """Two labels at most and beam 100 = |V|: today's in-beam search returns the exhaustive best 100
+    by ``score / length ** scale`` (each with the oracle's score, best first; near-ties at the
+    cut-off may go either way)."""
+    opts = LabelSyncOptions(beam_size=VOCAB, sentence_end=EOS, max_labels_per_input=1.0, max_labels=2,
+                            length_norm_scale=scale)
+    prompts = PROMPTS[:3]
+    nbest = label_sync_search([("lm", scorer(form), 1.0)], batch(prompts), opts)
+    for prompt, hyps in zip(prompts, nbest):
+        oracle = exhaustive_nbest(prompt, scale)
+        by_labels = {tuple(labels): (score, rank) for labels, score, rank in oracle}
+        assert len(hyps) == VOCAB
+        got = [by_labels[tuple(h.labels)] for h in hyps]  # KeyError: not a hypothesis of the oracle
+        np.testing.assert_allclose([h.score for h in hyps], [score for score, _ in got], atol=TOL)
+        ranks = np.array([rank for _, rank in got])
+        assert (np.diff(ranks) <= TOL).all()
+        cut, next_best = oracle[VOCAB - 1][2], oracle[VOCAB][2]
+        assert ranks.min() >= next_best - TOL
+        returned = {tuple(h.labels) for h in hyps}
+        assert all(tuple(labels) in returned for labels, _, rank in oracle if rank > cut + TOL)
 
 
 # --- refused at load -----------------------------------------------------------------------------

@@ -177,9 +177,27 @@ class RuntimeConfig(_Section):
         return self
 
 
+class EncoderLayoutConfig(_Section):
+    """How the encoder takes its features (``session.EncoderLayout``): ``channels_first``
+    ([U, F, T]), ``fixed_frames`` (every utterance exactly that many frames), ``lengths``
+    (``inputs``: features-size in, encoder-states-size out; ``none``: no lengths, needs fixed_frames)."""
+
+    channels_first: bool = False
+    fixed_frames: PositiveInt | None = None
+    lengths: Literal["inputs", "none"] = "inputs"
+
+    @model_validator(mode="after")
+    def _check(self) -> EncoderLayoutConfig:
+        if self.lengths == "none" and self.fixed_frames is None:
+            raise _KeyedError(["fixed_frames"], "an encoder without lengths (lengths: none) needs fixed_frames")
+        return self
+
+
 class EncoderConfig(_Section):
     path: ConfigPath
     io_map: dict[str, str] = Field(default_factory=dict)  # logical name -> model's name
+    #: None: the default layout, or Whisper's for Hugging Face's ``input_features`` without lengths
+    layout: EncoderLayoutConfig | None = None
 
 
 class VocabularyConfig(_Section):
@@ -193,8 +211,11 @@ class VocabularyConfig(_Section):
 
 
 class FrontEndConfig(_Section):
-    """The log-mel front end for audio input (names match ``io.frontend.LogMelOptions``)."""
+    """The front end for audio input: ``type`` ``log-mel`` (names match ``io.frontend.LogMelOptions``)
+    or ``whisper`` (Whisper's log-mel, ``io.whisper_frontend``: only ``sample_rate_hz`` and
+    ``num_mel_bins`` apply; 30 s, 3000 frames per recording)."""
 
+    type: Literal["log-mel", "whisper"] = "log-mel"
     sample_rate_hz: PositiveInt = defaults.SAMPLE_RATE_HZ
     window_ms: PositiveFloat = defaults.WINDOW_MS
     hop_ms: PositiveFloat = defaults.HOP_MS
@@ -220,6 +241,11 @@ class FrontEndConfig(_Section):
         if self.normalisation != "global" and self.stats_file is not None:
             raise _KeyedError(["stats_file"], f"stats_file is only used with normalisation "
                               f"'global' (normalisation is {self.normalisation!r})")
+        if self.type == "whisper":
+            if self.normalisation != defaults.NORMALISATION or self.preemphasis != defaults.PREEMPHASIS:
+                raise ValueError("the whisper front end has its own scaling: leave normalisation and "
+                                 "preemphasis at their defaults")
+            return self
         try:
             mel_filterbank(LogMelOptions.from_any(self))
         except FrontEndError as exc:

@@ -19,7 +19,7 @@ from gpudecode.io.vocabulary import Vocabulary
 from gpudecode.hypothesis import Hypothesis
 from gpudecode.scorers import UtteranceBatch, create_scorer
 from gpudecode.search.registry import SearchSetup, SearchTypeError, search_type
-from gpudecode.session import OnnxSession, SessionOptions, discover_encoder
+from gpudecode.session import EncoderLayout, OnnxSession, SessionOptions, discover_encoder
 from gpudecode.states.options import StateManagerOptions
 
 ONNX_SCORERS = ("onnx-decoder", "recurrent-lm")
@@ -65,7 +65,10 @@ class Decoder:
         self.encoder = None
         if config.models.encoder is not None:
             self.encoder = OnnxSession(config.models.encoder.path, self.session_options)
-            self.encoder_spec = discover_encoder(self.encoder.tensors, io_map=config.models.encoder.io_map)
+            layout = config.models.encoder.layout
+            self.encoder_spec = discover_encoder(
+                self.encoder.tensors, io_map=config.models.encoder.io_map,
+                layout=None if layout is None else EncoderLayout(**layout.model_dump()))
         self.scorers = [(s.name, self._build_scorer(i, s), s.scale) for i, s in enumerate(config.scorers)]
         self.blank = self._special("blank") if "blank" in needs else None
         self.prediction = self.joint = None
@@ -118,6 +121,12 @@ class Decoder:
                              scores_kind=models.joint_scores_kind)
         return prediction, joint
 
+    @property
+    def _fixed_frames(self) -> bool:
+        """The encoder gives every utterance the same frames (no lengths): per-utterance inputs of
+        the scorers need no mask."""
+        return self.encoder is not None and not self.encoder_spec.has_lengths
+
     def _graphs(self, scorer):
         """The CUDA-graph options of one scorer: the runtime's, switched by the scorer's own key."""
         return self.config.runtime.cuda_graphs.to_options(scorer.cuda_graphs)
@@ -135,6 +144,7 @@ class Decoder:
                 start_labels=[self.vocabulary.resolve(label, f"{key}.start_labels") for label in start],
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
+                fixed_frames=self._fixed_frames,
             )
         if scorer.type == "prefix-lm":
             models = (scorer.model if isinstance(scorer.model, dict)
@@ -153,11 +163,18 @@ class Decoder:
                 "prefix-lm", model=models["step"], prefill_model=models.get("prefill"), vocab_size=len(self.vocabulary),
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
-                **prompts,
+                fixed_frames=self._fixed_frames, **prompts,
             )
         if scorer.type == "ctc-prefix":  # joint CTC/attention: the encoder also outputs frame log-probs
             return create_scorer("ctc-prefix", vocab_size=len(self.vocabulary), sentence_end=self._special("sentence_end"),
                                  blank=self._special("blank"), input_name=scorer.io_map.get("log-probs", "log-probs"))
+        if scorer.type == "suppress-tokens":  # labels by name or index
+            unknown = set(scorer.options) - {"tokens", "begin_tokens"}
+            if unknown:
+                raise ConfigError(f"{key}.options: unknown {sorted(unknown)}; valid: tokens, begin_tokens")
+            labels = {name: [self.vocabulary.resolve(label, f"{key}.options.{name}") for label in scorer.options.get(name, ())]
+                      for name in ("tokens", "begin_tokens")}
+            return create_scorer("suppress-tokens", vocab_size=len(self.vocabulary), **labels)
         if scorer.type == "length-reward":
             return create_scorer("length-reward", vocab_size=len(self.vocabulary), sentence_end=self.sentence_end,
                                  **scorer.options)
@@ -184,11 +201,23 @@ class Decoder:
             inputs = {"encoder-states": self.xp.asarray(_pad(features))}
             sizes = lengths.astype(np.int64)
         else:
-            names = self.encoder_spec.names
-            size_dtype = self.encoder.tensors.input(names["features-size"]).dtype
-            outputs = self.encoder.run({names["features"]: _pad(features),
-                                        names["features-size"]: lengths.astype(size_dtype)})
-            sizes = to_host(outputs.pop(names["encoder-states-size"])).astype(np.int64)
+            spec = self.encoder_spec
+            names, layout = spec.names, spec.layout
+            if layout.fixed_frames is not None and (lengths != layout.fixed_frames).any():
+                bad = int(np.argmax(lengths != layout.fixed_frames))
+                raise ValueError(f"utterance {ids[bad]!r}: {int(lengths[bad])} feature frames; the encoder takes "
+                                 f"exactly {layout.fixed_frames} (models.encoder.layout.fixed_frames; the whisper "
+                                 "front end gives 3000)")
+            padded = _pad(features)
+            feeds = {names["features"]: np.ascontiguousarray(padded.transpose(0, 2, 1))
+                     if layout.channels_first else padded}
+            if spec.has_lengths:
+                feeds[names["features-size"]] = lengths.astype(self.encoder.tensors.input(names["features-size"]).dtype)
+            outputs = self.encoder.run(feeds)
+            if spec.has_lengths:
+                sizes = to_host(outputs.pop(names["encoder-states-size"])).astype(np.int64)
+            else:  # every utterance's states are the whole output: all frames attended to
+                sizes = np.full(len(ids), outputs[names["encoder-states"]].shape[1], np.int64)
             inputs = {k: self.xp.asarray(v) for k, v in outputs.items()}
             if names["encoder-states"] != "encoder-states":
                 inputs["encoder-states"] = inputs.pop(names["encoder-states"])
@@ -299,11 +328,19 @@ def encoder_subsampling(config: Config) -> int:
     if config.models.encoder is None:
         return 1
     session = OnnxSession(config.models.encoder.path)
-    return _probe_subsampling(session, discover_encoder(session.tensors, io_map=config.models.encoder.io_map))
+    layout = config.models.encoder.layout
+    return _probe_subsampling(session, discover_encoder(
+        session.tensors, io_map=config.models.encoder.io_map,
+        layout=None if layout is None else EncoderLayout(**layout.model_dump())))
 
 
 def _probe_subsampling(session: OnnxSession, spec, frames: int = 96) -> int:
     names = spec.names
+    if not spec.has_lengths:  # a fixed-length encoder: its fixed frames over its output frames
+        fixed = spec.layout.fixed_frames
+        shape = (1, spec.num_features or 1, fixed) if spec.layout.channels_first else (1, fixed, spec.num_features or 1)
+        out = session.run({names["features"]: np.zeros(shape, np.float32)}, [names["encoder-states"]])
+        return max(1, round(fixed / max(int(out[names["encoder-states"]].shape[1]), 1)))
     features = np.zeros((1, frames, spec.num_features or 1), np.float32)
     size_dtype = session.tensors.input(names["features-size"]).dtype
     out = session.run({names["features"]: features, names["features-size"]: np.array([frames], size_dtype)},

@@ -47,6 +47,7 @@ BUILTIN_SCORER_TYPES = (
     "recurrent-lm",
     "ctc-prefix",
     "length-reward",
+    "suppress-tokens",
 )
 SCORER_SCALE = 1.0
 SCORES_KINDS = ("log-probs", "neg-log-probs", "logits")

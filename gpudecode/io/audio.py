@@ -1,4 +1,5 @@
-"""Audio files (wav, flac via soundfile) turned into log-mel features by ``LogMelFrontEnd``.
+"""Audio files (wav, flac via soundfile) turned into log-mel features by ``LogMelFrontEnd`` (or
+Whisper's, ``WhisperFrontEnd``, for ``models.front_end.type: whisper``).
 
 The source is one audio file, a folder of audio files (id = file stem), or a list file with one
 ``<path>`` or ``<id> <path>`` per line (Kaldi ``wav.scp`` style; relative paths resolve against
@@ -16,6 +17,18 @@ from gpudecode import defaults
 from gpudecode.io.errors import FeatureError
 from gpudecode.io.features import FeatureSource, sorted_files
 from gpudecode.io.frontend import LogMelFrontEnd
+from gpudecode.io.whisper_frontend import WhisperFrontEnd
+
+
+def make_front_end(front_end: Any = None):
+    """The front end of ``models.front_end`` (or its mapping, or a front end itself): by ``type``,
+    ``log-mel`` (the default) or ``whisper``."""
+    if isinstance(front_end, (LogMelFrontEnd, WhisperFrontEnd)):
+        return front_end
+    kind = front_end.get("type") if isinstance(front_end, dict) else getattr(front_end, "type", None)
+    if isinstance(front_end, dict):
+        front_end = {k: v for k, v in front_end.items() if k != "type"}
+    return WhisperFrontEnd(front_end) if kind == "whisper" else LogMelFrontEnd(front_end)
 
 
 def read_audio_list(path: Path) -> dict[str, Path]:
@@ -46,8 +59,7 @@ class AudioSource(FeatureSource):
         super().__init__(path, **kwargs)
         import soundfile  # noqa: F401  (fail early when it is missing)
 
-        self.front_end = (front_end if isinstance(front_end, LogMelFrontEnd)
-                          else LogMelFrontEnd(front_end))
+        self.front_end = make_front_end(front_end)
         if self.num_features is None:
             self.num_features = self.front_end.num_features
             self._features_from = "num_mel_bins of the front end"

@@ -9,6 +9,7 @@ from gpudecode.scorers.base import (
 )
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, combine_scores
 from gpudecode.scorers.length_reward import LengthRewardScorer
+from gpudecode.scorers.suppress_tokens import SuppressTokensScorer
 from gpudecode.scorers.registry import (
     ScorerTypeError,
     create_scorer,
@@ -24,6 +25,7 @@ __all__ = [
     "LengthRewardScorer",
     "ScorerEntry",
     "ScorerTypeError",
+    "SuppressTokensScorer",
     "Transition",
     "UtteranceBatch",
     "check_scorers",

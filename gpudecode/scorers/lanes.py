@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.session import ModelSpec, UtteranceInput, hf_encoder_attention_mask
 from gpudecode.sizes import next_power_of_two
@@ -93,6 +94,10 @@ class LaneInputs:
             self.write(u.name, data, rows, u.time_axis, host_rows)
         if sizes is None:
             sizes = utterances.size_of(sizes_source) if sizes_source else utterances.input_lengths
+        if not spec.masked_frames and time_size is not None and (np.asarray(to_host(sizes)) != time_size).any():
+            raise ValueError(f"{spec.source}: utterances of {sorted(set(np.asarray(to_host(sizes)).tolist()))} "
+                             f"frames padded to {time_size}: the model cannot mask padded frames (no "
+                             "encoder-states-size or encoder_attention_mask input)")
         if mask_input is not None:
             if time_size is None:
                 raise ValueError(f"{spec.source}: 'encoder_attention_mask' has no encoder input to "
@@ -112,7 +117,14 @@ class LaneInputs:
         buffer = self.buffers.get(name)
         shape = list(rows.shape)
         shape[0] = self.rows
-        if time_axis is not None:
+        if time_axis is not None and not self.spec.masked_frames:
+            # nothing masks padded frames (a fixed-length encoder): every utterance's frames exactly
+            if buffer is not None and buffer.shape[time_axis] != rows.shape[time_axis]:
+                raise ValueError(f"{self.spec.source}: per-utterance input '{name}' has {rows.shape[time_axis]} "
+                                 f"frames, earlier utterances {buffer.shape[time_axis]}; the model cannot mask "
+                                 "padded frames, so every utterance needs the same number")
+            shape[time_axis] = rows.shape[time_axis]
+        elif time_axis is not None:
             shape[time_axis] = next_power_of_two(rows.shape[time_axis])
             if buffer is not None:
                 shape[time_axis] = max(shape[time_axis], buffer.shape[time_axis])

@@ -67,7 +67,9 @@ class OnnxDecoderScorer(LabelScorer):
     ``model``: path, serialized bytes or an :class:`OnnxSession`; ``start_labels``: fed before the
     first scored label (usually just sentence-begin); ``scores_kind``: what the model outputs
     (log-probabilities, negative log-probabilities, or logits that get a log-softmax);
-    ``graphs``: capture the step in CUDA graphs, one per (rows, history length) bucket.
+    ``graphs``: capture the step in CUDA graphs, one per (rows, history length) bucket;
+    ``fixed_frames``: the encoder gives every utterance the same frames (Whisper), so per-utterance
+    inputs need no mask.
     """
 
     _uses_start_labels = True
@@ -86,6 +88,7 @@ class OnnxDecoderScorer(LabelScorer):
         state_patterns: Sequence[tuple[str, str]] = (),
         utterance_patterns: Sequence[str] = (),
         graphs: GraphOptions = GraphOptions(),
+        fixed_frames: bool = False,
     ) -> None:
         if scores_kind not in defaults.SCORES_KINDS:
             raise ValueError(f"scores_kind: expected one of {', '.join(defaults.SCORES_KINDS)}, got {scores_kind!r}")
@@ -100,7 +103,7 @@ class OnnxDecoderScorer(LabelScorer):
         # alignment is proven by a parity probe, or the model is refused
         self.spec = load_step_model_spec(
             self.session, io_map=io_map, state_patterns=state_patterns,
-            utterance_patterns=utterance_patterns, vocab_size=vocab_size,
+            utterance_patterns=utterance_patterns, vocab_size=vocab_size, fixed_frames=fixed_frames,
         )
         self.vocab_size = int(vocab_size)
         self.start_labels = [int(label) for label in start_labels]

@@ -106,12 +106,13 @@ class PrefixLmScorer(OnnxDecoderScorer):
         state_patterns: Sequence[tuple[str, str]] = (),
         utterance_patterns: Sequence[str] = (),
         graphs: GraphOptions = GraphOptions(),
+        fixed_frames: bool = False,
     ) -> None:
         super().__init__(
             model=model, vocab_size=vocab_size, start_labels=(), state_manager=state_manager,
             session_options=session_options, io_map=io_map, scores_kind=scores_kind,
             max_batch_size=max_batch_size, state_patterns=state_patterns,
-            utterance_patterns=utterance_patterns, graphs=graphs,
+            utterance_patterns=utterance_patterns, graphs=graphs, fixed_frames=fixed_frames,
         )
         prefill_scores_kind = prefill_scores_kind or scores_kind
         if prefill_scores_kind not in defaults.SCORES_KINDS:

@@ -74,6 +74,7 @@ def resolve_model_path(model):
 def discover_with_hints(
     tensors, *, io_map: Mapping[str, str] | None = None, state_patterns: Sequence[tuple[str, str]] = (),
     utterance_patterns: Sequence[str] = (), vocab_size: int | None = None, hints: GenAiConfig | None = None,
+    fixed_frames: bool = False,
 ) -> ModelSpec:
     """``discover_step_model`` with the GenAI config's names and state dims; symbolic state dims
     it does not resolve are read from the graph's GroupQueryAttention nodes (a model file)."""
@@ -85,7 +86,7 @@ def discover_with_hints(
     def discover(state_dims):
         return discover_step_model(tensors, io_map=io_map, state_patterns=patterns,
                                    utterance_patterns=utterance_patterns, vocab_size=vocab_size,
-                                   state_dims=state_dims)
+                                   state_dims=state_dims, fixed_frames=fixed_frames)
     try:
         spec = discover(dims)
     except ModelError as first:
@@ -103,12 +104,13 @@ def discover_with_hints(
 
 
 def load_step_model_spec(session, *, io_map=None, state_patterns=(), utterance_patterns=(), vocab_size=None,
-                         probe: bool = True, seed: int = 0) -> ModelSpec:
+                         probe: bool = True, seed: int = 0, fixed_frames: bool = False) -> ModelSpec:
     """The spec of ``session``'s step model: discovered with its hints, the history alignment of a
     Hugging Face decoder chosen and proven by :func:`probe_alignment` (``probe``)."""
     hints = model_hints(session.source)
     spec = discover_with_hints(session.tensors, io_map=io_map, state_patterns=state_patterns,
-                               utterance_patterns=utterance_patterns, vocab_size=vocab_size, hints=hints)
+                               utterance_patterns=utterance_patterns, vocab_size=vocab_size, hints=hints,
+                               fixed_frames=fixed_frames)
     if not probe or not _probeable(spec):
         return spec
     fixed = HISTORY_ALIGNMENT_KEY in spec.tensors.metadata or any(n in spec.hypothesis_inputs for n in HF_LENGTH_INPUTS)
@@ -129,9 +131,12 @@ def load_step_model_spec(session, *, io_map=None, state_patterns=(), utterance_p
 
 
 def _probeable(spec: ModelSpec) -> bool:
-    """A Hugging Face decoder whose states all have a time axis, batch first, no in-place outputs."""
+    """A Hugging Face decoder whose states all have a time axis, batch first, no in-place outputs,
+    fed lengths (one without ``attention_mask`` / ``seqlens_k`` never gets a padded history: the
+    step runner calls it once per history length)."""
     variables = spec.state_variables
-    return (spec.convention == "huggingface" and bool(variables) and not spec.in_place_outputs
+    masked = any(n in spec.hypothesis_inputs for n in ("attention_mask", "seqlens_k"))
+    return (spec.convention == "huggingface" and bool(variables) and not spec.in_place_outputs and masked
             and all(v.time_axis is not None and v.batch_axis == 0 for v in variables))
 
 

@@ -93,6 +93,10 @@ class ModelSpec:
     resolved_dims: Mapping[str, int] = field(default_factory=dict)
     #: the most past positions a step may have (the model's context less the new step), if known
     max_time: int | None = None
+    #: whether padded frames of the per-utterance inputs are masked (``encoder-states-size`` or
+    #: ``encoder_attention_mask``); False only for an encoder that gives every utterance the same
+    #: frames (``fixed_frames``): the lane buffers then keep the frames unpadded
+    masked_frames: bool = True
 
     @property
     def vocab_size(self) -> int | None:
@@ -102,18 +106,46 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class EncoderLayout:
+    """How an encoder takes its features (``models.encoder.layout``).
+
+    ``channels_first``: ``features`` is [U, F, T] (Whisper, NeMo) instead of [U, T, F];
+    ``fixed_frames``: every utterance has exactly that many feature frames (Whisper: 3000, its
+    front end pads or cuts to 30 s); ``lengths``: ``inputs`` (``features-size`` in,
+    ``encoder-states-size`` out) or ``none`` (no lengths: every utterance's encoder states are the
+    whole output, all frames attended to, as Whisper's cross-attention does).
+    """
+
+    channels_first: bool = False
+    fixed_frames: int | None = None
+    lengths: str = "inputs"
+
+
+#: Hugging Face / Optimum encoder names (``encoder_model.onnx``): ``input_features`` [N, F, T] with
+#: static F and T, no lengths, output ``last_hidden_state`` — Whisper's layout, recognised by name.
+HF_ENCODER_NAMES = {"features": "input_features", "encoder-states": "last_hidden_state"}
+
+
+@dataclass(frozen=True)
 class EncoderSpec:
-    """An encoder: ``features`` [U,T,F] + ``features-size`` [U] -> ``encoder-states`` + sizes."""
+    """An encoder: ``features`` [U,T,F] + ``features-size`` [U] -> ``encoder-states`` + sizes; or
+    another :class:`EncoderLayout` (channels first, fixed length, no lengths)."""
 
     source: str
     tensors: ModelTensors
     names: dict[str, str]  # logical -> model name
     extra_outputs: tuple[str, ...]  # e.g. precomputed cross-attention keys/values
+    layout: EncoderLayout = EncoderLayout()
 
     @property
     def num_features(self) -> int | None:
-        last = self.tensors.input(self.names["features"]).shape[-1]
-        return last if isinstance(last, int) else None
+        shape = self.tensors.input(self.names["features"]).shape
+        size = shape[1] if self.layout.channels_first else shape[-1]
+        return size if isinstance(size, int) else None
+
+    @property
+    def has_lengths(self) -> bool:
+        return self.layout.lengths != "none"
 
 
 def _fail(tensors: ModelTensors, message: str) -> ModelError:
@@ -246,6 +278,7 @@ def discover_step_model(
     vocab_size: int | None = None,
     state_dims: Mapping[str, int] | None = None,
     history_alignment: str | None = None,
+    fixed_frames: bool = False,
 ) -> ModelSpec:
     """Recognise and validate a stateful step model (RASR or Hugging Face convention).
 
@@ -254,6 +287,8 @@ def discover_step_model(
     ``state_dims`` (symbol -> size) resolves symbolic non-time state dimensions, e.g. GenAI's
     ``kv_cache_dim``. ``history_alignment`` (``right`` or ``left``) overrides the metadata's
     (``HISTORY_ALIGNMENT``); a model with ``seqlens_k`` / ``total_sequence_length`` inputs is left-aligned.
+    ``fixed_frames``: the encoder gives every utterance the same number of frames (no lengths, as
+    Whisper's), so per-utterance inputs without a mask are accepted (never padded).
     """
     io_map = dict(io_map or {})
     name = lambda logical: io_map.get(logical, logical)  # noqa: E731
@@ -320,7 +355,7 @@ def discover_step_model(
         )
     utterance_names = {u.name for u in utterance_inputs}
     masked = any(n in utterance_names for n in (name("encoder-states-size"), "encoder_attention_mask"))
-    if utterance_inputs and not masked:
+    if utterance_inputs and not masked and not fixed_frames:
         raise _fail(
             tensors,
             f"per-utterance inputs {sorted(utterance_names)} come without '{name('encoder-states-size')}' "
@@ -349,6 +384,7 @@ def discover_step_model(
         history_alignment=history_alignment,
         in_place_outputs=in_place,
         resolved_dims=resolved,
+        masked_frames=masked or not utterance_inputs,
         convention=convention,
         tensors=tensors,
         hypothesis_inputs=hypothesis_inputs,
@@ -386,18 +422,41 @@ def _in_place_outputs(tensors: ModelTensors, state_variables, history_alignment:
     return pairs
 
 
-def discover_encoder(tensors: ModelTensors, *, io_map: Mapping[str, str] | None = None) -> EncoderSpec:
-    """Recognise and validate an encoder model."""
+def discover_encoder(tensors: ModelTensors, *, io_map: Mapping[str, str] | None = None,
+                     layout: EncoderLayout | None = None) -> EncoderSpec:
+    """Recognise and validate an encoder model. ``layout`` None: the default layout, or Whisper's
+    (channels first, fixed frames, no lengths) for a model with Hugging Face's ``input_features``
+    and no ``features-size`` input."""
     io_map = dict(io_map or {})
     names = {k: io_map.get(k, k) for k in ("features", "features-size", "encoder-states", "encoder-states-size")}
+    hf = tensors.input(HF_ENCODER_NAMES["features"])
+    if "features" not in io_map and tensors.input(names["features"]) is None and hf is not None:
+        names.update({k: io_map.get(k, v) for k, v in HF_ENCODER_NAMES.items()})  # Optimum's names
+        if layout is None and tensors.input(names["features-size"]) is None and hf.rank == 3 \
+                and isinstance(hf.shape[2], int):
+            layout = EncoderLayout(channels_first=True, fixed_frames=hf.shape[2], lengths="none")
+    layout = layout or EncoderLayout()
+    if layout.lengths not in ("inputs", "none"):
+        raise _fail(tensors, f"encoder layout lengths {layout.lengths!r}: expected 'inputs' or 'none'")
     features = _require(tensors, "input", names["features"], "features")
     _check(tensors, features, dtypes=FLOAT_TYPES, ranks=(3,), what="input")
-    _check(tensors, _require(tensors, "input", names["features-size"], "features-size"),
-           dtypes=INT_TYPES, ranks=(1,), what="input")
+    time_axis = 2 if layout.channels_first else 1
+    declared = features.shape[time_axis]
+    if layout.fixed_frames is not None and isinstance(declared, int) and declared != layout.fixed_frames:
+        raise _fail(tensors, f"input '{features.name}' {features.describe()}: the layout's fixed_frames is "
+                             f"{layout.fixed_frames}, the model's time axis {time_axis} is {declared}")
+    if layout.lengths == "none" and layout.fixed_frames is None:
+        raise _fail(tensors, "an encoder without lengths (layout lengths: none) needs fixed_frames: features "
+                             "of different lengths padded in one batch could not be told apart from speech")
     _check(tensors, _require(tensors, "output", names["encoder-states"], "encoder-states"),
            dtypes=FLOAT_TYPES, ranks=(3,), what="output")
-    _check(tensors, _require(tensors, "output", names["encoder-states-size"], "encoder-states-size"),
-           dtypes=INT_TYPES, ranks=(1,), what="output")
+    if layout.lengths == "inputs":
+        _check(tensors, _require(tensors, "input", names["features-size"], "features-size"),
+               dtypes=INT_TYPES, ranks=(1,), what="input")
+        _check(tensors, _require(tensors, "output", names["encoder-states-size"], "encoder-states-size"),
+               dtypes=INT_TYPES, ranks=(1,), what="output")
+    else:
+        names = {k: v for k, v in names.items() if k in ("features", "encoder-states")}
     known = set(names.values())
     extra_inputs = [t for t in tensors.inputs if t.name not in known]
     if extra_inputs:
@@ -407,4 +466,5 @@ def discover_encoder(tensors: ModelTensors, *, io_map: Mapping[str, str] | None 
         tensors=tensors,
         names=names,
         extra_outputs=tuple(t.name for t in tensors.outputs if t.name not in known),
+        layout=layout,
     )

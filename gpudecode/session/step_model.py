@@ -13,6 +13,7 @@ replaced), e.g. :class:`gpudecode.scorers.lanes.LaneInputs`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,18 @@ class StepModelRunner:
         if graphs.enabled and ("seqlens_k" in names or "total_sequence_length" in names):
             raise ValueError(f"{spec.source}: cuda_graphs: a model with explicit 'seqlens_k' / "
                              "'total_sequence_length' inputs runs without graphs (turn cuda_graphs off)")
+        #: a model with a time axis that takes no lengths (no prefix-length, attention_mask or
+        #: seqlens_k: Optimum's Whisper decoder, positions from the past length) cannot be fed a padded
+        #: history: each call holds rows of one history length (one call per length present)
+        self._by_length = states.has_time_axis and not any(
+            n in names for n in ("prefix-length", "attention_mask", "seqlens_k"))
+        if self._by_length and spec.utterance_rows == "utterance" and spec.utterance_inputs:
+            raise ValueError(f"{spec.source}: a model without attention_mask (or prefix-length) cannot take "
+                             "per-utterance inputs with one row per utterance (PER_UTTERANCE_ROWS=utterance)")
+        if self._by_length and graphs.enabled:
+            warnings.warn(f"{spec.source}: runs without CUDA graphs: the model takes no attention_mask (or "
+                          "prefix-length), so its histories cannot be padded to a graph's bucket", stacklevel=2)
+            graphs = GraphOptions()
         self.graphs = GraphBuckets(session, graphs) if graphs.enabled else None
         self._static: dict = {}  # (bucket, buffer generation, lanes version) -> _StaticInputs
         # left padding of the history is exact only when the model masks it
@@ -138,9 +151,37 @@ class StepModelRunner:
         scores are then a view of the graphs' output buffer), else a plain run."""
         if rows != slice(0, histories.num_rows):
             histories = StateHistory(table=histories.table[rows], lengths=histories.lengths[rows])
+        if self._by_length:
+            return self._run_by_length(histories, labels[rows], rows, lanes)
         if self.graphs is None:
             return self._run_plain(histories, labels[rows], rows, lanes, time_size)
         return self._run_bucketed(histories, labels[rows], rows, lanes, time_size)
+
+    def _run_by_length(self, histories: StateHistory, labels, rows: slice, lanes):
+        """A model that takes no lengths: one plain call per history length among the rows, each
+        with T = that length, so no row is padded (rows of length 0 — lanes without a history, whose
+        scores nobody reads — ride along with the first call)."""
+        xp = self.states.xp
+        lengths = to_host(histories.lengths).astype(np.int64)
+        if (lengths > self.states.max_history).any():
+            raise ValueError(f"{self.spec.source}: a model without attention_mask (or prefix-length) cannot "
+                             "drop old history positions (state_manager.max_history)")
+        distinct = np.unique(lengths[lengths > 0])
+        if len(distinct) <= 1:
+            time = int(distinct[0]) if len(distinct) else None
+            return self._run_plain(histories, labels, rows, lanes, time)
+        scores, slots = None, xp.full((histories.num_rows, 1), -1, dtype=np.int32)
+        for i, length in enumerate(distinct):
+            host = np.flatnonzero((lengths == length) | ((lengths == 0) & (i == 0)))
+            index = xp.asarray(host)
+            part = StateHistory(table=histories.table[index], lengths=histories.lengths[index])
+            part_scores, part_slots = self._run_plain(part, labels[index], rows, lanes, int(length),
+                                                      input_rows=xp.asarray(host + rows.start))
+            if scores is None:
+                scores = xp.zeros((histories.num_rows, *part_scores.shape[1:]), dtype=part_scores.dtype)
+            scores[index] = part_scores
+            slots[index] = part_slots
+        return scores, slots
 
     def time_sizes(self, histories: StateHistory, chunks: list[slice]) -> list[int | None]:
         """Per chunk of rows, the longest history it keeps, so that each model call pads only to
@@ -155,7 +196,8 @@ class StepModelRunner:
         limit = min(histories.width, self.states.max_history)
         return [min(int(m), limit) for m in maxima]
 
-    def _run_plain(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
+    def _run_plain(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None,
+                   input_rows=None):
         xp, spec = self.states.xp, self.spec
         if spec.in_place_outputs or spec.max_time is not None:
             time_size = self._natural_time(histories, time_size)
@@ -171,7 +213,8 @@ class StepModelRunner:
                 feeds[names["prefix-length"]] = merged.prefix_lengths.astype(self._input_dtype("prefix-length"))
         else:
             feeds.update(hf_step_feeds(spec, self.session.tensors, merged.prefix_lengths, merged.time_size))
-        input_rows = _input_rows(rows, lanes.group_size)
+        if input_rows is None:  # else: the lanes' rows of the per-utterance inputs, by index
+            input_rows = _input_rows(rows, lanes.group_size)
         for name, buffer in lanes.buffers.items():
             feeds[name] = buffer[input_rows]
         in_place = self._in_place(merged.inputs)

@@ -1,0 +1,193 @@
+"""Parity with transformers' Whisper ``generate`` on a real Optimum export of a tiny Whisper.
+
+The fixture ``tests/fixtures/peers/whisper/`` (made by ``tools/peer-fixtures/whisper.py``: a random-
+initialised Whisper exported by ``optimum-cli export onnx --task automatic-speech-recognition-with-past
+--no-post-process``, Hugging Face's ``WhisperFeatureExtractor`` features of the three bundled
+recordings in ``examples/whisper/``, and Whisper ``generate``'s outputs on them) is the oracle in
+CI. Under ``-m peers`` the same tests run against the peer live: the features from
+``WhisperFeatureExtractor`` and the outputs from ``generate`` on the model built again from the seed,
+with the transformers the fixture was made with (4.57, which optimum-onnx 0.1.0 needs:
+``PYTHONPATH=/path/to/transformers-4.57``).
+
+Checked: the ``whisper`` front end against the feature extractor (1e-4); the encoder layout found
+for ``input_features`` [N, 80, 3000]; greedy and beam 4 (``search.finished: separate``, transformers'
+beam rules) with the forced prompt and the suppressed tokens — tokens equal, scores within 1e-4
+(greedy: the sum of the tokens' log-probabilities; beam: ``sequences_scores``); the same with
+continuous batching (histories of different lengths in one step, fed to a decoder without
+``attention_mask`` one length at a time); the bundled config decoding the bundled wav files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gpudecode.cli import main as cli_main
+from gpudecode.decoder import Decoder
+from gpudecode.io.whisper_frontend import WhisperFrontEnd
+from gpudecode.scorers.suppress_tokens import SuppressTokensScorer
+from gpudecode.scorers.base import LaneLayout
+from gpudecode.session import EncoderLayout, ModelError, OnnxSession, discover_encoder, discover_step_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "peers" / "whisper"
+AUDIO = ROOT / "examples" / "whisper"
+CONFIG = ROOT / "configs" / "whisper-optimum.yaml"
+DOCUMENT = json.loads((FIXTURE / "expected.json").read_text())
+EOS = DOCUMENT["eos"]
+IDS = sorted(DOCUMENT["cases"]["greedy"])
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def live(request):
+    """The peer's own implementation, when the ``peers`` marker is selected (else None)."""
+    markexpr = request.config.getoption("-m", default="") or ""
+    if "peers" not in markexpr or "not peers" in markexpr:
+        return None
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("whisper_fixture", ROOT / "tools" / "peer-fixtures" / "whisper.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def samples(name: str) -> np.ndarray:
+    with wave.open(str(AUDIO / f"{name}.wav")) as f:
+        pcm = np.frombuffer(f.readframes(f.getnframes()), dtype=np.int16)
+    return pcm.astype(np.float32) / 32768.0
+
+
+def hf_features(live) -> dict[str, np.ndarray]:
+    """[80, 3000] per recording: the fixture's, or the feature extractor's live."""
+    if live is None:
+        with np.load(FIXTURE / "features.npz") as stored:
+            return {name: stored[name] for name in IDS}
+    return {name: live.features(samples(name)) for name in IDS}
+
+
+def expected(live, case: str) -> dict[str, dict]:
+    if live is None:
+        return DOCUMENT["cases"][case]
+    whisper = live.model()
+    features = hf_features(live)
+    got = {name: live.generate(whisper, features[name], case) for name in IDS}
+    for name in IDS:  # the fixture is what the peer gives
+        assert got[name]["tokens"] == DOCUMENT["cases"][case][name]["tokens"]
+    return got
+
+
+def test_front_end_equals_whisper_feature_extractor(live):
+    front_end = WhisperFrontEnd()
+    for name, reference in hf_features(live).items():
+        ours = front_end(samples(name))
+        assert ours.shape == (3000, 80) and reference.shape == (80, 3000)
+        assert np.abs(ours - reference.T).max() < TOL, name
+
+
+def test_front_end_pads_and_cuts_to_30_s():
+    front_end = WhisperFrontEnd()
+    short = np.sin(np.arange(8000) / 10.0).astype(np.float32)
+    long = np.concatenate([short, np.zeros(16000 * 40, np.float32)])
+    assert front_end(short).shape == front_end(long).shape == (3000, 80)
+    assert np.array_equal(front_end(short), front_end(long[:16000 * 30]))
+
+
+def test_encoder_layout_of_optimum_whisper():
+    tensors = OnnxSession(FIXTURE / "encoder_model.onnx").tensors
+    spec = discover_encoder(tensors)
+    assert spec.layout == EncoderLayout(channels_first=True, fixed_frames=3000, lengths="none")
+    assert spec.names == {"features": "input_features", "encoder-states": "last_hidden_state"}
+    assert spec.num_features == 80 and not spec.has_lengths
+    with pytest.raises(ModelError, match="fixed_frames is 2000, the model's time axis 2 is 3000"):
+        discover_encoder(tensors, layout=EncoderLayout(channels_first=True, fixed_frames=2000, lengths="none"))
+    with pytest.raises(ModelError, match="needs fixed_frames"):
+        discover_encoder(tensors, layout=EncoderLayout(channels_first=True, lengths="none"))
+    with pytest.raises(ModelError, match="no input 'features-size'"):
+        discover_encoder(tensors, layout=EncoderLayout(channels_first=True))
+
+
+def test_unmasked_cross_attention_needs_a_fixed_length_encoder():
+    tensors = OnnxSession(FIXTURE / "decoder_with_past_model.onnx").tensors
+    with pytest.raises(ModelError, match="padded encoder frames could not be masked"):
+        discover_step_model(tensors)
+    spec = discover_step_model(tensors, fixed_frames=True)
+    assert not spec.masked_frames and "attention_mask" not in spec.hypothesis_inputs
+
+
+def decoder(beam: int, *overrides: str) -> Decoder:
+    return Decoder.from_config(CONFIG, [f"search.beam_size={beam}", *overrides])
+
+
+def check(nbest: dict, want: dict[str, dict], beam: int) -> None:
+    for name in IDS:
+        best = nbest[name][0]
+        tokens = want[name]["tokens"]
+        # transformers keeps EOS in its sequences; the toolkit's labels end before sentence-end
+        assert best.labels == [t for t in tokens if t != EOS], name
+        if beam == 1:
+            assert abs(best.score - want[name]["score"]) < TOL, name
+        else:  # sequences_scores: score / generated length (EOS counted) ** length_penalty 1
+            assert abs(best.score / best.length - want[name]["sequences_score"]) < TOL, name
+
+
+@pytest.mark.parametrize("case, beam", [("greedy", 1), ("beam4", 4)])
+def test_generate_parity(live, case, beam):
+    features = {name: f.T for name, f in hf_features(live).items()}  # the features generate saw
+    check(decoder(beam).decode(features), expected(live, case), beam)
+
+
+def test_continuous_batching_feeds_each_history_length_alone(live, monkeypatch):
+    """Two utterances in flight: tone-b ends after 4 labels and tone-c takes its lanes while tone-a
+    runs on, so rows of different history lengths share steps; the decoder (no attention_mask)
+    gets one call per length."""
+    from gpudecode.session.step_model import StepModelRunner
+
+    lengths_seen = []
+    by_length = StepModelRunner._run_by_length
+
+    def spy(self, histories, *args):
+        lengths_seen.append(len(set(histories.lengths[histories.lengths > 0].tolist())))
+        return by_length(self, histories, *args)
+
+    monkeypatch.setattr(StepModelRunner, "_run_by_length", spy)
+    features = {name: f.T for name, f in hf_features(live).items()}
+    nbest = decoder(1, "search.max_active_utterances=2", "search.admission_order=input").decode(features)
+    check(nbest, expected(live, "greedy"), 1)
+    assert max(lengths_seen) == 2
+
+
+def test_bundled_config_decodes_the_bundled_audio(tmp_path, live):
+    pytest.importorskip("soundfile")
+    result = CliRunner().invoke(cli_main, ["decode", str(CONFIG), "--output", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "nbest.jsonl").read_text().splitlines())}
+    want = expected(live, "beam4")
+    assert sorted(records) == IDS
+    for name in IDS:
+        best = records[name]["nbest"][0]
+        assert best["labels"] == [t for t in want[name]["tokens"] if t != EOS], name
+        assert abs(best["score"] / len(best["labels"]) - want[name]["sequences_score"]) < TOL, name
+
+
+def test_suppress_tokens_scorer():
+    scorer = SuppressTokensScorer(vocab_size=6, tokens=[0, 2], begin_tokens=[5])
+    scorer.begin(LaneLayout(xp=np, num_groups=2, beam_size=2))
+    ctx = scorer.initial_context(np.array([0, 1]))
+    first = scorer.score(ctx)
+    assert np.isneginf(first[:, [0, 2, 5]]).all() and np.isfinite(first[:, [1, 3, 4]]).all()
+    ctx = scorer.extend(ctx, np.array([0, 0, 2, 3]), np.array([1, 3, -1, -1]))  # lanes 2, 3 carried
+    later = scorer.score(ctx)
+    assert np.isneginf(later[:2, [0, 2]]).all() and np.isfinite(later[:2, [1, 3, 4, 5]]).all()
+    assert np.isneginf(later[2:, 5]).all()  # carried lanes have emitted nothing yet
+    ctx = scorer.initial_context(np.array([0]), ctx)
+    assert np.isneginf(scorer.score(ctx)[:2, 5]).all()
+    with pytest.raises(ValueError, match=r"tokens \[7\] outside the vocabulary"):
+        SuppressTokensScorer(vocab_size=6, tokens=[7])

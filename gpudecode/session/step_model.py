@@ -176,7 +176,7 @@ class StepModelRunner:
             index = xp.asarray(host)
             part = StateHistory(table=histories.table[index], lengths=histories.lengths[index])
             part_scores, part_slots = self._run_plain(part, labels[index], rows, lanes, int(length),
-                                                      input_rows=xp.asarray(host + rows.start))
+                                                      input_rows=lanes.xp.asarray(host + rows.start))
             if scores is None:
                 scores = xp.zeros((histories.num_rows, *part_scores.shape[1:]), dtype=part_scores.dtype)
             scores[index] = part_scores

@@ -196,3 +196,37 @@ def test_suppress_tokens_scorer():
     assert np.isneginf(scorer.score(ctx)[:2, 5]).all()
     with pytest.raises(ValueError, match=r"tokens \[7\] outside the vocabulary"):
         SuppressTokensScorer(vocab_size=6, tokens=[7])
+
+
+def test_fixed_length_encoder_refuses_other_lengths():
+    with pytest.raises(ValueError, match="'short': 2999 feature frames; the encoder takes exactly 3000"):
+        decoder(1).decode({"short": np.zeros((2999, 80), np.float32)})
+
+
+def test_unmasked_cross_attention_refuses_padded_frames():
+    """Encoder states of different lengths padded into one batch cannot reach a decoder that has no
+    mask for them: an error at admission, not a silent decode."""
+    from gpudecode.scorers import UtteranceBatch
+
+    scorer = decoder(1).scorers[0][1]
+    scorer.begin(LaneLayout(xp=np, num_groups=2, beam_size=1))
+    states = np.random.default_rng(0).standard_normal((2, 10, 32)).astype(np.float32)
+    batch = UtteranceBatch(ids=["a", "b"], input_lengths=np.array([10, 7]), inputs={"encoder-states": states},
+                           sizes={"encoder-states": np.array([10, 7])})
+    with pytest.raises(ValueError, match=r"utterances of \[7, 10\] frames padded to 10: the model cannot mask"):
+        scorer.admit(batch, np.array([0, 1]))
+
+
+def test_config_keys_of_the_front_end_and_the_encoder_layout():
+    from gpudecode.config import ConfigError, load_config
+
+    config = load_config(CONFIG)
+    assert config.models.front_end.type == "whisper"
+    assert config.models.encoder.layout.lengths == "none" and config.models.encoder.layout.fixed_frames == 3000
+    assert load_config(CONFIG, ["models.front_end.type=log-mel"]).models.front_end.type == "log-mel"
+    with pytest.raises(ConfigError, match="fixed_frames"):
+        load_config(CONFIG, ["models.encoder.layout={lengths: none}"])
+    with pytest.raises(ConfigError, match="front_end.type"):
+        load_config(CONFIG, ["models.front_end.type=mfcc"])
+    with pytest.raises(ConfigError, match="its own scaling"):
+        load_config(CONFIG, ["models.front_end.normalisation=utterance"])

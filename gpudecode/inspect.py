@@ -31,6 +31,8 @@ def _alignment(spec, model) -> str:
     if spec.convention == "rasr":
         return ("left (each row's history first; the model reads prefix-length positions)"
                 if spec.history_alignment == "left" else "right (RASR: padding first)")
+    if not any(n in spec.hypothesis_inputs for n in ("attention_mask", "seqlens_k")):
+        return "none needed (no attention_mask: histories are never padded)"
     if spec.history_alignment == "left" or uses_group_query_attention(model):
         return ("left, expected (GroupQueryAttention: the mask's ones over each row's first prefix+1 positions, "
                 "the new step read at the row's own length); proven at load by a parity probe, else refused")
@@ -65,7 +67,9 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
     lines.append("outputs:")
     lines += _table([(t.name, t.describe()) for t in tensors.outputs])
 
-    if tensors.input((io_map or {}).get("features", "features")) is not None:
+    hf_encoder = (tensors.input("input_features") is not None and tensors.input("input_ids") is None
+                  and "features" not in (io_map or {}))  # Optimum's encoder_model (Whisper)
+    if tensors.input((io_map or {}).get("features", "features")) is not None or hf_encoder:
         io_map = dict(io_map or {})
         ctc = ("encoder-states" not in io_map and tensors.output("encoder-states") is None
                and tensors.output("log-probs") is not None)
@@ -75,6 +79,13 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
             encoder = discover_encoder(tensors, io_map=io_map)
             lines.append("convention: CTC encoder (features -> frame log-probs 'log-probs' + 'log-probs-size')"
                          if ctc else "convention: encoder (features -> encoder-states)")
+            layout = encoder.layout
+            if layout.channels_first or layout.fixed_frames is not None or not encoder.has_lengths:
+                lines.append(f"layout: features '{encoder.names['features']}' "
+                             + ("[U, F, T]" if layout.channels_first else "[U, T, F]")
+                             + (f", exactly {layout.fixed_frames} frames" if layout.fixed_frames else "")
+                             + (", no lengths (every frame of the output is attended to)" if not encoder.has_lengths
+                                else "") + f"; encoder states '{encoder.names['encoder-states']}'")
             if encoder.extra_outputs:
                 lines.append("further outputs (per-utterance inputs of a decoder): " + ", ".join(encoder.extra_outputs))
         except ModelError as exc:
@@ -89,11 +100,22 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                       and tensors.output("prediction") is not None)
         if prediction:  # a transducer prediction network: its prediction vector stands where scores would
             io_map["scores"] = "prediction"
+        notes = []
         try:
-            spec = discover_with_hints(tensors, io_map=io_map, hints=hints)
+            try:
+                spec = discover_with_hints(tensors, io_map=io_map, hints=hints)
+            except ModelError as exc:
+                if "could not be masked" not in str(exc):
+                    raise
+                spec = discover_with_hints(tensors, io_map=io_map, hints=hints, fixed_frames=True)
+                notes.append("per-utterance inputs without a mask: only behind a fixed-length encoder without "
+                             "lengths (models.encoder.layout lengths: none, e.g. Whisper's)")
         except ModelError as exc:
             lines.append(f"convention: not recognised ({exc})")
         else:
+            if spec.state_variables and any(v.time_axis is not None for v in spec.state_variables) and not any(
+                    n in spec.hypothesis_inputs for n in ("prefix-length", "attention_mask", "seqlens_k")):
+                notes.append("no attention_mask: one model call per history length among a step's rows")
             kind = {"rasr": "RASR stateful step model", "huggingface": "Hugging Face decoder with past"}
             lines.append(f"convention: {spec.convention} ({kind[spec.convention]}"
                          + (", as a transducer prediction network)" if prediction else ")"))
@@ -122,6 +144,7 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 (u.name, f"{tensors.input(u.name).describe()}" + (f"  from '{u.source}'" if u.source else ""))
                 for u in spec.utterance_inputs
             ])
+            lines += [f"note: {n}" for n in notes]
     lines.append("metadata:" if tensors.metadata else "metadata: none")
     lines += _table(sorted(tensors.metadata.items()))
     return "\n".join(lines)

@@ -230,3 +230,25 @@ def test_config_keys_of_the_front_end_and_the_encoder_layout():
         load_config(CONFIG, ["models.front_end.type=mfcc"])
     with pytest.raises(ConfigError, match="its own scaling"):
         load_config(CONFIG, ["models.front_end.normalisation=utterance"])
+
+
+def test_inspect_describes_the_whisper_export():
+    from gpudecode.inspect import describe_model
+
+    encoder = describe_model(FIXTURE / "encoder_model.onnx")
+    assert "convention: encoder" in encoder and "[U, F, T], exactly 3000 frames, no lengths" in encoder
+    step = describe_model(FIXTURE / "decoder_with_past_model.onnx")
+    assert "convention: huggingface" in step and "state variables (4)" in step
+    assert "only behind a fixed-length encoder" in step and "one model call per history length" in step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("case, beam", [("greedy", 1), ("beam4", 4)])
+def test_generate_parity_on_the_gpu(case, beam, graphs):
+    """CuPy, CUDA graphs asked for (the decoder without attention_mask runs without them, after a
+    warning) and not, with continuous batching."""
+    features = {name: f.T for name, f in hf_features(None).items()}
+    overrides = ["runtime.device=cuda", f"runtime.cuda_graphs={'true' if graphs else 'false'}",
+                 "search.max_active_utterances=2", "search.admission_order=input"]
+    check(decoder(beam, *overrides).decode(features), DOCUMENT["cases"][case], beam)

@@ -9,6 +9,9 @@ CI. Under ``-m peers`` the same tests run against the peer live: the features fr
 with the transformers the fixture was made with (4.57, which optimum-onnx 0.1.0 needs:
 ``PYTHONPATH=/path/to/transformers-4.57``).
 
+Both forms Optimum writes are decoded: the pair ``decoder_model`` (prefill) + ``decoder_with_past_model``
+(step), and ``decoder_model_merged`` alone, its own prompt run (``use_cache_branch``).
+
 Checked: the ``whisper`` front end against the feature extractor (1e-4); the encoder layout found
 for ``input_features`` [N, 80, 3000]; greedy and beam 4 (``search.finished: separate``, transformers'
 beam rules) with the forced prompt and the suppressed tokens — tokens equal, scores within 1e-4
@@ -127,8 +130,14 @@ def test_unmasked_cross_attention_needs_a_fixed_length_encoder():
     assert not spec.masked_frames and "attention_mask" not in spec.hypothesis_inputs
 
 
-def decoder(beam: int, *overrides: str) -> Decoder:
-    return Decoder.from_config(CONFIG, [f"search.beam_size={beam}", *overrides])
+#: form -> overrides of the bundled config: the pair (decoder_model as prefill, decoder_with_past_model
+#: as step model), or decoder_model_merged alone (its own prompt run: use_cache_branch False, empty
+#: pasts, the encoder states; then steps with use_cache_branch True)
+FORMS = {"pair": [], "merged": [f"scorers[0].model={FIXTURE / 'decoder_model_merged.onnx'}"]}
+
+
+def decoder(beam: int, *overrides: str, form: str = "pair") -> Decoder:
+    return Decoder.from_config(CONFIG, [f"search.beam_size={beam}", *FORMS[form], *overrides])
 
 
 def check(nbest: dict, want: dict[str, dict], beam: int) -> None:
@@ -143,13 +152,15 @@ def check(nbest: dict, want: dict[str, dict], beam: int) -> None:
             assert abs(best.score / best.length - want[name]["sequences_score"]) < TOL, name
 
 
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("case, beam", [("greedy", 1), ("beam4", 4)])
-def test_generate_parity(live, case, beam):
+def test_generate_parity(live, case, beam, form):
     features = {name: f.T for name, f in hf_features(live).items()}  # the features generate saw
-    check(decoder(beam).decode(features), expected(live, case), beam)
+    check(decoder(beam, form=form).decode(features), expected(live, case), beam)
 
 
-def test_continuous_batching_feeds_each_history_length_alone(live, monkeypatch):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_continuous_batching_feeds_each_history_length_alone(live, monkeypatch, form):
     """Two utterances in flight: tone-b ends after 4 labels and tone-c takes its lanes while tone-a
     runs on, so rows of different history lengths share steps; the decoder (no attention_mask)
     gets one call per length."""
@@ -164,7 +175,7 @@ def test_continuous_batching_feeds_each_history_length_alone(live, monkeypatch):
 
     monkeypatch.setattr(StepModelRunner, "_run_by_length", spy)
     features = {name: f.T for name, f in hf_features(live).items()}
-    nbest = decoder(1, "search.max_active_utterances=2", "search.admission_order=input").decode(features)
+    nbest = decoder(1, "search.max_active_utterances=2", "search.admission_order=input", form=form).decode(features)
     check(nbest, expected(live, "greedy"), 1)
     assert max(lengths_seen) == 2
 
@@ -243,12 +254,37 @@ def test_inspect_describes_the_whisper_export():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("case, beam", [("greedy", 1), ("beam4", 4)])
-def test_generate_parity_on_the_gpu(case, beam, graphs):
+def test_generate_parity_on_the_gpu(case, beam, graphs, form):
     """CuPy, CUDA graphs asked for (the decoder without attention_mask runs without them, after a
     warning) and not, with continuous batching."""
     features = {name: f.T for name, f in hf_features(None).items()}
     overrides = ["runtime.device=cuda", f"runtime.cuda_graphs={'true' if graphs else 'false'}",
                  "search.max_active_utterances=2", "search.admission_order=input"]
-    check(decoder(beam, *overrides).decode(features), DOCUMENT["cases"][case], beam)
+    check(decoder(beam, *overrides, form=form).decode(features), DOCUMENT["cases"][case], beam)
+
+
+@pytest.mark.parametrize("form, message", [
+    ("pair", "the prompts of 'input_ids' differ in length but the model has no 'prompt-size' input"),
+    ("merged", r"prompts of different lengths \[3, 4\]: the model takes no attention_mask")])
+def test_prompts_of_different_lengths_are_refused(form, message):
+    """No attention_mask: the prompt run cannot pad prompts (a prompt file may give each utterance its
+    own forced prompt, e.g. its language, of the same length)."""
+    features = {name: f.T for name, f in hf_features(None).items()}
+    prompts = {"tone-a": [120, 121, 122, 127], "tone-b": [120, 121, 127], "tone-c": [120, 121, 122, 127]}
+    with pytest.raises(ValueError, match=message):
+        decoder(1, form=form).decode(features, prompts=prompts)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_per_utterance_forced_prompts(form):
+    """Each utterance's own prompt (a prompt file, or Decoder.decode's prompts) replaces the config's:
+    the same prompt as the config's gives the same result, another one (task translate) another."""
+    features = {name: f.T for name, f in hf_features(None).items()}
+    same = {name: [120, 121, 122, 127] for name in IDS}
+    check(decoder(1, form=form).decode(features, prompts=same), DOCUMENT["cases"]["greedy"], 1)
+    other = decoder(1, form=form).decode(features, prompts={name: [120, 121, 123, 127] for name in IDS})
+    want = [DOCUMENT["cases"]["greedy"][n]["score"] for n in IDS]
+    assert [other[n][0].score for n in IDS] != pytest.approx(want, abs=TOL)

@@ -55,6 +55,7 @@ from gpudecode.scorers.onnx_decoder import DecoderContext, OnnxDecoderScorer, co
 from gpudecode.scorers.registry import register_scorer
 from gpudecode.session import ModelError, OnnxSession, SessionOptions, hf_encoder_attention_mask
 from gpudecode.session.conventions import resolve_model_path
+from gpudecode.session.discovery import HF_BRANCH_INPUT
 from gpudecode.session.step_model import hf_prompt_feeds
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.history import StateHistory
@@ -146,6 +147,8 @@ class PrefixLmScorer(OnnxDecoderScorer):
         spec, source = self.spec, self.spec.source
         if self.suffix_prompt_labels:
             raise ValueError(f"{source}: suffix_prompt_labels need a prefill model of their own")
+        if self._merged_seq2seq:  # Optimum's merged Whisper decoder: never padded, nothing to probe
+            return {"scores": spec.scores_output}
         if spec.convention != "huggingface" or spec.utterance_inputs or spec.in_place_outputs or any(
                 v.time_axis is None or v.batch_axis != 0 for v in spec.state_variables) or not spec.state_variables:
             raise ValueError(f"{source}: the step model cannot be its own prefill: that needs a Hugging Face "
@@ -165,12 +168,43 @@ class PrefixLmScorer(OnnxDecoderScorer):
                              f"({str(exc).splitlines()[0][:300]}); give prefill_model") from exc
         return {"scores": spec.scores_output}
 
-    def _run_self_prefill(self, prompts: np.ndarray, sizes: np.ndarray):
+    @property
+    def _merged_seq2seq(self) -> bool:
+        """An Optimum merged sequence-to-sequence decoder (``decoder_model_merged`` of Whisper): the
+        step model, with ``use_cache_branch``, no ``attention_mask``, ``encoder_hidden_states`` and
+        per-utterance cross-attention pasts that its own prompt run outputs."""
+        spec = self.spec
+        names = spec.hypothesis_inputs
+        outputs = {t.name for t in self.session.tensors.outputs}
+        return (spec.convention == "huggingface" and HF_BRANCH_INPUT in names and "attention_mask" not in names
+                and bool(spec.state_variables) and not spec.in_place_outputs
+                and all(v.time_axis is not None and v.batch_axis == 0 for v in spec.state_variables)
+                and any(u.name in _ENCODER_STATES for u in spec.utterance_inputs)
+                and all(u.name in _ENCODER_STATES or self._source_of(u) in outputs for u in spec.utterance_inputs))
+
+    def _run_self_prefill(self, prompts: np.ndarray, sizes: np.ndarray, utterances: UtteranceBatch | None = None):
         """The step model over ``prompts`` [U, P] (host labels, right-padded; ``sizes`` [U]) with
-        empty pasts: its outputs by name."""
+        empty pasts: its outputs by name. A merged sequence-to-sequence decoder also gets the
+        utterances' encoder states and empty cross-attention pasts, and gives those pasts."""
         spec, xp = self.spec, self._prefill_xp
         names = spec.hypothesis_inputs
-        feeds = {}
+        feeds, produced = {}, []
+        if spec.utterance_inputs:
+            if (sizes != prompts.shape[1]).any():
+                raise ValueError(f"{spec.source}: prompts of different lengths {sorted(set(sizes.tolist()))}: the "
+                                 "model takes no attention_mask, so its prompt run cannot pad them")
+            own = self.io_map.get("encoder-states", "encoder-states")
+            if utterances is None or own not in utterances.inputs:
+                raise ValueError(f"{spec.source}: the prompt run needs the utterances' '{own}' (an encoder)")
+            for u in spec.utterance_inputs:
+                info = self.session.tensors.input(u.name)
+                if u.name in _ENCODER_STATES:
+                    feeds[u.name] = _on(xp, utterances.inputs[own]).astype(info.dtype, copy=False)
+                else:  # a cross-attention past the prompt run computes: empty (its branch ignores it)
+                    shape = [len(prompts) if a == 0 else (d if isinstance(d, int) else 0)
+                             for a, d in enumerate(info.shape)]
+                    feeds[u.name] = xp.zeros(shape, dtype=info.dtype)
+                    produced.append(self._source_of(u))
         for v in spec.state_variables:
             shape = list(v.shape)
             shape[0], shape[v.time_axis] = len(prompts), 0
@@ -178,7 +212,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
         label_dtype = self.session.tensors.input(names["input_ids"]).dtype
         feeds[names["input_ids"]] = xp.asarray(prompts.astype(label_dtype))
         feeds.update(hf_prompt_feeds(spec, self.session.tensors, xp.asarray(sizes.astype(np.int64)), prompts.shape[1]))
-        return self.session.run(feeds, [spec.scores_output, *(v.output_name for v in spec.state_variables)])
+        return self.session.run(feeds, [spec.scores_output, *(v.output_name for v in spec.state_variables), *produced])
 
     def _probe_self_prefill(self) -> None:
         """A prompt of 3 alone and right-padded next to a prompt of 5 must give the same last-position
@@ -369,7 +403,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
         state_outputs = [v.output_name for v in spec.state_variables]
         if self.self_prefill:
             prompts, counts = self._self_prefill_feeds(utterances)
-            outputs, sizes = self._run_self_prefill(prompts, counts), utterances.input_lengths
+            outputs, sizes = self._run_self_prefill(prompts, counts, utterances), utterances.input_lengths
         else:
             feeds, counts, sizes = self._prefill_feeds(utterances)
             wanted = [names["scores"], *state_outputs, *self._produced]
@@ -404,6 +438,8 @@ class PrefixLmScorer(OnnxDecoderScorer):
         renamed = re.sub(r"^past_key_values\.", "present.", u.name)
         if self.prefill.tensors.output(renamed) is not None:
             return renamed
+        if u.name == "encoder_hidden_states" and self.prefill.tensors.output(u.name) is None:
+            return self.io_map.get("encoder-states", "encoder-states")  # Hugging Face's name for them
         return u.name
 
     def release(self, groups) -> None:

@@ -12,13 +12,14 @@ the repository root::
    peaked enough for beam decisions not to hinge on float rounding; d_model 32 keeps the three
    files under 1 MB) is saved and exported with the real Optimum CLI::
 
-       optimum-cli export onnx --model MODEL --task automatic-speech-recognition-with-past --no-post-process OUT
+       optimum-cli export onnx --model MODEL --task automatic-speech-recognition-with-past OUT
 
    giving ``encoder_model.onnx`` (``input_features`` [N, 80, 3000] -> ``last_hidden_state``
    [N, 1500, 32]), ``decoder_model.onnx`` (``input_ids``, ``encoder_hidden_states`` -> ``logits``,
    ``present.{i}.decoder|encoder.key|value``) and ``decoder_with_past_model.onnx`` (``input_ids``,
    ``past_key_values.{i}.decoder|encoder.*`` -> ``logits``, ``present.{i}.decoder.*``; no
-   ``attention_mask``, no ``position_ids``: positions come from the past length).
+   ``attention_mask``, no ``position_ids``: positions come from the past length) and
+   ``decoder_model_merged.onnx`` (both in one, ``use_cache_branch`` choosing the branch).
 2. ``RECORDINGS`` (sine mixtures plus noise, 16 kHz, quantised to 16 bit) are written as wav files
    into ``examples/whisper/`` and their ``WhisperFeatureExtractor`` features ([80, 3000] each) into
    ``features.npz``.
@@ -134,8 +135,9 @@ def export(whisper) -> None:
         whisper.save_pretrained(Path(tmp) / "model")
         subprocess.run([str(Path(sys.executable).parent / "optimum-cli"), "export", "onnx", "--model",
                         str(Path(tmp) / "model"), "--task", "automatic-speech-recognition-with-past",
-                        "--no-post-process", str(Path(tmp) / "onnx")], check=True)
-        for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"):
+                        str(Path(tmp) / "onnx")], check=True)
+        for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx",
+                     "decoder_model_merged.onnx"):
             (OUT / name).write_bytes((Path(tmp) / "onnx" / name).read_bytes())
 
 

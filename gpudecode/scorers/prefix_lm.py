@@ -33,6 +33,10 @@ attends to the padding after a position), with ``attention_mask`` / ``position_i
 ``use_cache_branch`` False (its branch without pasts; True on every step); its present outputs hold
 each row's prompt states first. At load a probe requires a short prompt alone and the same prompt padded
 in a batch with a longer one to give the same scores and states, else the model is refused.
+Optimum's merged Whisper decoder (``decoder_model_merged``: ``use_cache_branch``, no
+``attention_mask``) is its own prefill too, without the probe: the prompt run also gets the
+utterances' encoder states and empty cross-attention pasts, and outputs the cross-attention pasts
+that become the step's per-utterance inputs; its prompts must be of one length (nothing masks padding).
 
 Prefill outputs: ``scores`` (or ``logits``) [U, V], [U, 1, V] or [U, P, V] (then the row's last
 prompt position is taken), the step model's state outputs, and optionally ``prefix-length`` [U]

@@ -24,7 +24,6 @@ weights and give the same outputs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from gpudecode.session.conventions import load_step_model_spec
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.session.step_model import hf_prompt_feeds, hf_step_feeds
 from gpudecode.states.options import StateManagerOptions
+from tests.hf_generate import TOL, LiveGenerate, assert_same, decode_like_generate, generate_options, prompt_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "peers" / "optimum"
@@ -54,7 +54,6 @@ FILES: dict[str, str] = DOCUMENT["files"]
 #: form -> (prefill model or None: the step model is its own prefill, step model)
 FORMS = {"pair": (FILES["prefill"], FILES["step"]), "merged": (None, FILES["merged"]),
          "default": (None, FILES["default"])}
-TOL = 1e-4
 
 
 def scorer(form: str, device: str = "cpu", graphs: bool = False) -> PrefixLmScorer:
@@ -66,69 +65,20 @@ def scorer(form: str, device: str = "cpu", graphs: bool = False) -> PrefixLmScor
 
 
 def batch(prompts: list[list[int]]) -> UtteranceBatch:
-    table = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
-    for u, prompt in enumerate(prompts):
-        table[u, :len(prompt)] = prompt
-    return UtteranceBatch(ids=[f"p{u}" for u in range(len(prompts))], input_lengths=np.full(len(prompts), MAX_NEW),
-                          inputs={"prompt": table}, sizes={"prompt": np.array([len(p) for p in prompts])})
+    return prompt_batch(prompts, MAX_NEW)
 
 
 def options(generate: dict, prompt_length: int = 0) -> LabelSyncOptions:
-    """The search options of ``generate``'s (num_beams, early_stopping, length_penalty,
-    num_return_sequences, min_new_tokens, min_length — which counts the prompt)."""
-    greedy = generate["num_beams"] == 1
-    min_length = generate.get("min_new_tokens", 0)
-    if "min_length" in generate:
-        min_length = max(0, generate["min_length"] - prompt_length)
-    return LabelSyncOptions(
-        beam_size=generate["num_beams"], sentence_end=EOS, max_labels_per_input=1.0, max_labels=MAX_NEW,
-        finished="separate", early_stopping=generate.get("early_stopping", False),
-        length_norm_scale=0.0 if greedy else generate.get("length_penalty", 1.0),
-        nbest=generate.get("num_return_sequences", 1), min_length=min_length)
+    return generate_options(generate, eos=EOS, max_new=MAX_NEW, prompt_length=prompt_length)
 
 
 def decode(form: str, generate: dict, device: str = "cpu", graphs: bool = False, **search) -> list[list[dict]]:
-    """The toolkit's n-best lists of ``PROMPTS`` as ``generate`` reports them: tokens (EOS kept)
-    and the length-normalised score. A prompt-counting ``min_length`` differs per prompt, so
-    each prompt is then decoded alone."""
-    lm = scorer(form, device, graphs)
-    groups = [[u] for u in range(len(PROMPTS))] if "min_length" in generate else [list(range(len(PROMPTS)))]
-    results: list = [None] * len(PROMPTS)
-    xp = np
-    if device == "cuda":
-        import cupy as xp
-    for group in groups:
-        opts = options(generate, len(PROMPTS[group[0]]))
-        nbest = label_sync_search([("lm", lm, 1.0)], batch([PROMPTS[u] for u in group]), opts, xp=xp, **search)
-        for u, hyps in zip(group, nbest):
-            results[u] = [{"tokens": h.labels + [EOS] * (h.length - len(h.labels)),
-                           "score": h.score / h.length ** opts.length_norm_scale} for h in hyps]
-    return results
+    """The toolkit's n-best lists of ``PROMPTS`` with the export ``form``, as ``generate`` reports them."""
+    return decode_like_generate(scorer(form, device, graphs), PROMPTS, generate, eos=EOS, max_new=MAX_NEW,
+                                device=device, **search)
 
 
-def assert_same(got: list[list[dict]], expected: list[list[dict]]) -> None:
-    for u, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
-        assert [h["tokens"] for h in mine] == [h["tokens"] for h in theirs], f"prompt {u}"
-        np.testing.assert_allclose([h["score"] for h in mine], [h["score"] for h in theirs], atol=TOL,
-                                   err_msg=f"prompt {u}")
-
-
-def peer_module():
-    spec = importlib.util.spec_from_file_location("optimum_fixture", ROOT / "tools" / "peer-fixtures" / "optimum.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_LIVE: dict = {}
-
-
-def live_expected(case: str) -> list[list[dict]]:
-    """``generate``'s outputs, run now (the peers environment), on the fixture's weights."""
-    fixture = peer_module()
-    if "model" not in _LIVE:
-        _LIVE["model"] = fixture.model()
-    return [fixture.generate(_LIVE["model"], prompt, fixture.CASES[case]) for prompt in fixture.PROMPTS]
+LIVE = LiveGenerate("optimum")
 
 
 # --- the fixture ---------------------------------------------------------------------------------
@@ -211,7 +161,7 @@ def test_form_on_the_gpu_equals_generate(form, case, graphs):
 @pytest.mark.peers
 @pytest.mark.parametrize("case", list(CASES))
 def test_forms_equal_live_generate(case):
-    expected = live_expected(case)
+    expected = LIVE.expected(case)
     assert_same(expected, DOCUMENT["expected"][case])  # the fixture is what the peer gives now
     for form in FORMS:
         assert_same(decode(form, CASES[case]), expected)
@@ -222,8 +172,7 @@ def test_exports_are_of_the_live_model():
     """The committed exports reproduce the live model's logits (prefill + steps, each form)."""
     import torch
 
-    fixture = peer_module()
-    lm = _LIVE.setdefault("model", fixture.model())
+    fixture, lm = LIVE.load()
     with torch.no_grad():
         reference = lm(torch.tensor([fixture.CHECK_SEQUENCE])).logits[0].numpy()
     fixture.check_exports(reference, FIXTURE)

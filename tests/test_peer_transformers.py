@@ -12,7 +12,6 @@ token sequences must be equal and scores within 1e-4 (``sequences_scores``: the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -30,6 +29,14 @@ from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.session import SessionOptions
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.options import StateManagerOptions
+from tests.hf_generate import (
+    TOL,
+    LiveGenerate,
+    assert_same,
+    decode_like_generate,
+    generate_options,
+    prompt_batch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "peers" / "gpt2"
@@ -37,7 +44,6 @@ DOCUMENT = json.loads((FIXTURE / "expected.json").read_text())
 PROMPTS: list[list[int]] = DOCUMENT["prompts"]
 EOS, VOCAB, MAX_NEW = DOCUMENT["eos"], DOCUMENT["vocab_size"], DOCUMENT["max_new_tokens"]
 CASES: dict[str, dict] = DOCUMENT["cases"]
-TOL = 1e-4
 
 
 def scorer(device: str = "cpu", graphs: bool = False) -> PrefixLmScorer:
@@ -47,79 +53,21 @@ def scorer(device: str = "cpu", graphs: bool = False) -> PrefixLmScorer:
                           session_options=SessionOptions(device=device), graphs=GraphOptions(enabled=graphs))
 
 
-def array_module(device: str):
-    if device == "cuda":
-        import cupy
-
-        return cupy
-    return np
-
-
 def batch(prompts: list[list[int]], max_new: int = MAX_NEW) -> UtteranceBatch:
-    table = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
-    for u, prompt in enumerate(prompts):
-        table[u, :len(prompt)] = prompt
-    return UtteranceBatch(ids=[f"p{u}" for u in range(len(prompts))], input_lengths=np.full(len(prompts), max_new),
-                          inputs={"prompt": table}, sizes={"prompt": np.array([len(p) for p in prompts])})
+    return prompt_batch(prompts, max_new)
 
 
 def options(generate: dict, prompt_length: int = 0) -> LabelSyncOptions:
-    """The search options of ``generate``'s (num_beams, early_stopping, length_penalty,
-    num_return_sequences, min_new_tokens, min_length — which counts the prompt)."""
-    greedy = generate["num_beams"] == 1
-    min_length = generate.get("min_new_tokens", 0)
-    if "min_length" in generate:
-        min_length = max(0, generate["min_length"] - prompt_length)
-    return LabelSyncOptions(
-        beam_size=generate["num_beams"], sentence_end=EOS, max_labels_per_input=1.0, max_labels=MAX_NEW,
-        finished="separate", early_stopping=generate.get("early_stopping", False),
-        length_norm_scale=0.0 if greedy else generate.get("length_penalty", 1.0),
-        nbest=generate.get("num_return_sequences", 1), min_length=min_length)
+    return generate_options(generate, eos=EOS, max_new=MAX_NEW, prompt_length=prompt_length)
 
 
 def decode(generate: dict, device: str = "cpu", graphs: bool = False, **search) -> list[list[dict]]:
-    """The toolkit's n-best lists of ``PROMPTS`` as ``generate`` reports them: tokens (EOS kept)
-    and the length-normalised score. A prompt-counting ``min_length`` differs per prompt, so
-    each prompt is then decoded alone."""
-    lm = scorer(device, graphs)
-    if "min_length" in generate:
-        groups = [[u] for u in range(len(PROMPTS))]
-    else:
-        groups = [list(range(len(PROMPTS)))]
-    results: list = [None] * len(PROMPTS)
-    for group in groups:
-        opts = options(generate, len(PROMPTS[group[0]]))
-        nbest = label_sync_search([("gpt2", lm, 1.0)], batch([PROMPTS[u] for u in group]), opts,
-                                  xp=array_module(device), **search)
-        for u, hyps in zip(group, nbest):
-            results[u] = [{"tokens": h.labels + [EOS] * (h.length - len(h.labels)),
-                           "score": h.score / h.length ** opts.length_norm_scale} for h in hyps]
-    return results
+    """The toolkit's n-best lists of ``PROMPTS`` as ``generate`` reports them."""
+    return decode_like_generate(scorer(device, graphs), PROMPTS, generate, eos=EOS, max_new=MAX_NEW, device=device,
+                                **search)
 
 
-def assert_same(got: list[list[dict]], expected: list[list[dict]]) -> None:
-    for u, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
-        assert [h["tokens"] for h in mine] == [h["tokens"] for h in theirs], f"prompt {u}"
-        np.testing.assert_allclose([h["score"] for h in mine], [h["score"] for h in theirs], atol=TOL,
-                                   err_msg=f"prompt {u}")
-
-
-def peer_module():
-    spec = importlib.util.spec_from_file_location("gpt2_fixture", ROOT / "tools" / "peer-fixtures" / "gpt2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_LIVE: dict = {}
-
-
-def live_expected(case: str) -> list[list[dict]]:
-    """``generate``'s outputs, run now (the peers environment), on the fixture's weights."""
-    gpt2 = peer_module()
-    if "model" not in _LIVE:
-        _LIVE["model"] = gpt2.model()
-    return [gpt2.generate(_LIVE["model"], prompt, gpt2.CASES[case]) for prompt in gpt2.PROMPTS]
+LIVE = LiveGenerate("gpt2")
 
 
 def test_fixture_covers_the_cases_of_the_issue():
@@ -158,7 +106,7 @@ def test_separate_mode_on_the_gpu_equals_generate(case, continuous, graphs):
 @pytest.mark.peers
 @pytest.mark.parametrize("case", list(CASES))
 def test_separate_mode_equals_live_generate(case):
-    expected = live_expected(case)
+    expected = LIVE.expected(case)
     assert_same(expected, DOCUMENT["expected"][case])  # the fixture is what the peer gives now
     assert_same(decode(CASES[case]), expected)
 
@@ -181,9 +129,9 @@ def test_min_length_keeps_sentence_end_away_until_then():
 
 @pytest.mark.peers
 def test_min_length_equals_live_generate():
-    gpt2 = peer_module()
+    gpt2, model = LIVE.load()
     generate = {"num_beams": 4, "early_stopping": False, "length_penalty": 0.0, "min_new_tokens": 4}
-    expected = [gpt2.generate(gpt2.model(), prompt, generate) for prompt in PROMPTS]
+    expected = [gpt2.generate(model, prompt, generate) for prompt in PROMPTS]
     assert_same(decode(generate), expected)
 
 

@@ -140,7 +140,8 @@ def export(lm, directory: Path) -> None:
                       output_names=["logits", *present_names], dynamic_axes=dynamic)
 
 
-def generate(lm, prompt: list[int], options: dict) -> list[dict]:
+def generate(lm, prompt: list[int], options: dict, *, eos: int = EOS, max_new_tokens: int = MAX_NEW_TOKENS
+             ) -> list[dict]:
     """transformers' ``generate`` of one prompt: per returned sequence its generated tokens and
     score (``sequences_scores``, or for greedy the sum of the chosen tokens' log-softmax)."""
     import torch
@@ -148,8 +149,8 @@ def generate(lm, prompt: list[int], options: dict) -> list[dict]:
     options = dict(options)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS,
-                          eos_token_id=EOS, pad_token_id=EOS, do_sample=False, return_dict_in_generate=True,
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          eos_token_id=eos, pad_token_id=eos, do_sample=False, return_dict_in_generate=True,
                           output_logits=True, output_scores=True, **options)
     generated = out.sequences[:, len(prompt):].tolist()
     if options["num_beams"] == 1:
@@ -159,8 +160,8 @@ def generate(lm, prompt: list[int], options: dict) -> list[dict]:
     scores = out.sequences_scores.tolist()
     results = []
     for tokens, score in zip(generated, scores):
-        if EOS in tokens:  # rows are padded with pad_token_id = EOS after the first EOS
-            tokens = tokens[:tokens.index(EOS) + 1]
+        if eos in tokens:  # rows are padded with pad_token_id = EOS after the first EOS
+            tokens = tokens[:tokens.index(eos) + 1]
         results.append({"tokens": tokens, "score": score})
     return results
 

@@ -43,6 +43,7 @@ Made with: torch 2.13.0+cpu, transformers 4.57.3, optimum-onnx 0.1.0, optimum 2.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -64,6 +65,7 @@ DEFAULT, PREFILL, STEP, MERGED = "model.onnx", "decoder_model.onnx", "decoder_wi
     "decoder_model_merged.onnx"
 
 
+@functools.cache
 def _gpt2_fixture():
     spec = importlib.util.spec_from_file_location("gpt2_fixture", Path(__file__).with_name("gpt2.py"))
     module = importlib.util.module_from_spec(spec)
@@ -166,28 +168,9 @@ CHECK_SEQUENCE = [5, 17, 33, 61, 7, 44, 90, 3]
 
 
 def generate(lm, prompt: list[int], options: dict) -> list[dict]:
-    """transformers' ``generate`` of one prompt: per returned sequence its generated tokens and
-    score (``sequences_scores``, or for greedy the sum of the chosen tokens' log-softmax)."""
-    import torch
-
-    options = dict(options)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS,
-                          eos_token_id=EOS, pad_token_id=EOS, do_sample=False, return_dict_in_generate=True,
-                          output_logits=True, output_scores=True, **options)
-    generated = out.sequences[:, len(prompt):].tolist()
-    if options["num_beams"] == 1:
-        tokens = generated[0]
-        logp = [torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(out.logits, tokens)]
-        return [{"tokens": tokens, "score": sum(logp)}]
-    scores = out.sequences_scores.tolist()
-    results = []
-    for tokens, score in zip(generated, scores):
-        if EOS in tokens:  # rows are padded with pad_token_id = EOS after the first EOS
-            tokens = tokens[:tokens.index(EOS) + 1]
-        results.append({"tokens": tokens, "score": score})
-    return results
+    """transformers' ``generate`` of one prompt, as the GPT-2 fixture records it, with this
+    fixture's EOS and number of new tokens."""
+    return _gpt2_fixture().generate(lm, prompt, options, eos=EOS, max_new_tokens=MAX_NEW_TOKENS)
 
 
 def expected(lm) -> dict:

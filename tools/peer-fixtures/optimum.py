@@ -4,7 +4,7 @@ writes, and transformers' own ``generate`` outputs on it.
 Run in the peers environment with transformers 4.57 (optimum-onnx 0.1.0 needs transformers < 4.58),
 from the repository root::
 
-    PYTHONPATH=/path/to/transformers-4.57:. .venv-peers/bin/python tools/peer-fixtures/optimum.py
+    PYTHONPATH=.peers-tf4:. .venv-peers/bin/python tools/peer-fixtures/optimum.py
 
 A random-initialised ``LlamaForCausalLM`` (fixed seed; 2 layers, hidden 32, 4 heads, 2 key-value
 heads, MLP 64, vocabulary 100, 64 positions; ``initializer_range`` 0.3 so that its distributions

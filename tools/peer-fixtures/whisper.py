@@ -4,7 +4,7 @@ log-mel features of three synthetic recordings and transformers' own Whisper ``g
 Run in the peers environment with transformers 4.57 (optimum-onnx needs transformers < 4.58), from
 the repository root::
 
-    PYTHONPATH=.:/tmp/prompts-work/tf4 .venv-peers/bin/python tools/peer-fixtures/whisper.py
+    PYTHONPATH=.peers-tf4:. .venv-peers/bin/python tools/peer-fixtures/whisper.py
 
 1. A ``WhisperForConditionalGeneration`` from a ``WhisperConfig`` (``SEED``; d_model 32, 2 encoder
    and 2 decoder layers, 4 heads, FFN 64, 80 mel bins, ``max_source_positions`` 1500 — the encoder

@@ -15,6 +15,11 @@ _KERNEL_MAX_K = 32
 _FLAT_SORT_MIN_COLUMNS = 16384
 _TOP_K_THREADS = 256  # TOP_K_THREADS of kernels/top_k.cu
 _TOP_K_SEGMENT = 4096  # TOP_K_SEGMENT of kernels/top_k.cu
+# On numpy, rows of at least _SELECT_MIN_COLUMNS columns with k at most _SELECT_MAX_FRACTION of
+# them are selected (:func:`_top_k_select`: a partition, then a sort of the k survivors only);
+# shorter rows and larger k sort the whole row (numpy's stable sort of a short row is as fast).
+_SELECT_MIN_COLUMNS = 96
+_SELECT_MAX_FRACTION = 1 / 3
 
 
 def top_k_indices(keys, k: int, *, load_module=None):
@@ -23,7 +28,8 @@ def top_k_indices(keys, k: int, *, load_module=None):
 
     Equal keys keep column order (lower column first) — the searches' tie-break when columns are
     laid out lane-major, then label. NaN ranks like -inf; -0.0 equals +0.0. Implemented with
-    stable sorts, which numpy (``kind="stable"``) and CuPy (always stable) agree on.
+    stable sorts, which numpy (``kind="stable"``) and CuPy (always stable) agree on; on numpy
+    with a partial selection for small k (the same result: :func:`_top_k_select`).
     ``load_module``: how the CuPy kernels are loaded (None: :func:`gpudecode.kernels.load_module`).
     """
     xp = get_array_module(keys)
@@ -34,7 +40,14 @@ def top_k_indices(keys, k: int, *, load_module=None):
         return _top_k_kernel(keys, k, load_module)
     if xp is not np and keys.shape[1] >= _FLAT_SORT_MIN_COLUMNS:
         return _top_k_flat(keys, k)
+    if xp is np and _numpy_selects(keys.shape[1], k):
+        return _top_k_select(keys, k)
     return _top_k_rows(keys, k)
+
+
+def _numpy_selects(num_cols: int, k: int) -> bool:
+    """Whether numpy's top-k of ``num_cols`` columns selects (:func:`_top_k_select`) or sorts."""
+    return num_cols >= _SELECT_MIN_COLUMNS and k <= _SELECT_MAX_FRACTION * num_cols
 
 
 def _top_k_kernel(keys, k: int, load_module=None):
@@ -96,3 +109,28 @@ def _top_k_flat(keys, k: int):
     order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat))
     order = order.reshape(num_rows, num_cols)[:, :k].astype(np.int64, copy=False)
     return order - xp.arange(num_rows, dtype=np.int64)[:, None] * num_cols
+
+
+def _top_k_select(keys: np.ndarray, k: int) -> np.ndarray:
+    """numpy, exactly :func:`_top_k_rows` without sorting whole rows: per row the k-th largest
+    cleaned key ``t`` (``np.partition``), the columns of keys > t and the lowest columns of keys
+    == t (as many as make k), in column order, then a stable sort of those k by key."""
+    num_rows, num_cols = keys.shape
+    if not num_rows:
+        return np.empty((0, k), dtype=np.int64)
+    # _clean on numpy: fmax turns NaN into -inf, + 0 folds -0.0 into +0.0
+    clean = np.fmax(keys.astype(np.float32, copy=False), np.float32(-np.inf)) + np.float32(0)
+    threshold = np.partition(clean, num_cols - k, axis=1)[:, num_cols - k:num_cols - k + 1]
+    kept = clean >= threshold  # at least k per row; more where keys equal to t are left over
+    tied = np.nonzero(np.count_nonzero(kept, axis=1) != k)[0]
+    if len(tied):
+        rows, bound = clean[tied], threshold[tied]
+        above = rows > bound
+        equal = rows == bound
+        wanted = k - np.count_nonzero(above, axis=1)[:, None]
+        kept[tied] = above | (equal & (np.cumsum(equal, axis=1) <= wanted))
+    columns = (np.flatnonzero(kept).reshape(num_rows, k)
+               - np.arange(num_rows, dtype=np.int64)[:, None] * num_cols)  # ascending per row
+    negated = -np.take_along_axis(clean, columns, axis=1) + np.float32(0)
+    order = np.argsort(negated, axis=1, kind="stable")  # equal keys stay in column order
+    return np.take_along_axis(columns, order, axis=1)

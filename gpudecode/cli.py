@@ -294,6 +294,29 @@ def bench_ctc(output: str, utterances: int, frames: int, vocab_sizes: str, beams
                encoder_frames=encoder_frames, repeats=repeats, output_dir=output)
 
 
+@bench.command("cpu")
+@click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Folder for cpu.json and cpu.png.")
+@click.option("--utterances", type=int, default=64, show_default=True, help="CTC log-prob matrices.")
+@click.option("--frames", type=int, default=500, show_default=True, help="Frames per CTC matrix.")
+@click.option("--classes", type=int, default=80, show_default=True, help="CTC classes (blank included).")
+@click.option("--beams", default="8,25", show_default=True, help="CTC beams, comma-separated.")
+@click.option("--ctc-inputs", default="peaky,flat", show_default=True,
+              help="CTC log-probs, comma-separated: peaky (like a trained model's), flat (bench ctc's random ones).")
+@click.option("--prompts", type=int, default=16, show_default=True, help="Prompts of the LM comparisons.")
+@click.option("--parts", default="ctc,genai,gpt2", show_default=True,
+              help="Comma-separated: ctc (pyctcdecode), genai (ONNX Runtime GenAI), gpt2 (transformers generate).")
+@click.option("--repeats", type=int, default=1, show_default=True, help="Timed runs per cell; the fastest counts.")
+def bench_cpu(output: str, utterances: int, frames: int, classes: int, beams: str, ctc_inputs: str, prompts: int,
+              parts: str, repeats: int) -> None:
+    """The CPU path against pyctcdecode, ONNX Runtime GenAI and transformers generate, one thread each side
+    (each peer where it imports)."""
+    _run_bench("cpu", "run_cpu_bench", num_utts=utterances, num_frames=frames, vocab_size=classes,
+               beams=_int_list(beams), ctc_inputs=tuple(i.strip() for i in ctc_inputs.split(",") if i.strip()),
+               lm_prompts=prompts,
+               parts=tuple(p.strip() for p in parts.split(",") if p.strip()), repeats=repeats, output_dir=output)
+
+
 @bench.command("transducer")
 @click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
               help="Folder for transducer.json and transducer.png.")

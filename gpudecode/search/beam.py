@@ -284,29 +284,37 @@ def select(beam: Beam, combined, log_probs, norm, at_limit, layout: LaneLayout,
     bool, lanes that reach their label limit with this step."""
     xp = layout.xp
     num_groups, beam_size = layout.num_groups, layout.beam_size
-
-    # Candidates [N, V]: open lanes extend by every label; a terminated lane offers only
-    # itself (in column 0, mapped to label -1 below); dead lanes offer nothing.
-    open_lanes = ~beam.ended
-    candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, NEG_INF)
-    candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
-    _mask_sentence_end(candidates, beam, options, xp)
+    candidates = _candidates(beam, combined, options, xp)
     alive, parents, cand_labels = prune(candidates, beam_size, num_groups, xp, normaliser=norm,
                                         score_threshold=options.score_threshold, stats=stats)
     was_ended = beam.ended[parents]
     labels = xp.where(alive & ~was_ended, cand_labels, -1)
     emitted = labels >= 0
-    safe_labels = xp.maximum(labels, 0)
-
     scores = xp.where(alive, candidates[parents, cand_labels], NEG_INF)
-    scorer_scores = xp.stack([
-        beam.scorer_scores[s][parents]
-        + xp.where(emitted, logp[parents, safe_labels], np.float32(0))
-        for s, logp in enumerate(log_probs)])
+    scorer_scores = _extended_scorer_scores(beam, log_probs, parents, labels, emitted, xp)
     ended = (was_ended | ~alive | (labels == options.sentence_end) | at_limit)
     beam = Beam(scores=scores, scorer_scores=scorer_scores,
                 lengths=beam.lengths[parents] + emitted, ended=ended)
     return beam, parents, labels
+
+
+def _candidates(beam: Beam, combined, options: LabelSyncOptions, xp):
+    """Candidates [N, V] of a step: open lanes extend by every label (``combined`` [N, V] added to
+    their score); a terminated lane offers only itself (in column 0, mapped to label -1 by the
+    selection); dead lanes offer nothing; sentence-end masked below ``min_length``."""
+    open_lanes = ~beam.ended
+    candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, NEG_INF)
+    candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
+    _mask_sentence_end(candidates, beam, options, xp)
+    return candidates
+
+
+def _extended_scorer_scores(beam: Beam, log_probs, parents, labels, emitted, xp):
+    """[S, N]: each scorer's score of the new lanes — the parent's plus the emitted label's
+    log-prob (``emitted``: ``labels`` >= 0; -1: nothing emitted)."""
+    safe_labels = xp.maximum(labels, 0)
+    return xp.stack([beam.scorer_scores[s][parents] + xp.where(emitted, logp[parents, safe_labels], np.float32(0))
+                     for s, logp in enumerate(log_probs)])
 
 
 def _mask_sentence_end(candidates, beam: Beam, options: LabelSyncOptions, xp) -> None:
@@ -348,9 +356,7 @@ def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout
     finished = beam.finished
     prompts = finished.prompt_lengths
     open_lanes = ~beam.ended
-    candidates = xp.where(open_lanes[:, None], beam.scores[:, None] + combined, NEG_INF)
-    candidates[:, 0] = xp.where(open_lanes, candidates[:, 0], beam.scores)
-    _mask_sentence_end(candidates, beam, options, xp)
+    candidates = _candidates(beam, combined, options, xp)
     at_limit = deadline <= step
     ranks = candidates.reshape(num_groups, beam_size * vocab_size)
     size = min(2 * beam_size, beam_size * vocab_size)
@@ -375,10 +381,7 @@ def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout
     open_labels = xp.take_along_axis(label, kept, axis=1).reshape(-1)
     labels = xp.where(alive & open_lanes[parents], open_labels, -1)
     emitted = labels >= 0
-    safe_labels = xp.maximum(labels, 0)
-    scorer_scores = xp.stack([
-        beam.scorer_scores[s][parents] + xp.where(emitted, logp[parents, safe_labels], np.float32(0))
-        for s, logp in enumerate(log_probs)])
+    scorer_scores = _extended_scorer_scores(beam, log_probs, parents, labels, emitted, xp)
     lengths = beam.lengths[parents] + emitted
 
     def counted(lengths, with_end):

@@ -209,8 +209,6 @@ def _nbest(entries, beam: Beam, steps, layout: LaneLayout, options: LabelSyncOpt
                           label_lists(traced.T, options.sentence_end), entries)
 
 
-
-
 def _finished_nbest(entries, finished: Finished, steps, layout: LaneLayout, options: LabelSyncOptions,
                     tuning: SearchTuning, stats: SearchStats | None) -> list[list[Hypothesis]]:
     """``finished="separate"``: the n-best lists are the finished lists; each entry is traced back

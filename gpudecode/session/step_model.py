@@ -143,6 +143,9 @@ class StepModelRunner:
         self._pad_time = states.has_time_axis and ("prefix-length" in names or "attention_mask" in names)
         # state outputs sliced to their first rows stay contiguous when the batch axis is outermost
         self._rows_outermost = all(layout.pre == 1 for layout in states.layouts)
+        #: in-place output -> (its state input, its declared shape), bound when the states live on CUDA
+        self._in_place_outputs = {} if session.provider != "cuda" or states.device == "cpu" else {
+            output: (name, session.tensors.output(output).shape) for output, name in spec.in_place_outputs.items()}
 
     # --- one step ----------------------------------------------------------------------------------
     def run(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None = None):
@@ -336,14 +339,11 @@ class StepModelRunner:
         """The in-place outputs bound to their state inputs' buffers (CUDA with device states; on
         the CPU provider, or with the states merged on the host, they are neither requested nor
         bound)."""
-        if self.session.provider != "cuda" or self.states.device == "cpu":
-            return {}
         bound = {}
-        for output, name in self.spec.in_place_outputs.items():
+        for output, (name, declared) in self._in_place_outputs.items():
             buffer = state_inputs[name]
             # the output may declare the same bytes in another shape (keys declared in the layout an
             # attention kernel reads): its own static dims, the buffer's batch and time
-            declared = self.session.tensors.output(output).shape
             shape = tuple(d if isinstance(d, int) else n for d, n in zip(declared, buffer.shape))
             bound[output] = buffer if shape == tuple(buffer.shape) else buffer.reshape(shape)
         return bound

@@ -314,8 +314,14 @@ class StateManagerConfig(_Section):
 
 
 class ScorerConfig(_Section):
-    """One label scorer. ``type``: a built-in type or a ``module:Class`` import path.
-    ``name`` (default: the type) keys the per-scorer scores in the outputs."""
+    """One label scorer. ``type``: a built-in type, a name registered with ``@register_scorer``
+    (its module imported before the config is validated) or a ``module:Class`` import path.
+    ``name`` (default: the type) keys the per-scorer scores in the outputs.
+
+    ``base_dir`` (own scorers only; default: the config file's folder): where a ``module:Class``
+    is imported from when the Python path does not find it (then the working directory), and
+    what the relative paths among ``options`` that the class lists in ``path_options`` resolve
+    against."""
 
     type: str
     name: str = ""
@@ -328,24 +334,39 @@ class ScorerConfig(_Section):
     cuda_graphs: bool | None = None  # None: runtime.cuda_graphs.enabled
     start_labels: tuple[LabelSpec, ...] = ()
     options: dict[str, Any] = Field(default_factory=dict)  # free, for custom scorers
+    base_dir: ConfigPath | None = None
 
     @field_validator("type")
     @classmethod
     def _check_type(cls, value: str) -> str:
-        if value in defaults.BUILTIN_SCORER_TYPES or _SCORER_IMPORT_PATH.match(value):
+        from gpudecode.scorers.registry import is_registered_scorer_type, user_registered_types
+
+        if (value in defaults.BUILTIN_SCORER_TYPES or _SCORER_IMPORT_PATH.match(value)
+                or is_registered_scorer_type(value)):
             return value
-        close = difflib.get_close_matches(value, defaults.BUILTIN_SCORER_TYPES, n=1)
+        names = [*defaults.BUILTIN_SCORER_TYPES, *user_registered_types()]
+        close = difflib.get_close_matches(value, names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"invalid choice {value!r}{hint}; valid choices: "
-                         f"{', '.join(defaults.BUILTIN_SCORER_TYPES)}, or a custom scorer "
-                         "as 'module:Class'")
+                         f"{', '.join(names)}, a name registered with @register_scorer (its module "
+                         "imported first), or a custom scorer as 'module:Class'")
 
     @model_validator(mode="before")
     @classmethod
-    def _default_name(cls, data: Any) -> Any:
+    def _default_name(cls, data: Any, info: ValidationInfo) -> Any:
         if isinstance(data, dict) and not data.get("name") and isinstance(data.get("type"), str):
             data = {**data, "name": data["type"]}
+        base_dir = (info.context or {}).get("base_dir")
+        if (isinstance(data, dict) and data.get("base_dir") is None and base_dir is not None
+                and isinstance(data.get("type"), str) and data["type"] not in defaults.BUILTIN_SCORER_TYPES):
+            data = {**data, "base_dir": str(base_dir)}
         return data
+
+    @property
+    def import_path(self) -> tuple[Path, ...]:
+        """Where a ``module:Class`` type is looked for after the Python path: ``base_dir``, then the
+        working directory."""
+        return (*((self.base_dir,) if self.base_dir is not None else ()), Path.cwd())
 
 
 class SearchTuningConfig(_Section):

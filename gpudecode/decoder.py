@@ -18,6 +18,7 @@ from gpudecode.config import Config, ConfigError, ScorerConfig, load_config, val
 from gpudecode.io.vocabulary import Vocabulary
 from gpudecode.hypothesis import Hypothesis
 from gpudecode.scorers import UtteranceBatch, create_scorer
+from gpudecode.scorers.registry import ScorerTypeError, scorer_class
 from gpudecode.search.registry import SearchSetup, SearchTypeError, search_type
 from gpudecode.session import EncoderLayout, OnnxSession, SessionOptions, discover_encoder
 from gpudecode.states.options import StateManagerOptions
@@ -140,7 +141,7 @@ class Decoder:
             state_manager = (scorer.state_manager.to_options(self.config.runtime.device_id)
                              if scorer.state_manager else StateManagerOptions(device_id=self.config.runtime.device_id))
             return create_scorer(
-                scorer.type, model=scorer.model, vocab_size=len(self.vocabulary),
+                scorer.type, name=scorer.name, model=scorer.model, vocab_size=len(self.vocabulary),
                 start_labels=[self.vocabulary.resolve(label, f"{key}.start_labels") for label in start],
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
@@ -160,13 +161,13 @@ class Decoder:
             state_manager = (scorer.state_manager.to_options(self.config.runtime.device_id)
                              if scorer.state_manager else StateManagerOptions(device_id=self.config.runtime.device_id))
             return create_scorer(
-                "prefix-lm", model=models["step"], prefill_model=models.get("prefill"), vocab_size=len(self.vocabulary),
+                "prefix-lm", name=scorer.name, model=models["step"], prefill_model=models.get("prefill"), vocab_size=len(self.vocabulary),
                 state_manager=state_manager, session_options=self.session_options, io_map=scorer.io_map,
                 scores_kind=scorer.scores_kind, max_batch_size=scorer.max_batch_size, graphs=self._graphs(scorer),
                 fixed_frames=self._fixed_frames, **prompts,
             )
         if scorer.type == "ctc-prefix":  # joint CTC/attention: the encoder also outputs frame log-probs
-            return create_scorer("ctc-prefix", vocab_size=len(self.vocabulary), sentence_end=self._special("sentence_end"),
+            return create_scorer("ctc-prefix", name=scorer.name, vocab_size=len(self.vocabulary), sentence_end=self._special("sentence_end"),
                                  blank=self._special("blank"), input_name=scorer.io_map.get("log-probs", "log-probs"))
         if scorer.type == "suppress-tokens":  # labels by name or index
             unknown = set(scorer.options) - {"tokens", "begin_tokens"}
@@ -174,11 +175,27 @@ class Decoder:
                 raise ConfigError(f"{key}.options: unknown {sorted(unknown)}; valid: tokens, begin_tokens")
             labels = {name: [self.vocabulary.resolve(label, f"{key}.options.{name}") for label in scorer.options.get(name, ())]
                       for name in ("tokens", "begin_tokens")}
-            return create_scorer("suppress-tokens", vocab_size=len(self.vocabulary), **labels)
+            return create_scorer("suppress-tokens", name=scorer.name, vocab_size=len(self.vocabulary), **labels)
         if scorer.type == "length-reward":
-            return create_scorer("length-reward", vocab_size=len(self.vocabulary), sentence_end=self.sentence_end,
+            return create_scorer("length-reward", name=scorer.name, vocab_size=len(self.vocabulary), sentence_end=self.sentence_end,
                                  **scorer.options)
-        return create_scorer(scorer.type, **scorer.options)
+        return self._build_own_scorer(key, scorer)
+
+    def _build_own_scorer(self, key: str, scorer: ScorerConfig):
+        """A registered or ``module:Class`` scorer: imported from the config's folder where the Python
+        path does not find it, its ``path_options`` resolved against that folder, its ``vocab_size``
+        checked against the vocabulary."""
+        try:
+            cls = scorer_class(scorer.type, scorer.import_path)
+            options = dict(scorer.options)
+            for name in getattr(cls, "path_options", ()):
+                value = options.get(name)
+                if isinstance(value, (str, Path)) and scorer.base_dir is not None:
+                    options[name] = str(Path(scorer.base_dir) / Path(value).expanduser())
+            return create_scorer(scorer.type, search_path=scorer.import_path, name=scorer.name,
+                                 expected_vocab_size=len(self.vocabulary), **options)
+        except ScorerTypeError as exc:
+            raise ConfigError(f"{key}.type: {exc}") from None
 
     def encode(self, ids: Sequence[str], features: Sequence[np.ndarray] | None,
                prompts: Sequence[Sequence[int]] | None = None) -> UtteranceBatch:

@@ -52,10 +52,14 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
         raise FileNotFoundError(f"{path} is a folder without a genai_config.json: give the model file")
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ModelError(f"{path}: empty file (0 bytes), not an ONNX model")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
         raise ModelError(f"{path}: not a readable ONNX file ({exc})") from exc
+    if not (model.graph.input or model.graph.output or model.graph.node):
+        raise ModelError(f"{path}: not an ONNX model (no graph inputs, outputs or nodes)")
     tensors: ModelTensors = from_onnx_model(model, str(path))
     lines = [f"model: {path}"]
     if hints is not None:

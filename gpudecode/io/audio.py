@@ -108,11 +108,24 @@ class AudioSource(FeatureSource):
         return info
 
     def _num_frames(self, utt_id: str) -> int:
-        return self.front_end.options.num_frames(self._check_info(utt_id).frames)
+        return self._frames_of(utt_id, self._check_info(utt_id).frames)
+
+    def _frames_of(self, utt_id: str, num_samples: int) -> int:
+        """Feature frames of ``num_samples`` samples; a recording shorter than one analysis window
+        is an error naming both lengths."""
+        options = self.front_end.options
+        frames = options.num_frames(num_samples)
+        if frames < 1:
+            window = getattr(options, "window_samples", None)
+            span = (f"one frame needs {window} samples ({options.window_ms:g} ms at "
+                    f"{options.sample_rate_hz} Hz)" if window else "the front end needs more")
+            raise FeatureError(f"{num_samples} samples: too short for one feature frame; {span}",
+                               path=self._files[utt_id], utterance_id=utt_id)
+        return frames
 
     def _load(self, utt_id: str) -> np.ndarray:
         import soundfile
 
-        self._check_info(utt_id)
+        self._frames_of(utt_id, self._check_info(utt_id).frames)
         samples, _ = soundfile.read(str(self._files[utt_id]), dtype="float32", always_2d=False)
         return self.front_end(samples)

@@ -62,6 +62,17 @@ def check_features(features: np.ndarray, *, path: str | Path, utterance_id: str,
     return arr
 
 
+#: Appended to the error that stops a run at a bad utterance (``io.on_bad_input: stop``).
+SKIP_HINT = "; to leave bad utterances out and go on, set io.on_bad_input: skip (-o io.on_bad_input=skip)"
+
+
+def stopping_error(exc: FeatureError) -> FeatureError:
+    """``exc`` with :data:`SKIP_HINT` appended (same type, path and utterance)."""
+    if exc.problem.endswith(SKIP_HINT):
+        return exc
+    return type(exc)(exc.problem + SKIP_HINT, path=exc.path, utterance_id=exc.utterance_id)
+
+
 def bucket_by_length(utterance_lengths: Mapping[str, int] | Iterable[tuple[str, int]],
                      batch_size: int, *, longest_first: bool = True) -> list[list[str]]:
     """Group utterance ids into batches of similar length.
@@ -155,7 +166,7 @@ class FeatureSource:
                                        utterance_id=utt_id) from exc
             except FeatureError as exc:
                 if self.on_error == "stop":
-                    raise
+                    raise stopping_error(exc) from exc
                 log.warning("skipping: %s", exc)
                 self.skipped.append(exc)
         return lengths
@@ -186,7 +197,7 @@ class FeatureSource:
             return self.read(utt_id)
         except FeatureError as exc:
             if self.on_error == "stop":
-                raise
+                raise stopping_error(exc) from exc
             log.warning("skipping: %s", exc)
             self.skipped.append(exc)
             return None

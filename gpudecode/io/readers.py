@@ -31,13 +31,7 @@ def detect_format(path: str | Path) -> str:
     if not path.exists():
         raise FeatureError("does not exist", path=path)
     if path.is_dir():
-        suffixes = {p.suffix.lower() for p in path.iterdir() if p.is_file()}
-        if ".npy" in suffixes:
-            return "npy-dir"
-        if suffixes & set(defaults.AUDIO_EXTENSIONS):
-            return "audio"
-        raise FeatureError("folder holds neither .npy nor audio (.wav, .flac) files",
-                           path=path)
+        return _folder_format(path)
     fmt = _SUFFIX_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise FeatureError(
@@ -47,6 +41,26 @@ def detect_format(path: str | Path) -> str:
     if fmt == "kaldi-scp" and _lists_audio(path):
         return "audio"
     return fmt
+
+
+def _folder_format(folder: Path) -> str:
+    """``npy-dir`` or ``audio``; a folder holding both is an error listing what it holds."""
+    counts: dict[str, int] = {}
+    for file in folder.iterdir():
+        suffix = file.suffix.lower()
+        if file.is_file() and (suffix == ".npy" or suffix in defaults.AUDIO_EXTENSIONS):
+            counts[suffix] = counts.get(suffix, 0) + 1
+    formats = {"npy-dir" if suffix == ".npy" else "audio" for suffix in counts}
+    if len(formats) > 1:
+        held = ", ".join(f"{counts[s]} {s} file(s) ({'npy-dir' if s == '.npy' else 'audio'})"
+                         for s in sorted(counts))
+        raise FeatureError(
+            f"folder holds several feature formats: {held}; a run decodes one: move the others "
+            "out, or set io.features.format (npy-dir or audio) to decode that one alone",
+            path=folder)
+    if not formats:
+        raise FeatureError("folder holds neither .npy nor audio (.wav, .flac) files", path=folder)
+    return formats.pop()
 
 
 def _lists_audio(scp: Path) -> bool:

@@ -34,6 +34,36 @@ from typing import Any
 import numpy as np
 
 from gpudecode.backend import get_array_module, to_host
+from gpudecode.session.discovery import ModelError
+
+class ScorerContractError(ModelError):
+    """A scorer that does not keep the :class:`LabelScorer` contract (``vocab_size``, the shape
+    and dtype of ``score()``); the message names the scorer and its class."""
+
+
+def describe_scorer(scorer, name: str | None = None) -> str:
+    """``scorer 'NAME' (module.Class)`` for error messages."""
+    cls = type(scorer)
+    return f"scorer {name!r} ({cls.__module__}.{cls.__qualname__})" if name else \
+        f"scorer {cls.__module__}.{cls.__qualname__}"
+
+
+def check_vocab_size(scorer, name: str | None = None, expected: int | None = None) -> int:
+    """``scorer.vocab_size`` after construction: present, a positive int and, when ``expected`` is
+    given (the vocabulary's size), equal to it; else :class:`ScorerContractError`."""
+    who = describe_scorer(scorer, name)
+    value = getattr(scorer, "vocab_size", None)
+    if value is None:
+        raise ScorerContractError(
+            f"{who} has no vocab_size after construction: a LabelScorer sets self.vocab_size, the "
+            "number of labels (columns) its score() returns")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ScorerContractError(f"{who}: vocab_size must be a positive int, got {value!r}")
+    if expected is not None and int(value) != int(expected):
+        raise ScorerContractError(f"{who} has vocab_size {int(value)}, but the vocabulary has {int(expected)} "
+                                  "labels: its score() columns must be the vocabulary's labels")
+    return int(value)
+
 
 #: A scoring context: whatever a scorer returns from ``initial_context`` / ``extend`` (device
 #: arrays over all N lanes). The search never looks inside.
@@ -179,6 +209,9 @@ class LabelScorer:
     #: synchronous search then calls :meth:`score_candidates` on the ``pre_beam_size`` best labels
     #: per lane by the other scorers only.
     partial_scoring: bool = False
+    #: Keyword options that name files: given from a config, their relative paths resolve against
+    #: the config file's folder (``scorers[i].base_dir``), as every path of a config does.
+    path_options: tuple[str, ...] = ()
 
     # --- lifecycle -----------------------------------------------------------------------------
     def begin(self, layout: LaneLayout) -> None:

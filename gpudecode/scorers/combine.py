@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gpudecode.backend import get_array_module, is_device_array
-from gpudecode.scorers.base import LabelScorer
+from gpudecode.scorers.base import LabelScorer, ScorerContractError, describe_scorer
 
 
 class ScorerEntry(NamedTuple):
@@ -71,13 +71,16 @@ def combine_scores(log_probs: Sequence, scales: Sequence[float]):
 def checked_scores(entry: ScorerEntry, log_probs, num_lanes: int, vocab_size: int, xp, keep_float16: bool = False):
     """``log_probs`` as float32 (``keep_float16``: float16 stays float16) after checking it is
     [N, V] on the search's array module; the error names the scorer."""
-    if tuple(log_probs.shape) != (num_lanes, vocab_size):
-        raise ValueError(f"scorer {entry.name!r}: score() returned shape "
-                         f"{tuple(log_probs.shape)}, expected [N={num_lanes}, V={vocab_size}]")
+    if tuple(getattr(log_probs, "shape", ())) != (num_lanes, vocab_size):
+        raise ScorerContractError(f"{describe_scorer(entry.scorer, entry.name)}: score() returned shape "
+                                  f"{tuple(getattr(log_probs, 'shape', ()))}, expected [N={num_lanes}, V={vocab_size}]")
+    if log_probs.dtype.kind != "f":
+        raise ScorerContractError(f"{describe_scorer(entry.scorer, entry.name)}: score() returned dtype "
+                                  f"{log_probs.dtype}, expected float32 (or float16) log-probabilities")
     if is_device_array(log_probs) != (xp is not np):
-        raise ValueError(f"scorer {entry.name!r}: score() returned a "
-                         f"{type(log_probs).__module__} array, but the search runs on "
-                         f"{xp.__name__}")
+        raise ScorerContractError(f"{describe_scorer(entry.scorer, entry.name)}: score() returned a "
+                                  f"{type(log_probs).__module__} array, but the search runs on "
+                                  f"{xp.__name__}")
     if keep_float16 and log_probs.dtype == np.float16:
         return log_probs
     return log_probs.astype(np.float32, copy=False)

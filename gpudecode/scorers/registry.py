@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from gpudecode.scorers.base import LabelScorer
+from gpudecode.scorers.base import LabelScorer, check_vocab_size
 
 #: Built-in type name -> the module that registers it. The lead adds ``onnx-decoder`` and
 #: ``recurrent-lm`` here when their modules exist.
@@ -58,6 +60,17 @@ def register_scorer(name: str) -> Callable[[type], type]:
     return decorate
 
 
+def is_registered_scorer_type(name: str) -> bool:
+    """Whether ``name`` is registered now (by a built-in module or a user's
+    ``@register_scorer``), without importing anything."""
+    return name in _REGISTRY or name in _BUILTIN_MODULES
+
+
+def user_registered_types() -> tuple[str, ...]:
+    """Names registered by user code so far (the built-ins left out), sorted."""
+    return tuple(sorted(n for n in _REGISTRY if n not in _BUILTIN_MODULES))
+
+
 def registered_scorer_types() -> tuple[str, ...]:
     """Every built-in or registered type name, sorted (built-in modules are imported)."""
     for name in _BUILTIN_MODULES:
@@ -65,9 +78,11 @@ def registered_scorer_types() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def scorer_class(type_name: str) -> type:
+def scorer_class(type_name: str, search_path: Sequence[str | Path] = ()) -> type:
     """The class for ``type_name``: a registered/built-in name or ``"module:Class"``.
 
+    A module that the interpreter's own import path does not find is looked for in the folders
+    of ``search_path``, in order (a config passes its own folder and the working directory).
     Raises :class:`ScorerTypeError` naming the string and what failed.
     """
     if not isinstance(type_name, str):
@@ -84,10 +99,11 @@ def scorer_class(type_name: str) -> type:
         raise ScorerTypeError(f"scorer type {type_name!r}: expected 'package.module:Class'")
     module_name, class_name = type_name.split(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name, search_path)
     except ModuleNotFoundError as exc:
-        raise ScorerTypeError(f"scorer type {type_name!r}: module {module_name!r} not found "
-                              f"({exc})") from exc
+        where = "".join(f", {Path(p)}" for p in search_path)
+        raise ScorerTypeError(f"scorer type {type_name!r}: module {module_name!r} not found on the "
+                              f"Python path{where} ({exc})") from exc
     except Exception as exc:  # the module exists but fails on import
         raise ScorerTypeError(f"scorer type {type_name!r}: importing module {module_name!r} "
                               f"failed ({type(exc).__name__}: {exc})") from exc
@@ -101,14 +117,40 @@ def scorer_class(type_name: str) -> type:
     return cls
 
 
-def create_scorer(type_name: str, /, **options) -> LabelScorer:
-    """An instance of :func:`scorer_class` ``(type_name)`` built with keyword ``options``."""
-    cls = scorer_class(type_name)
+def create_scorer(type_name: str, /, *, search_path: Sequence[str | Path] = (),
+                  expected_vocab_size: int | None = None, name: str | None = None, **options) -> LabelScorer:
+    """An instance of :func:`scorer_class` ``(type_name, search_path)`` built with keyword ``options``.
+
+    Its ``vocab_size`` is checked at once (present, and equal to ``expected_vocab_size``, else to
+    ``options["vocab_size"]``, when either is given); ``name`` (the config's scorer name) goes into
+    the errors of the contract checks."""
+    cls = scorer_class(type_name, search_path)
     try:
-        return cls(**options)
+        scorer = cls(**options)
     except TypeError as exc:
         raise ScorerTypeError(f"scorer type {type_name!r}: cannot build "
                               f"{cls.__qualname__} with options {sorted(options)} ({exc})") from exc
+    expected = expected_vocab_size if expected_vocab_size is not None else options.get("vocab_size")
+    check_vocab_size(scorer, name or type_name, expected)
+    return scorer
+
+
+def _import_module(module_name: str, search_path: Sequence[str | Path]):
+    """``importlib.import_module``; where the interpreter's path does not find the top-level package,
+    the folders of ``search_path`` are put at the end of ``sys.path`` for this import only."""
+    top = module_name.partition(".")[0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != top or not search_path:
+            raise
+    added = [str(Path(p)) for p in search_path if str(Path(p)) not in sys.path]
+    sys.path.extend(added)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        for folder in added:
+            sys.path.remove(folder)
 
 
 def _import_builtin(name: str) -> None:

@@ -712,15 +712,17 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """Read, override and validate a YAML config (see the module docstring)."""
+def load_config(path: str | Path, overrides: Iterable[str] = (), *, settings: Iterable[str] = ()) -> Config:
+    """Read, override and validate a YAML config (see the module docstring). ``settings``: more
+    ``key=value`` pairs applied after ``overrides`` that errors do not call -o overrides (the
+    command line's own options, such as ``--output``)."""
     path = Path(path)
     data = _read_yaml(path)
     if data is not None and not isinstance(data, dict):
         _raise_config_error([("(top level)", f"expected a mapping of sections, got "
                               f"{type(data).__name__}")], str(path))
     overrides = list(overrides)
-    data = apply_overrides(data or {}, overrides)
+    data = apply_overrides(data or {}, [*overrides, *settings])
     source = str(path) + (" (with -o overrides)" if overrides else "")
     return validate_config(data, path.absolute().parent, source=source)
 

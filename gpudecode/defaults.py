@@ -116,6 +116,7 @@ JSONL_FILE = "nbest.jsonl"
 CTM_FILE = "hyp.ctm"
 WER_FILE = "wer.json"
 RESOLVED_CONFIG_FILE = "config.resolved.yaml"
+IDENTITY_FILE = "run-identity.json"  # what produced the results: checked by --resume (gpudecode.io.identity)
 
 # --- engine: where decoding runs ------------------------------------------------------------
 ENGINES = ("local", "ray")

@@ -14,6 +14,9 @@ from gpudecode import backend
 from gpudecode.config import Config, ConfigError
 from gpudecode.decoder import Decoder
 from gpudecode.io import PromptedSource, PromptSource, open_features, read_prompts
+from gpudecode.search.nonfinite import NonFiniteScores
+
+_NAMED = 10  # utterance ids a warning names before "and N more"
 
 
 @dataclass
@@ -30,6 +33,25 @@ class RunSummary:
     output: Path | None = None
     gpu_memory_bytes: int | None = None  # CuPy pool bytes at the end (GPU runs)
     retried_batches: int = 0  # batches split after running out of GPU memory
+    #: ids of utterances whose best hypothesis the search cut short (``Hypothesis.truncated``)
+    truncated: list[str] = field(default_factory=list)
+
+    def count_truncated(self, utterance_id: str, nbest) -> None:
+        """Notes ``utterance_id`` when its best hypothesis (``nbest[0]``) is truncated."""
+        if nbest and nbest[0].truncated:
+            self.truncated.append(utterance_id)
+
+    def warnings(self) -> list[str]:
+        """Lines to show at the end of a run: the truncated utterances (up to ten named)."""
+        if not self.truncated:
+            return []
+        named = ", ".join(self.truncated[:_NAMED])
+        more = len(self.truncated) - _NAMED
+        return [f"warning: {len(self.truncated)} utterance(s) cut short by the search's length limits "
+                f"(search.max_labels, max_labels_per_input or max_symbols_per_frame): {named}"
+                + (f" and {more} more" if more > 0 else "")
+                + "; their hypotheses are marked \"truncated\": true in nbest.jsonl — raise the limit "
+                  "(within the models' positions) to decode them whole"]
 
     @property
     def utterances_per_second(self) -> float:
@@ -57,6 +79,8 @@ class RunSummary:
             rows.append(("GPU memory (CuPy pool)", f"{self.gpu_memory_bytes / 2**20:.1f} MiB"))
         if self.retried_batches:
             rows.append(("batches split (out of GPU memory)", str(self.retried_batches)))
+        if self.truncated:
+            rows.append(("truncated (length limit)", str(len(self.truncated))))
         rows.append(("output", str(self.output)))
         return rows
 
@@ -96,13 +120,24 @@ class OutOfMemory(RuntimeError):
 def decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: str):
     """(utterance, n-best) pairs of ``batch``; on GPU out-of-memory the cached free memory is
     released (never live states) and the batch is decoded in halves; an utterance that fails
-    alone is reported (``stop``) or skipped (``skip``)."""
+    alone is reported (``stop``) or skipped (``skip``). Utterances with non-finite scores
+    (:class:`NonFiniteScores`) are reported, or skipped and the others decoded again. Utterances
+    whose best hypothesis is truncated are noted in ``summary.truncated``."""
     try:
         features = None if batch[0].features is None else [u.features for u in batch]
         if batch[0].prompt is None:
             nbests = decoder.decode_batch([u.id for u in batch], features)
         else:
             nbests = decoder.decode_batch([u.id for u in batch], features, [u.prompt for u in batch])
+    except NonFiniteScores as error:
+        bad = set(error.utterance_ids)
+        rest = [u for u in batch if u.id not in bad]
+        if on_bad_input != "skip" or len(rest) == len(batch):
+            raise
+        summary.skipped += [f"utterance {u.id!r}: {error.what}" for u in batch if u.id in bad]
+        if rest:
+            yield from decode_fitting(decoder, rest, summary, on_bad_input)
+        return
     except Exception as error:
         if not backend.is_out_of_memory(error):
             raise
@@ -119,4 +154,6 @@ def decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: s
         yield from decode_fitting(decoder, batch[:half], summary, on_bad_input)
         yield from decode_fitting(decoder, batch[half:], summary, on_bad_input)
         return
-    yield from zip(batch, nbests)
+    for utterance, nbest in zip(batch, nbests):
+        summary.count_truncated(utterance.id, nbest)
+        yield utterance, nbest

@@ -404,6 +404,7 @@ def _take(result: BatchResult, writer: ResultWriter, summary: RaySummary) -> Non
         writer.write(UtteranceResult(id=utt_id, nbest=nbest))
         summary.frames += num_frames
         summary.decoded += 1
+        summary.count_truncated(utt_id, nbest)
     summary.skipped += result.skipped
     summary.retried_batches += result.retried_batches
     if result.gpu_memory_bytes is not None:

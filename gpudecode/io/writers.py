@@ -175,6 +175,8 @@ class ResultWriter:
                 "scores": {k: _json_float(v) for k, v in hyp.scores.items()},
                 "frames": None if hyp.frames is None else [int(f) for f in hyp.frames],
             })
+            if hyp.truncated:  # only when set: the search cut this hypothesis short
+                nbest[-1]["truncated"] = True
         record = {"id": result.id, "text": nbest[0]["words"] if nbest else "", "nbest": nbest}
         return json.dumps(record, ensure_ascii=False) + "\n"
 

@@ -42,8 +42,9 @@ from gpudecode.search.beam import (
     prompt_lengths,
     returned_lanes,
 )
+from gpudecode.search.nonfinite import NonFiniteScores, bad_groups, initial_maxima
 from gpudecode.search.prune import best_first, length_normaliser, normalised
-from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
+from gpudecode.search.results import Hypothesis, no_cyclic_gc
 from gpudecode.search.stats import SearchStats, read_back
 from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 from gpudecode.sizes import next_power_of_two
@@ -88,7 +89,8 @@ class _Lanes:
         self.beam = Beam(scores=xp.full(num_lanes, NEG_INF, dtype=np.float32),
                           scorer_scores=xp.zeros((num_scorers, num_lanes), dtype=np.float32),
                           lengths=xp.zeros(num_lanes, dtype=np.int64),
-                          ended=xp.ones(num_lanes, dtype=bool), finished=finished)
+                          ended=xp.ones(num_lanes, dtype=bool), finished=finished,
+                          score_max=initial_maxima(num_scorers, layout.num_groups, xp))
         self.start = xp.zeros(num_lanes, dtype=np.int64)  # step before the utterance's first
         self.deadline = xp.zeros(num_lanes, dtype=np.int64)  # step of the lane's last label
         # labels per lane, a ring by step: a lane's t-th label (step start + t) in column
@@ -116,6 +118,7 @@ class _Lanes:
                 beam.finished.prompt_lengths[xp.asarray(admitted)] = xp.asarray(prompts)
         beam.scores[lanes] = NEG_INF
         beam.scorer_scores[:, lanes] = 0
+        beam.score_max[:, xp.asarray(groups)] = NEG_INF
         beam.lengths[lanes] = 0
         beam.ended[lanes] = True
         self.tokens[lanes] = -1
@@ -247,6 +250,10 @@ def continuous_search(entries, utterances: UtteranceBatch, options: LabelSyncOpt
     _collect(pending, results, entries, options, tuning, stats)
     if queue or any(r is None for r in results):
         raise AssertionError("continuous search: utterances left undecoded (a bug in the admission loop)")
+    bad = [u for u, nbest in enumerate(results) if isinstance(nbest, NonFiniteScores)]
+    if bad:  # every utterance was decoded; those with non-finite scores are reported together
+        raise NonFiniteScores([utterances.ids[u] for u in bad],
+                              sorted({name for u in bad for name in results[u].scorers}))
     return results
 
 
@@ -291,27 +298,33 @@ def _finalise(lanes: _Lanes, done: np.ndarray, options: LabelSyncOptions, stats:
         order = best_first(ranks, layout.beam_size, stats)
         return (lanes.group_utterance[done].copy(), order, ranks, finished.scores[rows],
                 finished.scorer_scores[:, rows], finished.lengths[rows],
-                lanes.labels(rows, width, lanes.finished_tokens))
+                lanes.labels(rows, width, lanes.finished_tokens), beam.score_max[:, xp.asarray(done)])
     scores = beam.scores[rows]
     ranks = normalised(scores, length_normaliser(beam.lengths[rows], options.length_norm_scale, xp))
     order = best_first(ranks, layout.beam_size, stats)
     return (lanes.group_utterance[done].copy(), order, ranks, scores, beam.scorer_scores[:, rows],
-            beam.lengths[rows], lanes.labels(rows, width))
+            beam.lengths[rows], lanes.labels(rows, width), beam.score_max[:, xp.asarray(done)])
 
 
 def _collect(pending: list[tuple], results: list, entries, options: LabelSyncOptions, tuning: SearchTuning,
              stats: SearchStats | None) -> None:
-    """One transfer of every pending finished group; n-best lists into ``results``."""
+    """One transfer of every pending finished group; n-best lists into ``results`` (a
+    :class:`NonFiniteScores` naming the scorers for an utterance whose scores were non-finite)."""
     if not pending:
         return
     arrays = [a for p in pending for a in p[1:]]
     host = read_back(tuning, stats, *arrays)
+    names = [e.name for e in entries]
+    size = len(pending[0]) - 1
     with no_cyclic_gc():
         for i, item in enumerate(pending):
             utts = item[0].tolist()
-            order, ranks, scores, scorer_scores, lengths, tokens = host[6 * i: 6 * i + 6]
+            order, ranks, scores, scorer_scores, lengths, tokens, score_max = host[size * i: size * i + size]
             returned = returned_lanes(order, options.num_best)
-            lists = hypotheses(returned, ranks, scores, scorer_scores, lengths,
-                               label_lists(tokens[returned.ravel()], options.sentence_end), entries)
+            lists = hypotheses(returned, ranks, scores, scorer_scores, lengths, tokens[returned.ravel()], entries,
+                               options)
+            bad, flagged = bad_groups(score_max, ranks[returned[:, 0]])
+            for g in np.flatnonzero(bad).tolist():
+                lists[g] = NonFiniteScores([], [names[s] for s in np.flatnonzero(flagged[:, g]).tolist()])
             for u, nbest in zip(utts, lists):
                 results[u] = nbest

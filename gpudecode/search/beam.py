@@ -19,9 +19,10 @@ from gpudecode.backend import DEFAULT_HOST_WAIT, HostClock, HostWait, to_host, w
 from gpudecode.scorers.base import LaneLayout
 from gpudecode.scorers.combine import checked_scores, combine_scores
 from gpudecode.search import label_step
+from gpudecode.search.nonfinite import group_maxima
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.prune import NEG_INF, length_normaliser, normalised, prune
-from gpudecode.search.results import Hypothesis, nbest_lists
+from gpudecode.search.results import Hypothesis, label_lists, nbest_lists
 from gpudecode.search.stats import SearchStats, observed_top_k
 from gpudecode.search.topk import top_k_indices
 from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
@@ -236,6 +237,9 @@ class Beam:
     lengths: object  # [N] int64, labels including sentence-end
     ended: object  # [N] bool, terminated (or dead); finished "separate": the group is done (or dead)
     finished: Finished | None = None  # finished "separate": the finished lists
+    #: [S, G] float32: per scorer and lane group the largest score the scorer gave an open lane so
+    #: far (NaN or +inf: non-finite scores, :mod:`gpudecode.search.nonfinite`); None: not kept
+    score_max: object = None
 
 
 def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSyncOptions,
@@ -253,19 +257,22 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     in_kernel = (tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
                  and options.min_length == 0 and options.finished == "in-beam")
     log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats)
+    score_max = beam.score_max
+    if score_max is not None:  # on the device; read back with the search's results
+        score_max = xp.maximum(score_max, group_maxima(log_probs, ~beam.ended, layout.num_groups, xp))
     if options.finished != "in-beam":
         beam, parents, labels = select_separate(beam, _combined(terms), log_probs, deadline, step, layout, options,
                                                 stats)
-        contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
-        return beam, parents, labels, contexts
-    norm = candidate_normaliser(beam, options, xp)
-    if in_kernel:
-        fields, parents, labels = label_step.select_kernel(beam, terms, log_probs, norm, deadline, step,
-                                                           layout, options)
-        beam = Beam(**fields)
     else:
-        beam, parents, labels = select(beam, _combined(terms), log_probs, norm, deadline <= step, layout, options,
-                                       stats)
+        norm = candidate_normaliser(beam, options, xp)
+        if in_kernel:
+            fields, parents, labels = label_step.select_kernel(beam, terms, log_probs, norm, deadline, step,
+                                                               layout, options)
+            beam = Beam(**fields)
+        else:
+            beam, parents, labels = select(beam, _combined(terms), log_probs, norm, deadline <= step, layout,
+                                           options, stats)
+    beam.score_max = score_max
     contexts = [e.scorer.extend(c, parents, labels) for e, c in zip(entries, contexts)]
     return beam, parents, labels, contexts
 
@@ -522,11 +529,14 @@ def returned_lanes(order: np.ndarray, num_best: int) -> np.ndarray:
     return np.arange(order.shape[0])[:, None] * order.shape[1] + order[:, :num_best]
 
 
-def hypotheses(returned, ranks, scores, scorer_scores, lengths, labels: list[list[int]],
-                entries) -> list[list[Hypothesis]]:
+def hypotheses(returned, ranks, scores, scorer_scores, lengths, tokens: np.ndarray, entries,
+               options: LabelSyncOptions) -> list[list[Hypothesis]]:
     """Per lane group its n-best list (:func:`nbest_lists`): lanes ``returned`` [G, K]
-    (:func:`returned_lanes`) with their ``labels`` (row-major over ``returned``), from host arrays
-    over all lanes: ``ranks``, ``scores``, ``lengths`` [G·B] and ``scorer_scores`` [S, G·B]."""
+    (:func:`returned_lanes`) with their label rows ``tokens`` [G·K, W] (row-major over
+    ``returned``; -1 where nothing was emitted), from host arrays over all lanes: ``ranks``,
+    ``scores``, ``lengths`` [G·B] and ``scorer_scores`` [S, G·B]. A hypothesis without a
+    sentence-end in its row was force-ended at its label limit: ``truncated``."""
     lanes = returned.ravel()
-    return nbest_lists(ranks[returned], labels, scores[lanes], [e.name for e in entries], scorer_scores[:, lanes],
-                       lengths[lanes])
+    truncated = ~(tokens == options.sentence_end).any(axis=1)
+    return nbest_lists(ranks[returned], label_lists(tokens, options.sentence_end), scores[lanes],
+                       [e.name for e in entries], scorer_scores[:, lanes], lengths[lanes], truncated=truncated)

@@ -46,7 +46,7 @@ def _ctc_prefix(setup: SearchSetup, batch):
 
 def _ctc_greedy(setup: SearchSetup, batch):
     return ctc_greedy_search(batch.inputs["encoder-states"], batch.input_lengths, blank=setup.blank, xp=setup.xp,
-                             **setup.run_settings())
+                             ids=list(batch.ids), **setup.run_settings())
 
 
 def _transducer_options(setup: SearchSetup) -> TransducerOptions:
@@ -68,7 +68,7 @@ def _transducer_greedy(setup: SearchSetup, batch):
     return transducer_greedy_search(batch.inputs["encoder-states"], batch.input_lengths, setup.prediction,
                                     setup.joint, blank=setup.blank,
                                     max_symbols_per_frame=setup.config.max_symbols_per_frame, xp=setup.xp,
-                                    **setup.run_settings())
+                                    ids=list(batch.ids), **setup.run_settings())
 
 
 _CTC_ENCODER = "the encoder that outputs frame log-probs"

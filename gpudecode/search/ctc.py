@@ -51,6 +51,7 @@ from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
+from gpudecode.search.nonfinite import NonFiniteScores, group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search import ctc_frame
@@ -118,7 +119,7 @@ def _check_log_probs(log_probs, lengths, xp, read) -> tuple[object, np.ndarray]:
 
 
 # --- greedy ----------------------------------------------------------------------------------
-def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np,
+def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np, ids: Sequence[str] | None = None,
                       tuning: SearchTuning = DEFAULT_TUNING, stats: SearchStats | None = None
                       ) -> list[list[Hypothesis]]:
     """Best-path decoding of all utterances at once; per utterance a one-entry n-best list.
@@ -136,6 +137,7 @@ def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np
         raise ValueError(f"blank {blank} is outside the vocabulary [0, {vocab_size})")
     if num_utts == 0:
         return []
+    ids = [str(u) for u in range(num_utts)] if ids is None else list(ids)
 
     def run():
         best = log_probs.argmax(axis=2)  # [U, T]; numpy and CuPy both take the first maximum
@@ -147,6 +149,8 @@ def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np
         return read(best, emitted, score)
 
     best, emitted, score = on_search_stream(xp, run)
+    if not np.isfinite(score).all():  # a NaN or +inf frame log-prob (a frame's max is never -inf otherwise)
+        raise NonFiniteScores([ids[u] for u in np.flatnonzero(~np.isfinite(score)).tolist()], [CTC_SCORE_NAME])
     results = []
     for u in range(num_utts):
         frames = np.flatnonzero(emitted[u])
@@ -257,6 +261,10 @@ class _PrefixSearch:
         self.unresolved = xp.zeros((), dtype=bool)
         self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
         self.lengths_dev = xp.asarray(self.lengths)
+        self.ids = list(utterances.ids)
+        # per utterance the largest frame log-prob and scorer score (NaN or +inf: non-finite scores)
+        self.input_max = _frame_maxima(self.log_probs, self.lengths_dev, xp)
+        self.lm_max = initial_maxima(len(self.entries), num_utts, xp)
         if fused:
             state, self.node_frames, self.unresolved = ctc_frame.search_kernel(
                 self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds,
@@ -447,9 +455,11 @@ class _PrefixSearch:
             return
         xp, num_lanes = self.xp, self.layout.num_lanes
         vocab_size = self.log_probs.shape[2]
+        live = (self.blank_logp > _NEG_INF) | (self.label_logp > _NEG_INF)
         for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
             log_probs = checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
                                        num_lanes, vocab_size, xp)
+            self.lm_max[s] = xp.maximum(self.lm_max[s], group_maxima([log_probs], live, self.layout.num_groups, xp)[0])
             if self.cache_enabled:
                 self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
             else:
@@ -482,4 +492,11 @@ class _PrefixSearch:
         order = best_first(ranks, beam, self.stats)
         return emission_tree_nbest(order, ranks, {CTC_SCORE_NAME: ctc}, self.lm_scores, self.entries, self.node,
                                    self.node_parent, self.node_label, self.node_frames, options.num_best,
-                                   self.read, unresolved=None if exact else self.unresolved)
+                                   self.read, unresolved=None if exact else self.unresolved,
+                                   maxima=xp.concatenate([self.input_max[None, :], self.lm_max]), ids=self.ids)
+
+
+def _frame_maxima(log_probs, lengths, xp):
+    """[U] float32: per utterance the largest log-prob of its valid frames (NaN if one is NaN)."""
+    valid = xp.arange(log_probs.shape[1])[None, :] < lengths[:, None]
+    return xp.where(valid, log_probs.max(axis=2), _NEG_INF).max(axis=1).astype(np.float32, copy=False)

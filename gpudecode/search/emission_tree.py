@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from gpudecode.backend import get_array_module
+from gpudecode.search.nonfinite import check_finite
 from gpudecode.search.results import Hypothesis, int_rows, nbest_lists, no_cyclic_gc
 
 #: The rolling hash of label sequences that finds candidate pairs of equal sequences:
@@ -84,11 +85,17 @@ def _trace_on_host(lanes, node, node_parent, node_label, node_frames, num_lanes:
 
 
 def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node, node_parent, node_label,
-                        node_frames: Sequence[int], num_best: int, transfer: Callable, unresolved=None):
+                        node_frames: Sequence[int], num_best: int, transfer: Callable, unresolved=None, *,
+                        truncated=None, maxima=None, ids: Sequence[str] = ()):
     """Per utterance the n-best, best first: ``order`` [U, B] each utterance's lanes best first,
     ``ranks`` [N] (a lane ranked -inf ends its list), ``own_scores`` name -> [N] (the search's own
-    score), ``lm_scores`` [S, N] of ``entries``. Arrays may live on the device; ``transfer`` brings
-    them to the host (one call). None when the device bool ``unresolved`` is set."""
+    score), ``lm_scores`` [S, N] of ``entries``, ``truncated`` [N] bool (None: no lane is). Arrays
+    may live on the device; ``transfer`` brings them to the host (one call). None when the device
+    bool ``unresolved`` is set.
+
+    ``maxima`` [1 + S, U]: the largest score of the search's own score (first) and of each scorer
+    per utterance (:mod:`gpudecode.search.nonfinite`); with it, utterances (``ids``) whose scores
+    were non-finite, or whose best rank is, raise :class:`~gpudecode.search.nonfinite.NonFiniteScores`."""
     xp = get_array_module(node)
     num_utts, beam = order.shape
     num_lanes = num_utts * beam
@@ -99,21 +106,29 @@ def emission_tree_nbest(order, ranks, own_scores: dict, lm_scores, entries, node
     names = list(own_scores) + [e.name for e in entries]
     scores = [own_scores[name][lanes] for name in own_scores] + [lm_scores[s][lanes] for s in range(len(entries))]
     flag = xp.zeros((), dtype=bool) if unresolved is None else unresolved
-    (flag, ranks, labels, frames, lengths, *scores) = transfer(flag, ranks[lanes], labels, frames, lengths, *scores)
+    extra = [a for a in (None if truncated is None else truncated[lanes], maxima) if a is not None]
+    (flag, ranks, labels, frames, lengths, *scores) = transfer(flag, ranks[lanes], labels, frames, lengths, *scores,
+                                                               *extra)
     if bool(flag):
         return None
+    if maxima is not None:
+        maxima = scores.pop()
+        check_finite(ids, names, maxima, ranks.reshape(num_utts, num_best)[:, 0])
+    if truncated is not None:
+        truncated = scores.pop()
     if (lengths < 0).any():
         raise RuntimeError("emission tree: a traced path leaves its utterance's lanes (a search bug)")
     with no_cyclic_gc():
-        return _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores)
+        return _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores, truncated)
 
 
-def _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores) -> list[list[Hypothesis]]:
+def _hypotheses(num_utts, num_best, ranks, labels, frames, lengths, names, scores,
+                truncated=None) -> list[list[Hypothesis]]:
     """Per utterance its n-best list (:func:`nbest_lists`) from the traced rows [U·num_best] (host),
     each hypothesis scored by its rank."""
     scorer_scores = np.stack(scores) if scores else np.empty((0, len(ranks)), np.float32)
     return nbest_lists(ranks.reshape(num_utts, num_best), int_rows(labels, lengths), ranks, names, scorer_scores,
-                       lengths, int_rows(frames, lengths))
+                       lengths, int_rows(frames, lengths), truncated)
 
 
 def same_label_paths(candidate, node_a, node_b, node_label, node_parent, steps: int | None, read):

@@ -44,8 +44,9 @@ from gpudecode.search.beam import (
     prompt_lengths,
     returned_lanes,
 )
+from gpudecode.search.nonfinite import check_finite, initial_maxima
 from gpudecode.search.prune import best_first, length_normaliser, normalised
-from gpudecode.search.results import Hypothesis, label_lists, no_cyclic_gc
+from gpudecode.search.results import Hypothesis, no_cyclic_gc
 from gpudecode.search.stats import SearchStats, read_back
 from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
 
@@ -130,7 +131,7 @@ def _search(entries, utterances: UtteranceBatch, options: LabelSyncOptions, layo
     finally:
         for entry in begun:
             entry.scorer.release(groups)
-    return _nbest(entries, beam, steps, layout, options, tuning, stats)
+    return _nbest(entries, beam, steps, layout, options, tuning, stats, list(utterances.ids))
 
 
 def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray, options: LabelSyncOptions,
@@ -149,7 +150,7 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray, options: Lab
     beam = Beam(scores=xp.where(first_lane, np.float32(0), NEG_INF).astype(np.float32),
                  scorer_scores=xp.zeros((len(entries), num_lanes), dtype=np.float32),
                  lengths=xp.zeros(num_lanes, dtype=np.int64),
-                 ended=~first_lane, finished=finished)
+                 ended=~first_lane, finished=finished, score_max=initial_maxima(len(entries), layout.num_groups, xp))
     lane_limit = xp.asarray(np.repeat(limits, beam_size))
     steps: list[tuple[object, object]] = []  # (parents [N], labels [N]) per step
 
@@ -184,19 +185,20 @@ def _run(entries, contexts, layout: LaneLayout, limits: np.ndarray, options: Lab
 
 
 def _nbest(entries, beam: Beam, steps, layout: LaneLayout, options: LabelSyncOptions,
-           tuning: SearchTuning, stats: SearchStats | None) -> list[list[Hypothesis]]:
+           tuning: SearchTuning, stats: SearchStats | None, ids: list[str]) -> list[list[Hypothesis]]:
     if beam.finished is not None:
-        return _finished_nbest(entries, beam.finished, steps, layout, options, tuning, stats)
+        return _finished_nbest(entries, beam, steps, layout, options, tuning, stats, ids)
     xp, beam_size = layout.xp, layout.beam_size
     ranks = normalised(beam.scores, length_normaliser(beam.lengths, options.length_norm_scale, xp))
     order = best_first(ranks, beam_size, stats)  # [U, B]
     parents = xp.stack([p for p, _ in steps])  # [T, N]
     labels = xp.stack([lab for _, lab in steps])  # [T, N]
-    (order, ranks, scores, scorer_scores, lengths, parents, labels) = read_back(
-        tuning, stats, order, ranks, beam.scores, beam.scorer_scores, beam.lengths, parents, labels)
+    (order, ranks, scores, scorer_scores, lengths, parents, labels, score_max) = read_back(
+        tuning, stats, order, ranks, beam.scores, beam.scorer_scores, beam.lengths, parents, labels, beam.score_max)
 
     # Backtrace of the returned lanes only: one vectorised gather per step.
     returned = returned_lanes(order, options.num_best)
+    check_finite(ids, [e.name for e in entries], score_max, ranks[returned[:, 0]])
     num_steps = labels.shape[0]
     lane = returned.ravel()
     traced = np.empty((num_steps, lane.size), labels.dtype)  # traced[t, j]: step t's label of returned lane j
@@ -205,22 +207,22 @@ def _nbest(entries, beam: Beam, steps, layout: LaneLayout, options: LabelSyncOpt
         lane = parents[t, lane]
 
     with no_cyclic_gc():
-        return hypotheses(returned, ranks, scores, scorer_scores, lengths,
-                          label_lists(traced.T, options.sentence_end), entries)
+        return hypotheses(returned, ranks, scores, scorer_scores, lengths, traced.T, entries, options)
 
 
-def _finished_nbest(entries, finished: Finished, steps, layout: LaneLayout, options: LabelSyncOptions,
-                    tuning: SearchTuning, stats: SearchStats | None) -> list[list[Hypothesis]]:
+def _finished_nbest(entries, beam: Beam, steps, layout: LaneLayout, options: LabelSyncOptions,
+                    tuning: SearchTuning, stats: SearchStats | None, ids: list[str]) -> list[list[Hypothesis]]:
     """``finished="separate"``: the n-best lists are the finished lists; each entry is traced back
     from the lane its last label extended, at the step it ended."""
-    xp = layout.xp
+    xp, finished = layout.xp, beam.finished
     order = best_first(finished.ranks, layout.beam_size, stats)
     parents = xp.stack([p for p, _ in steps])  # [T, N]
     labels = xp.stack([lab for _, lab in steps])  # [T, N]
-    (order, ranks, scores, scorer_scores, lengths, ends, lanes, last, parents, labels) = read_back(
+    (order, ranks, scores, scorer_scores, lengths, ends, lanes, last, parents, labels, score_max) = read_back(
         tuning, stats, order, finished.ranks, finished.scores, finished.scorer_scores, finished.lengths,
-        finished.steps, finished.lanes, finished.labels, parents, labels)
+        finished.steps, finished.lanes, finished.labels, parents, labels, beam.score_max)
     returned = returned_lanes(order, options.num_best)
+    check_finite(ids, [e.name for e in entries], score_max, ranks[returned[:, 0]])
     entry = returned.ravel()
     end, lane, label = ends[entry] - 1, lanes[entry], last[entry]  # end: the step's row in steps
     num_steps = labels.shape[0]
@@ -230,5 +232,4 @@ def _finished_nbest(entries, finished: Finished, steps, layout: LaneLayout, opti
         traced[t] = np.where(t == end, label, np.where(before, labels[t, lane], -1))
         lane = np.where(before, parents[t, lane], lane)
     with no_cyclic_gc():
-        return hypotheses(returned, ranks, scores, scorer_scores, lengths,
-                          label_lists(traced.T, options.sentence_end), entries)
+        return hypotheses(returned, ranks, scores, scorer_scores, lengths, traced.T, entries, options)

@@ -47,18 +47,21 @@ def python_ints(size: int) -> np.ndarray:
 
 def nbest_lists(ranks: np.ndarray, labels: list[list[int]], scores: np.ndarray, names: list[str],
                 scorer_scores: np.ndarray, lengths: np.ndarray,
-                frames: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+                frames: list[list[int]] | None = None,
+                truncated: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """Per group its n-best list from host values of its K returned lanes, best first: ``ranks``
     [G, K] (a -inf rank ends a group's list), and per lane, row-major over [G, K], its ``labels``
-    (and ``frames``), ``scores`` and ``lengths`` [G·K] and each scorer's score ``scorer_scores``
-    [S, G·K] by ``names``. The values are gathered by numpy and the objects made by ``map``
+    (and ``frames``), ``scores`` and ``lengths`` [G·K], each scorer's score ``scorer_scores``
+    [S, G·K] by ``names`` and ``truncated`` [G·K] bool (None: none is). The values are gathered by
+    numpy and the objects made by ``map``
     (thousands per search: no interpreted loop over them)."""
     num_best = ranks.shape[1]
     finite = np.isfinite(ranks)
     counts = np.where(finite.all(axis=1), num_best, finite.argmin(axis=1)).tolist()  # up to the first -inf
     per_scorer = zip(*scorer_scores.tolist()) if len(names) else repeat(())  # per lane, each scorer's score
     hyps = list(map(Hypothesis.made, labels, scores.tolist(), map(dict, map(zip, repeat(names), per_scorer)),
-                    lengths.tolist(), repeat(None) if frames is None else frames))
+                    lengths.tolist(), repeat(None) if frames is None else frames,
+                    repeat(False) if truncated is None else truncated.tolist()))
     return [hyps[g * num_best:g * num_best + count] for g, count in enumerate(counts)]
 
 

@@ -65,6 +65,7 @@ from gpudecode.search.options import (
     option_error,
 )
 from gpudecode.scorers.transducer import PredictionNetwork
+from gpudecode.search.nonfinite import NonFiniteScores, group_maxima, initial_maxima
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -175,11 +176,12 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
             lanes = xp.arange(num_utts, dtype=np.int64)
             lengths_dev = xp.asarray(lengths)
             score = xp.zeros(num_utts, dtype=np.float32)
+            cut = xp.zeros(num_utts, dtype=bool)  # cut by max_symbols_per_frame (see _cut_short)
             steps, step_frames = [], []
             for t in range(int(lengths.max(initial=0))):
                 active = t < lengths_dev
                 frames_t = encoder_states[:, t]
-                for _ in range(max_symbols_per_frame):
+                for s in range(max_symbols_per_frame):
                     logp = _joint_log_probs(joint, frames_t, pred_out, xp, num_utts)
                     if blank >= logp.shape[1]:
                         raise ValueError(f"blank {blank} is outside the joint's vocabulary [0, {logp.shape[1]})")
@@ -196,18 +198,23 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
                     new_out = _on_xp(xp, prediction.output(ctx)).astype(np.float32, copy=False)
                     pred_out = xp.where(emitted[:, None], new_out, pred_out)
                     active = emitted
+                    if s == max_symbols_per_frame - 1 > 0:  # the frame's symbol limit
+                        cut = cut | _cut_short(joint, frames_t, pred_out, emitted, blank, xp)
             table = xp.stack(steps) if steps else xp.zeros((0, num_utts), dtype=np.int64)
-            return (*read(table, score), np.asarray(step_frames, dtype=np.int64))
+            return (*read(table, score, cut), np.asarray(step_frames, dtype=np.int64))
         finally:
             prediction.release(groups)
 
-    table, score, frames_of_step = on_search_stream(xp, run)
+    table, score, cut, frames_of_step = on_search_stream(xp, run)
+    if not np.isfinite(score).all():  # a NaN or +inf joint log-prob on the path
+        raise NonFiniteScores([ids[u] for u in np.flatnonzero(~np.isfinite(score)).tolist()], [TRANSDUCER_SCORE_NAME])
     results = []
     for u in range(num_utts):
         kept = table[:, u] >= 0
         labels = table[kept, u].tolist()
         results.append([Hypothesis(labels=labels, score=float(score[u]), scores={TRANSDUCER_SCORE_NAME: float(score[u])},
-                                   length=len(labels), frames=frames_of_step[kept].tolist())])
+                                   length=len(labels), frames=frames_of_step[kept].tolist(),
+                                   truncated=bool(cut[u]))])
     return results
 
 # --- beam search ------------------------------------------------------------------------------------
@@ -301,6 +308,13 @@ class _TransducerSearch:
         self.unresolved = xp.zeros((), dtype=bool)
         self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
         lengths_dev = xp.asarray(self.lengths)
+        self.ids = list(utterances.ids)
+        # per utterance the largest joint and scorer score (NaN or +inf: non-finite scores)
+        self.joint_max = initial_maxima(1, num_utts, xp)
+        self.lm_max = initial_maxima(len(self.entries), num_utts, xp)
+        # lanes cut by max_symbols_per_frame (a frame left after its last allowed label while the
+        # joint's best continuation there was a label); with 1 a label always consumes its frame
+        self.cut = xp.zeros(num_lanes, dtype=bool) if options.max_symbols_per_frame > 1 else None
 
         prediction_begun, begun = False, []
         try:
@@ -347,6 +361,8 @@ class _TransducerSearch:
             self._check_vocabulary(vocab_size)
         if self.rescore:
             self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
+        live = (self.score > _NEG_INF) & ~self.done
+        self.joint_max = xp.maximum(self.joint_max, group_maxima([logp], live, self.layout.num_groups, xp))
 
         beam = self.layout.beam_size
         if self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, len(self.entries), beam):  # one launch
@@ -373,6 +389,10 @@ class _TransducerSearch:
         else:
             self.pred_lane = self.pred_lane[parents]
             self.pred_out = self.pred_out[parents]
+        if self.cut is not None:
+            self.cut = self.cut[parents]
+            if forced and any_emitted:  # the frame's symbol limit: would the lanes that emitted go on?
+                self.cut = self.cut | _cut_short(self.joint, frames_t, self.pred_out, emitted, options.blank, xp)
 
         if self.entries:
             safe_labels = xp.where(is_stay, 0, labels)
@@ -516,9 +536,11 @@ class _TransducerSearch:
         if not self.rescore:
             return
         xp, num_lanes = self.xp, self.layout.num_lanes
+        live = self.score > _NEG_INF
         for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
             log_probs = checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
                                        num_lanes, int(entry.scorer.vocab_size), xp)
+            self.lm_max[s] = xp.maximum(self.lm_max[s], group_maxima([log_probs], live, self.layout.num_groups, xp)[0])
             if self.cache_enabled and self.cache[s] is not None:
                 self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
             else:  # kept until the next rescore, or across it with the cache
@@ -534,4 +556,12 @@ class _TransducerSearch:
         order = best_first(ranks, beam, self.stats)
         return emission_tree_nbest(order, ranks, {TRANSDUCER_SCORE_NAME: self.score}, self.lm_scores, self.entries,
                                    self.node, self.node_parent, self.node_label, self.node_frames, options.num_best,
-                                   self.read, unresolved=None if exact else self.unresolved)
+                                   self.read, unresolved=None if exact else self.unresolved, truncated=self.cut,
+                                   maxima=self.xp.concatenate([self.joint_max, self.lm_max]), ids=self.ids)
+
+
+def _cut_short(joint, encoder_frames, prediction, emitted, blank: int, xp):
+    """[N] bool: lanes that ``emitted`` the last label a frame allows and whose best continuation
+    in that frame (the joint on their new prediction vector) is a label, not blank."""
+    logp = _joint_log_probs(joint, encoder_frames, prediction, xp, int(prediction.shape[0]))
+    return emitted & (logp.argmax(axis=1) != blank)

@@ -1,0 +1,83 @@
+"""Non-finite scores: a scorer that gives NaN or +inf is caught and its utterances named.
+
+Every search keeps, on its device, the largest score each scorer gave each utterance's live
+hypotheses (:func:`row_maxima`, :func:`group_maxima`): a maximum is NaN when any score was NaN
+(``max`` propagates NaN), +inf when one was +inf, and -inf stays what it is — a legitimate
+"impossible" score (a pruned or masked label). The maxima come to the host with the search's
+final transfer (no synchronisation of their own); :func:`check_finite` then raises
+:class:`NonFiniteScores` for utterances whose scores were NaN or +inf, or whose every hypothesis
+scored -inf (an empty n-best list would otherwise pass for a decoded utterance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gpudecode.io.errors import InputError
+
+_NEG_INF = np.float32(-np.inf)
+#: Utterance ids a message names before "and N more".
+_NAMED = 10
+
+
+class NonFiniteScores(InputError):
+    """Scores of some utterances were NaN or +inf (or every hypothesis scored -inf).
+
+    ``utterance_ids``: the utterances; ``scorers``: the names of the scorers whose scores were
+    non-finite (empty when none was, but no hypothesis kept a finite score); ``what``: the
+    problem, without the utterances."""
+
+    def __init__(self, utterance_ids: Sequence[str], scorers: Sequence[str]):
+        self.utterance_ids = list(utterance_ids)
+        self.scorers = list(scorers)
+        named = ", ".join(repr(u) for u in self.utterance_ids[:_NAMED])
+        more = len(self.utterance_ids) - _NAMED
+        where = f"{len(self.utterance_ids)} utterance(s): {named}" + (f" and {more} more" if more > 0 else "")
+        if self.scorers:
+            self.what = f"non-finite scores (NaN or +inf) from scorer(s) {', '.join(map(repr, self.scorers))}"
+        else:
+            self.what = "no hypothesis with a finite score (every hypothesis scored -inf)"
+        super().__init__(f"{self.what} for {where}; their transcripts would be empty or wrong "
+                         "(io.on_bad_input: skip skips such utterances and decodes the others)")
+
+
+def row_maxima(scores, live, xp):
+    """[N] float32: per row of ``scores`` [N, V] its largest value (NaN if any is NaN), -inf for
+    rows not ``live`` ([N] bool, or None: every row)."""
+    maxima = scores.max(axis=1).astype(np.float32, copy=False)
+    return maxima if live is None else xp.where(live, maxima, _NEG_INF)
+
+
+def group_maxima(score_arrays, live, num_groups: int, xp):
+    """[S, G] float32: per array of ``score_arrays`` (S arrays [N, V], N = G · B lanes) and lane
+    group, the largest score of its ``live`` lanes (:func:`row_maxima`)."""
+    rows = xp.stack([row_maxima(scores, live, xp) for scores in score_arrays])
+    return rows.reshape(len(score_arrays), num_groups, -1).max(axis=2)
+
+
+def initial_maxima(num_scorers: int, num_groups: int, xp):
+    """[S, G] float32 -inf: nothing scored yet."""
+    return xp.full((num_scorers, num_groups), _NEG_INF, dtype=np.float32)
+
+
+def bad_groups(maxima: np.ndarray, best: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Host values: (groups [G] bool whose scores were non-finite or whose ``best`` [G] rank is
+    not finite, scorers [S, G] bool whose maxima were NaN or +inf)."""
+    flagged = ~(maxima < np.inf)  # NaN or +inf
+    bad = flagged.any(axis=0)
+    if best is not None:
+        bad = bad | ~np.isfinite(best)
+    return bad, flagged
+
+
+def check_finite(ids: Sequence[str], names: Sequence[str], maxima: np.ndarray,
+                 best: np.ndarray | None = None) -> None:
+    """Raises :class:`NonFiniteScores` for the groups (utterances ``ids``) that
+    :func:`bad_groups` finds in the host arrays ``maxima`` [S, G] (scorers ``names``) and
+    ``best`` [G] (each group's best rank, or None)."""
+    bad, flagged = bad_groups(maxima, best)
+    if bad.any():
+        raise NonFiniteScores([ids[g] for g in np.flatnonzero(bad).tolist()],
+                              [names[s] for s in np.flatnonzero(flagged[:, bad].any(axis=1)).tolist()])

@@ -154,8 +154,12 @@ class ResultWriter:
         for fmt, file in self._files.items():
             text = getattr(self, f"_format_{fmt}")(result, rendered)
             if text:
-                file.write(text)
-                file.flush()
+                try:
+                    file.write(text)
+                    file.flush()
+                except OSError as exc:  # a full disk says no file name: name it
+                    exc.filename = exc.filename or file.name
+                    raise
         self.done_ids.add(result.id)
         self.num_written += 1
 

@@ -174,8 +174,10 @@ class OnnxSession:
     ) -> dict[str, object]:
         """Run the model once.
 
-        ``inputs`` are numpy or CuPy arrays. ``outputs`` optionally gives preallocated CuPy buffers
-        (CUDA only) that the model writes in place. On CUDA every output is a CuPy array; on the CPU
+        ``inputs`` are numpy or CuPy arrays. ``outputs`` optionally gives preallocated buffers that
+        the model writes in place: CuPy arrays on CUDA, C-contiguous numpy arrays on the CPU (bound
+        through IO binding; an output may be the very buffer of an input, as a shared past/present
+        buffer). On CUDA every output is a CuPy array; on the CPU
         a numpy array, or a CuPy array when ``upload_outputs`` is set (host outputs uploaded).
         """
         names = list(output_names) if output_names is not None else self.output_names
@@ -183,11 +185,29 @@ class OnnxSession:
             self._dump(inputs)
         if self.options.device == "cpu":
             feeds = {k: backend.to_host(v) for k, v in inputs.items()}
-            results = dict(zip(names, self.session.run(names, feeds)))
+            results = self._run_cpu_bound(feeds, names, outputs) if outputs else \
+                dict(zip(names, self.session.run(names, feeds)))
             if upload_outputs:
                 results = {k: backend.to_device(v, self.options.device_id) for k, v in results.items()}
             return results
         return self._run_cuda(inputs, names, dict(outputs or {}))
+
+    def _run_cpu_bound(self, feeds: dict, names: list[str], outputs: Mapping[str, object]) -> dict:
+        """A CPU run with the numpy buffers ``outputs`` bound as those outputs (IO binding)."""
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in names:
+            buffer = outputs.get(name)
+            if buffer is None:
+                binding.bind_output(name, "cpu")
+            else:
+                if not (isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous):
+                    raise ValueError(f"{self.source}: output buffer for '{name}' must be a C-contiguous numpy array")
+                binding.bind_output(name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+        self.session.run_with_iobinding(binding)  # no run options: none are set on the CPU
+        return {name: outputs[name] if name in outputs else value.numpy()
+                for name, value in zip(names, binding.get_outputs())}
 
     def _run_cuda(self, inputs: Mapping[str, object], names: list[str], outputs: dict) -> dict:
         cupy = backend.require_cupy()

@@ -146,6 +146,14 @@ class StepModelRunner:
         #: in-place output -> (its state input, its declared shape), bound when the states live on CUDA
         self._in_place_outputs = {} if session.provider != "cuda" or states.device == "cpu" else {
             output: (name, session.tensors.output(output).shape) for output, name in spec.in_place_outputs.items()}
+        #: on the CPU, a left-aligned Hugging Face model (GroupQueryAttention) with states that can stay
+        #: resident (``StateManager.resident_supported``) is fed the resident merge and writes each new
+        #: step into it (present bound to the past buffer); the first such call is checked against a
+        #: plain run, and a model that does not write in place runs plainly from then on
+        self._resident = (session.provider == "cpu" and self.graphs is None and not self._by_length
+                          and spec.convention == "huggingface" and not spec.in_place_outputs
+                          and spec.history_alignment == "left" and states.resident_supported)
+        self._resident_checked = False
 
     # --- one step ----------------------------------------------------------------------------------
     def run(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None = None):
@@ -201,10 +209,62 @@ class StepModelRunner:
 
     def _run_plain(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None,
                    input_rows=None):
-        xp, spec = self.states.xp, self.spec
+        if self._resident and input_rows is None:
+            return self._run_resident(histories, labels, rows, lanes, time_size)
+        scores, states, merged = self._plain_step(histories, labels, rows, lanes, time_size, input_rows)
+        return scores, self.states.split(states)
+
+    def _run_resident(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
+        """A CPU step on the resident merge (``StateManager.merge_resident``), the model writing the
+        new step in place; the first call is also run plainly and compared."""
+        if self.spec.max_time is not None:
+            time_size = self._natural_time(histories, time_size)
+        try:
+            merged = self.states.merge_resident(histories, key=rows.start, time_size=time_size)
+            feeds = self._feeds(merged, labels, _input_rows(rows, lanes.group_size), lanes)
+            shared = {v.output_name: merged.inputs[v.input_name] for v in self.spec.state_variables}
+            scores = self.session.run(feeds, [self.spec.scores_output, *shared], outputs=shared)[self.spec.scores_output]
+            states = self.states.resident_new_steps(merged)  # read where written
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime refusing the shared buffer: plain runs
+            if self._resident_checked:
+                raise
+            return self._resident_refused(f"the run with a shared past/present buffer failed ({exc})",
+                                          histories, labels, rows, lanes, time_size)
+        if not self._resident_checked:
+            plain_scores, plain_states, _ = self._plain_step(histories, labels, rows, lanes, time_size, None)
+            same = np.allclose(scores, plain_scores, rtol=1e-4, atol=1e-4) and all(
+                np.allclose(states[name], plain_states[name], rtol=1e-4, atol=1e-5) for name in plain_states)
+            if not same:
+                return self._resident_refused("its outputs with a shared past/present buffer differ from a "
+                                              "plain run's", histories, labels, rows, lanes, time_size)
+            self._resident_checked = True
+        new_slots = self.states.split(states)
+        self.states.written_in_place(new_slots, merged.prefix_lengths, key=rows.start)
+        return scores, new_slots
+
+    def _resident_refused(self, why: str, histories, labels, rows, lanes, time_size):
+        warnings.warn(f"{self.spec.source}: states merged from the pool every step on the CPU: {why}", stacklevel=3)
+        self._resident = False
+        return self._run_plain(histories, labels, rows, lanes, time_size)
+
+    def _plain_step(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None, input_rows):
+        """A plain run on a merge from the pool: (scores, the new steps' state outputs, the merge)."""
+        spec = self.spec
         if spec.in_place_outputs or spec.max_time is not None:
             time_size = self._natural_time(histories, time_size)
         merged = self.states.merge(histories, time_size=time_size)
+        if input_rows is None:  # else: the lanes' rows of the per-utterance inputs, by index
+            input_rows = _input_rows(rows, lanes.group_size)
+        feeds = self._feeds(merged, labels, input_rows, lanes)
+        in_place = self._in_place(merged.inputs)
+        outputs = self.session.run(feeds, self._output_names(in_place), outputs=in_place)
+        states = self._new_steps(self._state_outputs(outputs), merged.prefix_lengths)
+        return outputs[spec.scores_output], states, merged  # the run's own arrays
+
+    def _feeds(self, merged, labels, input_rows, lanes) -> dict:
+        """The model's inputs of a plain step: the merged states, the labels, the convention's
+        per-row inputs and the lanes' per-utterance rows ``input_rows``."""
+        xp, spec = self.states.xp, self.spec
         labels = labels.astype(self.label_dtype)[:, None]
         feeds = dict(merged.inputs)
         names = spec.hypothesis_inputs
@@ -216,14 +276,9 @@ class StepModelRunner:
                 feeds[names["prefix-length"]] = merged.prefix_lengths.astype(self._input_dtype("prefix-length"))
         else:
             feeds.update(hf_step_feeds(spec, self.session.tensors, merged.prefix_lengths, merged.time_size))
-        if input_rows is None:  # else: the lanes' rows of the per-utterance inputs, by index
-            input_rows = _input_rows(rows, lanes.group_size)
         for name, buffer in lanes.buffers.items():
             feeds[name] = buffer[input_rows]
-        in_place = self._in_place(merged.inputs)
-        outputs = self.session.run(feeds, self._output_names(in_place), outputs=in_place)
-        new_slots = self.states.split(self._new_steps(self._state_outputs(outputs), merged.prefix_lengths))
-        return outputs[spec.scores_output], new_slots  # the run's own array
+        return feeds
 
     def _run_bucketed(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
         """One model call padded to its (rows, history) bucket, through the graph buckets.

@@ -83,6 +83,24 @@ class HostStateCopy:
                 merged = np.where(inside[None, :, None, :, None], merged, view)
             view[...] = merged
 
+    def gather(self, slots: np.ndarray) -> list[np.ndarray]:
+        """The token states of ``slots`` ``[M, T]`` per variable as ``[M, mid, T, inner]`` in the
+        model's dtype, zeros where a slot is -1 (variables with the batch axis outermost)."""
+        num_rows, time_size = slots.shape
+        flat = slots.reshape(-1)
+        valid = (flat >= 0) & (flat < self.pool.capacity)
+        chunk, row = self.pool.slot_location(np.where(valid, flat, 0))
+        selections = [(c, np.flatnonzero(valid & (chunk == c))) for c in range(self.pool.num_chunks)]
+        result = []
+        for v, layout in enumerate(self.layouts):
+            tokens = np.zeros((num_rows * time_size, layout.token_size), dtype=layout.model_dtype)
+            for c, where in selections:
+                if where.size:
+                    slab = self.pool.slabs[v][c].reshape(self.pool.slots_per_chunk, -1)
+                    tokens[where] = self._decode(layout, slab[row[where]])
+            result.append(tokens.reshape(num_rows, time_size, layout.mid, layout.inner).transpose(0, 2, 1, 3))
+        return result
+
     # ---- split ------------------------------------------------------------------------------------
     def split(self, sources: Sequence[np.ndarray], *, num_rows: int, source_time: int, new_slots: np.ndarray) -> None:
         """Copies new token p of row b (time index ``source_time - S + p``) of every source into

@@ -108,6 +108,58 @@ class StateManager:
         self._prefix_buffer = None
         self._last_out = None  # (buffer ids, checked result, the buffers themselves)
         self._by_output = {v.output_name: v for v in self.state_variables}
+        self._resident = None  # ResidentStates, made by the first merge_resident
+
+    # ---- resident merge (CPU) ---------------------------------------------------------------------
+    @property
+    def resident_supported(self) -> bool:
+        """Whether :meth:`merge_resident` can keep these states between steps: a host manager
+        with ``cpu_in_place``, left-aligned histories, time-axis variables with the batch axis
+        outermost stored in the model's dtype."""
+        from gpudecode.states.resident import resident_layouts_supported
+
+        return (self.device == "cpu" and self.options.cpu_in_place and self.options.history_alignment == "left"
+                and resident_layouts_supported(self.layouts))
+
+    def merge_resident(self, histories: StateHistory, *, key=0, time_size: int | None = None) -> MergedStates:
+        """The left-aligned merged states of ``histories`` in buffers this manager keeps between
+        steps (per ``key``, e.g. the first row of a model call), with ``C >= time_size + 1``
+        positions: a model writes the new step at each row's length in place, then the caller
+        reports it with :meth:`written_in_place`. The inputs are views ``[N, .., C, ..]``, valid
+        until the next merge of ``key``; ``time_size`` of the result is T, not C
+        (:mod:`gpudecode.states.resident`)."""
+        if not self.resident_supported:
+            raise ValueError(f"state_manager {self.options.type!r}: these states cannot stay resident")
+        histories = self._as_histories(histories)
+        if self._resident is None:
+            from gpudecode.states.resident import ResidentStates
+
+            self._resident = ResidentStates(self.layouts, self.pool, self._copy.gather)
+        if time_size is None:
+            time_size = min(histories.width, self.max_history)
+        views, kept = self._resident.merge(histories, key=key, time_size=time_size,
+                                           max_history=effective_max_history(self.max_history, time_size),
+                                           keep_first=self._keep_first)
+        shapes = [layout.tensor_shape(histories.num_rows, view.shape[2]) for layout, view in zip(self.layouts, views)]
+        inputs = {layout.name: view.reshape(shape) for layout, view, shape in zip(self.layouts, views, shapes)}
+        return MergedStates(inputs=inputs, prefix_lengths=kept, time_size=time_size)
+
+    def resident_new_steps(self, merged: MergedStates) -> dict:
+        """The new step a model wrote into the resident inputs of ``merged`` at each row's length,
+        by state output name, shaped for :meth:`split` (one time step)."""
+        kept = merged.prefix_lengths
+        rows = np.arange(kept.shape[0])
+        steps = {}
+        for layout in self.layouts:
+            buffer = merged.inputs[layout.name]
+            view = buffer.reshape(buffer.shape[0], layout.mid, -1, layout.inner)
+            steps[layout.variable.output_name] = view[rows, :, kept].reshape(layout.tensor_shape(rows.size, 1))
+        return steps
+
+    def written_in_place(self, new_slots, prefix_lengths, *, key=0) -> None:
+        """After :meth:`merge_resident` of ``key`` and :meth:`split`: the model wrote row r's
+        new step (``new_slots[r, 0]``) at position ``prefix_lengths[r]`` of its resident row."""
+        self._resident.written(key=key, new_slots=np.asarray(new_slots), kept=np.asarray(prefix_lengths))
 
     # ---- options -> dtypes ------------------------------------------------------------------------
     def _storage_dtype(self, variable: StateVariable) -> np.dtype:
@@ -325,6 +377,8 @@ class StateManager:
             self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, allocate=True)
         else:
             new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts)
+            if self._resident is not None:
+                self._resident.allocated(new_slots)
             self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots)
         return new_slots
 
@@ -374,6 +428,8 @@ class StateManager:
     def release_all(self) -> None:
         """Frees every slot (the pool keeps its chunks)."""
         self.pool.release_all()
+        if self._resident is not None:
+            self._resident.forget()
 
     def statistics(self) -> PoolStatistics:
         return self.pool.statistics()
@@ -382,6 +438,7 @@ class StateManager:
         """Returns the pool's and the merge buffers' memory."""
         self.pool.close()
         self._buffers.clear()
+        self._resident = None
         self._prefix_buffer = None
 
 

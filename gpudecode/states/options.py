@@ -54,6 +54,11 @@ class StateManagerOptions:
     - ``history_alignment``: ``right`` (RASR: padding on the left) or ``left`` (each row's history
       first, for models whose attention reads only each row's own length); set from the model's
       ``HISTORY_ALIGNMENT`` metadata by the scorers.
+    - ``cpu_in_place``: host managers only — for a CPU model that writes each new step into its
+      past buffer in place (ONNX Runtime's ``GroupQueryAttention``: left-aligned histories), keep
+      the merged states between steps (:mod:`gpudecode.states.resident`), so that a step copies
+      only the rows a beam reorders instead of gathering every history from the pool (False:
+      every step merges from the pool). The results are the same either way.
     """
 
     type: str = DEFAULT_TYPE
@@ -66,11 +71,14 @@ class StateManagerOptions:
     state_compression_scale: float | None = None
     device_id: int = 0
     history_alignment: str = "right"
+    cpu_in_place: bool = True
 
     def __post_init__(self) -> None:
         if self.history_alignment not in ("right", "left"):
             raise StateManagerConfigError(
                 f"state_manager.history_alignment: expected 'right' or 'left', got {self.history_alignment!r}")
+        if not isinstance(self.cpu_in_place, bool):
+            raise StateManagerConfigError(f"state_manager.cpu_in_place: expected true or false, got {self.cpu_in_place!r}")
         if self.type not in STATE_MANAGER_TYPES:
             raise StateManagerConfigError(
                 f"state_manager.type: unknown type {self.type!r}; valid: {', '.join(STATE_MANAGER_TYPES)}"

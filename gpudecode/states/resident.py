@@ -1,0 +1,155 @@
+"""Merged states kept between steps on the CPU, for a model that writes each new step into its
+past buffer in place (ONNX Runtime's ``GroupQueryAttention`` with a shared past/present buffer, on
+the CPU provider as on CUDA).
+
+The merge's buffers ``[R, mid, C, inner]`` (batch axis outermost, C positions along the time axis)
+stay alive between steps, each row's history left-aligned in its first positions. A row knows
+which pool slots it holds (``held``, with each slot's allocation stamp, so that a freed and reused
+slot never passes for its old state). A merge then finds, for each history, a row that already
+holds it: the row holding its last slot (``owner``), checked position by position. A row that
+holds its own history costs nothing (greedy search: every row), one that holds another row's is a
+row copy of the history's positions (a beam's reordering), and only a history no row holds is
+gathered from the pool. The model writes the new step at each row's length; :meth:`written` records
+it. The pool stays the truth (every new step is also split into it), so the histories, ``retain``
+and ``max_history`` mean what they mean elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from gpudecode.sizes import next_power_of_two
+from gpudecode.states.history import NO_SLOT, StateHistory, window_table
+from gpudecode.states.layout import VariableLayout
+from gpudecode.states.pool import StatePool
+
+#: the fewest positions a resident row holds (capacities are powers of two from here)
+MIN_POSITIONS = 16
+
+
+def resident_layouts_supported(layouts: Sequence[VariableLayout]) -> bool:
+    """Whether the states can stay resident: every variable with a time axis and its batch axis
+    outermost (a row's states are then one contiguous block of the buffer), stored in the model's
+    dtype (a compressed pool would be read back rounded, a resident row would not)."""
+    return bool(layouts) and all(
+        layout.pre == 1 and layout.variable.time_axis is not None and layout.storage_dtype == layout.model_dtype
+        for layout in layouts)
+
+
+class _Rows:
+    """One set of resident rows (one model call's rows)."""
+
+    def __init__(self, layouts: Sequence[VariableLayout], rows: int, time: int):
+        self.buffers = [np.zeros((rows, layout.mid, time, layout.inner), dtype=layout.model_dtype)
+                        for layout in layouts]
+        self.held = np.full((rows, time), NO_SLOT, dtype=np.int32)
+        self.stamps = np.zeros((rows, time), dtype=np.int64)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.held.shape
+
+    def grown(self, layouts, rows: int, time: int) -> "_Rows":
+        """At least ``rows`` x ``time``, keeping what is held."""
+        old_rows, old_time = self.shape
+        if rows <= old_rows and time <= old_time:
+            return self
+        new = _Rows(layouts, max(rows, old_rows), max(time, old_time))
+        for old, buffer in zip(self.buffers, new.buffers):
+            buffer[:old_rows, :, :old_time] = old
+        new.held[:old_rows, :old_time] = self.held
+        new.stamps[:old_rows, :old_time] = self.stamps
+        return new
+
+
+class ResidentStates:
+    """Resident merge buffers of the variables ``layouts`` stored in ``pool`` (see the module).
+
+    ``gather(slots)`` reads windows of slots from the pool: ``[M, T]`` slot ids -> per variable
+    ``[M, mid, T, inner]`` (zeros where -1), e.g. :meth:`HostStateCopy.gather`.
+    """
+
+    def __init__(self, layouts: Sequence[VariableLayout], pool: StatePool, gather):
+        if not resident_layouts_supported(layouts):
+            raise ValueError("resident states need time-axis variables with the batch axis outermost, "
+                             "stored in the model's dtype")
+        self.layouts = list(layouts)
+        self.pool = pool
+        self._gather = gather
+        self._stamp = np.zeros(0, dtype=np.int64)  # per slot: its allocation's number
+        self._owner = np.zeros(0, dtype=np.int32)  # per slot: a row whose window ended with it
+        self._next_stamp = 1
+        self._rows: dict[object, _Rows] = {}
+        self.rows_fetched = 0  # histories gathered from the pool (no row held them), for tests
+        self.rows_moved = 0  # histories copied from another row
+
+    def _grow_slot_tables(self) -> None:
+        capacity = max(self.pool.capacity, 1)  # never empty: indexed (masked) where no slot is
+        if self._stamp.size < capacity:
+            self._stamp = np.concatenate([self._stamp, np.zeros(capacity - self._stamp.size, np.int64)])
+        if self._owner.size < capacity:
+            self._owner = np.concatenate([self._owner, np.full(capacity - self._owner.size, -1, np.int32)])
+
+    def allocated(self, new_slots: np.ndarray) -> None:
+        """Stamps the slots just handed out (any row still holding a slot's old state stops
+        matching it)."""
+        self._grow_slot_tables()
+        flat = new_slots.reshape(-1)
+        flat = flat[flat >= 0]
+        self._stamp[flat] = self._next_stamp + np.arange(flat.size, dtype=np.int64)
+        self._next_stamp += int(flat.size)
+
+    def merge(self, histories: StateHistory, *, key, time_size: int, max_history: int, keep_first: bool):
+        """The rows ``[:N]`` of the resident buffers of ``key`` holding each history's window
+        left-aligned, C >= ``time_size`` + 1 (room for the new step), and the kept lengths [N]."""
+        self._grow_slot_tables()
+        num_rows = histories.num_rows
+        slots, kept = window_table(histories, time_size, max_history, keep_first, left=True)
+        rows = self._rows.get(key)
+        capacity = next_power_of_two(max(time_size + 1, MIN_POSITIONS))  # regrown rarely, never per step
+        rows = _Rows(self.layouts, num_rows, capacity) if rows is None else \
+            rows.grown(self.layouts, num_rows, capacity)
+        self._rows[key] = rows
+        index = np.arange(num_rows)
+        valid = np.arange(time_size)[None, :] < kept[:, None]
+        stamps = np.where(valid, self._stamp[np.clip(slots, 0, None)], 0)
+        has = kept > 0
+        last = slots[index, np.maximum(kept - 1, 0)] if time_size else np.full(num_rows, NO_SLOT, np.int32)
+        candidate = np.where(has, self._owner[np.clip(last, 0, None)], -1)
+        source = np.clip(candidate, 0, None)
+        same = (rows.held[source, :time_size] == slots) & (rows.stamps[source, :time_size] == stamps)
+        held = (candidate >= 0) & (same | ~valid).all(axis=1)
+        moved = np.flatnonzero(held & (candidate != index))
+        fetch = np.flatnonzero(has & ~held)
+        if moved.size:
+            src = candidate[moved]
+            for buffer in rows.buffers:  # the right side is a copy: sources overwritten here are read first
+                buffer[moved, :, :time_size] = buffer[src, :, :time_size]
+        if fetch.size:
+            for buffer, tokens in zip(rows.buffers, self._gather(slots[fetch])):
+                buffer[fetch, :, :time_size] = tokens
+        self.rows_moved += int(moved.size)
+        self.rows_fetched += int(fetch.size)
+        rows.held[:num_rows, :time_size] = slots
+        rows.held[:num_rows, time_size:] = NO_SLOT
+        rows.stamps[:num_rows, :time_size] = stamps
+        self._owner[last[has]] = index[has]
+        return [buffer[:num_rows] for buffer in rows.buffers], kept
+
+    def written(self, *, key, new_slots: np.ndarray, kept: np.ndarray) -> None:
+        """The model wrote row r's new step (slot ``new_slots[r, 0]``) at position ``kept[r]`` of
+        the resident rows of ``key``."""
+        self._grow_slot_tables()
+        rows = self._rows[key]
+        slot = new_slots[:, 0]
+        index = np.flatnonzero((slot >= 0) & (kept < rows.shape[1]))
+        where, slot = kept[index], slot[index]
+        rows.held[index, where] = slot
+        rows.stamps[index, where] = self._stamp[slot]
+        self._owner[slot] = index
+
+    def forget(self) -> None:
+        """Drops every resident row (their memory too)."""
+        self._rows.clear()

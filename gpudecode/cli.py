@@ -25,6 +25,80 @@ def main() -> None:
     """Beam-search decoding of ONNX sequence models with decoder states on the GPU."""
 
 
+#: Exit statuses of ``gpudecode decode`` (docs/reliability.md): success; an ``Error:`` line; a usage
+#: error (click's own); stopped by SIGINT (Ctrl-C) or SIGTERM (128 + the signal's number, as shells say).
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that the run stops the same way (what was written is kept)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+class _Failed(click.ClickException):
+    """An ``Error:`` line with its own exit status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _written(output) -> int:
+    """How many utterances ``output`` holds (for the messages; 0 where it cannot be read)."""
+    from gpudecode.io import read_done_ids
+
+    try:
+        return len(read_done_ids(output)) if output is not None and output.exists() else 0
+    except Exception:  # noqa: BLE001 - a count for a message must not hide the error it explains
+        return 0
+
+
+def _then_resume(output, first_step: str) -> str:
+    """What to do next: ``first_step``, then resume where results exist (they are kept)."""
+    done = _written(output)
+    if not done:
+        return f"no result was written yet: {first_step} and run the command again"
+    return (f"the {done} utterance(s) written to {output} are kept: {first_step}, then run the same command "
+            "with --resume to decode the rest")
+
+
+def _os_error_message(exc: OSError, output) -> str:
+    """One line for an ``OSError`` (or a chain of them, as a failed write and then a failed close
+    raise): the file, the problem, and what to do."""
+    import errno
+
+    chain, seen = [], exc
+    while isinstance(seen, BaseException) and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    errors = [e for e in chain if isinstance(e, OSError)]
+    full = next((e for e in errors if e.errno in (errno.ENOSPC, errno.EDQUOT)), None)
+    first = full or errors[0]
+    where = next((e.filename for e in [first, *errors] if e.filename), None) or output
+    if full is not None:
+        return f"{where}: no space left on device; {_then_resume(output, 'free space')}"
+    if first.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"{where}: {first.strerror} (a read-only folder or file?); "
+                f"{_then_resume(output, 'make it writable (or choose another --output)')}")
+    return f"{where}: {first.strerror or first}; {_then_resume(output, 'fix that')}"
+
+
+def _interrupted_message(exc: KeyboardInterrupt, output) -> str:
+    name = "SIGTERM" if isinstance(exc, _Terminated) else "SIGINT"
+    done = _written(output)
+    if not done:
+        return f"interrupted ({name}) before any result was written"
+    return (f"interrupted ({name}); the {done} utterance(s) written to {output} are kept: run the same command "
+            "with --resume to decode the rest")
+
+
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--features", type=click.Path(), default=None, help="Feature file or folder (overrides io.features.path).")
@@ -39,7 +113,11 @@ def main() -> None:
               help="Reference transcripts 'utt-id words...' for WER/CER (overrides io.references).")
 @click.option("-o", "--override", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override any config key, e.g. -o search.beam_size=8 -o runtime.device=cuda.")
-@click.option("--resume", is_flag=True, help="Continue a stopped run: skip utterances already in the output.")
+@click.option("--resume", is_flag=True, help="Continue a stopped run: skip utterances already in the output. "
+                                             "Refused where the output's results come from another config, "
+                                             "other model files or another gpudecode version.")
+@click.option("--force", is_flag=True, help="With --resume: continue even where the run differs (the earlier "
+                                            "resolved config and identity are kept, numbered).")
 @click.option("--engine", type=click.Choice(defaults.ENGINES), default=None,
               help=f"Where to decode (overrides runtime.engine.type; default {defaults.ENGINE}): this "
                    "process, or a pool of decoder actors on a Ray cluster (needs the `ray` extra).")
@@ -53,40 +131,58 @@ def main() -> None:
               help="GPUs per Ray worker (overrides runtime.engine.gpus_per_worker; 0.5: two workers share "
                    "a GPU).")
 def decode(config: str, features: str | None, prompts: str | None, prompts_format: str | None,
-           output: str | None, references: str | None, overrides: tuple[str, ...], resume: bool, engine: str | None, address: str | None,
-           workers: int | None, gpus_per_worker: float | None) -> None:
-    """Decode the features (or token prompts) named by CONFIG (YAML) and write text / n-best / CTM results."""
-    import json
-    from pathlib import Path
+           output: str | None, references: str | None, overrides: tuple[str, ...], resume: bool, force: bool,
+           engine: str | None, address: str | None, workers: int | None, gpus_per_worker: float | None) -> None:
+    """Decode the features (or token prompts) named by CONFIG (YAML) and write text / n-best / CTM results.
 
+    Exit status: 0 done, 1 an error (one 'Error:' line), 2 a usage error, 130 interrupted by SIGINT
+    (Ctrl-C), 143 by SIGTERM; what was written is kept and --resume continues.
+    """
+    import contextlib
+    import json
+    import signal
+    import threading
     import time
+    from pathlib import Path
 
     from gpudecode.backend import GpuUnavailableError, device_memory_in_use
     from gpudecode.config import ConfigError, check_paths, load_config
     from gpudecode.engines import EngineError
     from gpudecode.io import InputError
-    from gpudecode.run import OutOfMemory, run_decode
+    from gpudecode.run import OutOfMemory, SummaryNotSaved, run_decode
     from gpudecode.session import ModelError, SessionError
 
-    extra = list(overrides)
+    if force and not resume:
+        raise click.UsageError("--force only applies with --resume")
+    settings = []  # the command line's own options, as config keys
     for key, value in (("io.features.path", features), ("io.prompts", prompts), ("io.output", output),
                        ("io.references", references)):
         if value is not None:  # command-line paths are relative to the working directory
-            extra.append(f"{key}={Path(value).resolve()}")
+            settings.append(f"{key}={Path(value).resolve()}")
     if prompts_format is not None:
-        extra.append(f"io.prompts_format={prompts_format}")
+        settings.append(f"io.prompts_format={prompts_format}")
     for key, value in (("type", engine), ("address", address), ("workers", workers),
                        ("gpus_per_worker", gpus_per_worker)):
         if value is not None:  # JSON is YAML: an address like host:port stays a string
-            extra.append(f"runtime.engine.{key}={json.dumps(value)}")
+            settings.append(f"runtime.engine.{key}={json.dumps(value)}")
+    out_folder = Path(output).resolve() if output is not None else None
+    main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
-        loaded = load_config(config, extra)
-        check_paths(loaded, source=config)
-        with click.progressbar(length=1, label="decoding", show_pos=True, file=sys.stderr) as bar:
-            started = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            loaded = load_config(config, overrides, settings=settings)
+            out_folder = Path(loaded.io.output)
+            check_paths(loaded, source=config)
+            bar = None  # opened when decoding starts: no "decoding" before an early error
+            started = 0.0
             pool = ""  # per-worker counts on Ray
 
             def progress(done: int, total: int, real_time_factor: float | None = None) -> None:
+                nonlocal bar, started
+                if bar is None:
+                    bar = stack.enter_context(click.progressbar(length=max(total, 1), label="decoding",
+                                                                show_pos=True, file=sys.stderr))
+                    started = time.perf_counter()
                 rate = done / max(time.perf_counter() - started, 1e-9)
                 on_ray = loaded.runtime.engine.type != "local"
                 memory = device_memory_in_use() if loaded.runtime.device == "cuda" and not on_ray else None
@@ -101,15 +197,33 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
                 counts = [f"{w.decoded}" for w in sorted(workers.values(), key=lambda w: w.name)]
                 pool = f", workers: {' '.join(counts[:8])}{' ...' if len(counts) > 8 else ''} utt"
 
-            summary = run_decode(loaded, resume=resume, progress=progress, on_status=on_status)
+            summary = run_decode(loaded, resume=resume, force=force, progress=progress, on_status=on_status)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_Terminated)
+        code = EXIT_SIGTERM if isinstance(exc, _Terminated) else EXIT_SIGINT
+        raise _Failed(_interrupted_message(exc, out_folder), code) from None
     except (ConfigError, InputError, ModelError, SessionError, GpuUnavailableError, FileNotFoundError,
             OutOfMemory, EngineError) as exc:
         raise click.ClickException(str(exc)) from exc
+    except SummaryNotSaved as exc:  # every result is written; show the summary, then why its file is not
+        _echo_summary(exc.summary)
+        raise _Failed(f"{exc.error.filename}: {exc.error.strerror or exc.error}; every result is written and the "
+                      "WER is shown above, but this file is not saved") from exc
+    except OSError as exc:  # disk full, read-only output, ...
+        raise _Failed(_os_error_message(exc, out_folder)) from exc
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    _echo_summary(summary)
+
+
+def _echo_summary(summary) -> None:
     width = max(len(k) for k, _ in summary.rows())
     for key, value in summary.rows():
         click.echo(f"{key:<{width}}  {value}")
     for problem in summary.skipped:
         click.echo(f"skipped: {problem}", err=True)
+    for line in summary.warnings():
+        click.echo(line, err=True)
 
 
 @main.command()

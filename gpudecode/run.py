@@ -2,30 +2,102 @@
 
 Each utterance's results are written and flushed as soon as its batch finishes, so an
 interrupted run loses nothing; with ``resume`` the utterances already in the output are skipped.
+The run's identity (``gpudecode.io.identity``) is stored with the results, and ``resume`` refuses
+an output folder whose results another config or other models produced, unless ``force``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gpudecode import backend, defaults
+from gpudecode import __version__, backend, defaults
 from gpudecode.config import Config, ConfigError, dump_resolved
 from gpudecode.decoder import Decoder
 from gpudecode.io import ResultWriter, UtteranceResult, read_done_ids, score_wer
+from gpudecode.io.identity import archive_number, identity_differences, read_identity, run_identity, write_identity
+from gpudecode.io.wer import validate_references
 from gpudecode.job import OutOfMemory, RunSummary, decode_fitting, open_utterances
 
-__all__ = ["OutOfMemory", "RunSummary", "run_decode"]
+__all__ = ["OutOfMemory", "ResumeRefused", "RunSummary", "SummaryNotSaved", "run_decode"]
+
+log = logging.getLogger(__name__)
 
 
-def run_decode(config: Config, *, resume: bool = False,
+class ResumeRefused(ConfigError):
+    """``resume`` into an output folder whose results a different run (config, model files, toolkit
+    version) produced; ``differences``: one line each."""
+
+    def __init__(self, message: str, differences: list[str]):
+        super().__init__(message)
+        self.differences = differences
+
+
+class SummaryNotSaved(Exception):
+    """Decoding finished and every result is written, but a summary file (``wer.json``) could not be;
+    ``summary`` holds what it would have held, ``error`` the ``OSError``."""
+
+    def __init__(self, summary: RunSummary, error: OSError):
+        super().__init__(str(error))
+        self.summary, self.error = summary, error
+
+
+def _check_identity(output: Path, identity: dict, force: bool) -> bool:
+    """Compare ``identity`` with the one stored in ``output`` (which holds results); True where they
+    differ (and ``force`` accepts it)."""
+    stored = read_identity(output)
+    if stored is None:
+        log.warning("%s holds results but no %s (written by an older gpudecode): resuming without checking that "
+                    "the config and models are those that produced them", output, defaults.IDENTITY_FILE)
+        return False
+    differences = identity_differences(stored, identity)
+    if differences and not force:
+        listed = "\n".join(f"  {line}" for line in differences)
+        raise ResumeRefused(
+            f"io.output: {output} holds results of a different run ({defaults.IDENTITY_FILE} differs):\n{listed}\n"
+            "resuming would mix their results; choose another --output, or pass --resume --force to continue "
+            f"anyway (the earlier {defaults.RESOLVED_CONFIG_FILE} and {defaults.IDENTITY_FILE} are kept, numbered)",
+            differences)
+    return bool(differences)
+
+
+def _record_run(config: Config, output: Path, identity: dict, *, resuming: bool, replaced: bool) -> None:
+    """Write the resolved config and the identity; when resuming, an earlier resolved config that
+    differs (and a replaced identity) is kept as ``config.resolved.<n>.yaml`` (``run-identity.<n>.json``)."""
+    resolved = output / defaults.RESOLVED_CONFIG_FILE
+    new = resolved.with_name("." + resolved.name + ".tmp")
+    try:
+        dump_resolved(config, new)
+        old_text = resolved.read_text(encoding="utf-8") if resuming and resolved.exists() else None
+        if (old_text is not None and old_text != new.read_text(encoding="utf-8")) or replaced:
+            number = archive_number(output)
+            if old_text is not None:
+                stem, _, suffix = defaults.RESOLVED_CONFIG_FILE.rpartition(".")
+                (output / f"{stem}.{number}.{suffix}").write_text(old_text, encoding="utf-8")
+            stored = output / defaults.IDENTITY_FILE
+            if replaced and stored.exists():
+                stem, _, suffix = defaults.IDENTITY_FILE.rpartition(".")
+                os.replace(stored, output / f"{stem}.{number}.{suffix}")
+        os.replace(new, resolved)
+    except OSError as exc:
+        if exc.filename is None or exc.filename == str(new):
+            exc.filename = str(resolved)  # the file the user knows, not the temporary one
+        raise
+    write_identity(output, identity)
+
+
+def run_decode(config: Config, *, resume: bool = False, force: bool = False,
                progress: Callable[[int, int], None] | None = None,
                on_status: Callable[[Mapping], None] | None = None) -> RunSummary:
     """Decode every utterance of ``config.io.features`` into ``config.io.output``.
 
-    ``progress(done, total, real_time_factor)`` is called after each batch. Without ``resume``, an output folder
-    that already holds results is an error (results already written are never overwritten).
+    ``progress(done, total, real_time_factor)`` is called once decoding starts and after each batch.
+    Without ``resume``, an output folder that already holds results is an error (results already
+    written are never overwritten). With ``resume``, results of another config, other model files or
+    another toolkit version are an error (``ResumeRefused``) unless ``force``.
     With ``runtime.engine.type: ray`` the work runs on a Ray cluster (``gpudecode.engines``) and
     ``on_status(workers)`` gets each worker's status (worker name -> ``WorkerStatus``).
     """
@@ -40,9 +112,13 @@ def run_decode(config: Config, *, resume: bool = False,
             f"io.output: {output} already holds results for {len(done)} utterance(s); "
             "pass --resume to continue that run, or choose another --output"
         )
+    identity = run_identity(config.model_dump(), __version__)
+    replaced = _check_identity(output, identity, force) if done else False
     if config.runtime.engine.type != "local":
         from gpudecode.engines import run_on_engine
 
+        output.mkdir(parents=True, exist_ok=True)
+        _record_run(config, output, identity, resuming=bool(done), replaced=replaced)
         return run_on_engine(config, done=done, resume=resume, progress=progress, on_status=on_status)
     decoder = Decoder(config)
     front_end = config.models.front_end
@@ -50,16 +126,21 @@ def run_decode(config: Config, *, resume: bool = False,
     try:
         source = open_utterances(config, decoder.vocabulary, encoder=decoder.encoder is not None,
                                  num_features=decoder.encoder_num_features)
+        if io.references is not None and "text" in io.formats:  # before decoding: bad references stop here
+            validate_references(io.references, source.ids())
+        output.mkdir(parents=True, exist_ok=True)
+        _record_run(config, output, identity, resuming=bool(done), replaced=replaced)
     except BaseException:
         decoder.close()
         raise
-    dump_resolved(config, output / defaults.RESOLVED_CONFIG_FILE)
     start = time.perf_counter()
     try:
         with source, ResultWriter(output, decoder.vocabulary, formats=io.formats, word_merging=io.word_merging,
                                   frame_shift_s=front_end.frame_shift_s * decoder.subsampling,
                                   resume=resume) as writer:
             total = len([u for u in source.ids() if u not in done])
+            if progress:
+                progress(0, total)
             for batch in source.batches(config.search.batch_size, exclude=done):
                 for utterance, nbest in decode_fitting(decoder, batch, summary, io.on_bad_input):
                     writer.write(UtteranceResult(id=utterance.id, nbest=nbest))
@@ -75,5 +156,13 @@ def run_decode(config: Config, *, resume: bool = False,
             summary.gpu_memory_bytes = backend.device_memory_in_use()
         decoder.close()
     if io.references is not None and "text" in io.formats:
-        summary.wer = score_wer(output / defaults.TEXT_FILE, io.references, output / defaults.WER_FILE)
+        text, wer_file = output / defaults.TEXT_FILE, output / defaults.WER_FILE
+        try:
+            summary.wer = score_wer(text, io.references, wer_file)
+        except OSError as exc:
+            if exc.filename not in (None, str(wer_file)):
+                raise
+            exc.filename = str(wer_file)
+            summary.wer = score_wer(text, io.references)  # every result is written: the WER is not lost
+            raise SummaryNotSaved(summary, exc) from exc
     return summary

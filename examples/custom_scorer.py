@@ -1,10 +1,18 @@
 """A custom label scorer in ~30 lines: log p(label | previous label) from a bigram table.
 
-From a config::
+From a config (``examples/custom_scorer.yaml`` decodes the FSDD test recordings with it)::
 
     scorers:
-      - {type: "examples.custom_scorer:BigramScorer", scale: 0.5,
-         options: {log_probs: bigram.npy}}
+      - {type: "custom_scorer:BigramScorer", name: bigram, scale: 0.5,
+         options: {log_probs: custom_scorer_bigram.npy}}
+
+    gpudecode decode examples/custom_scorer.yaml
+
+``custom_scorer`` is found because a ``module:Class`` scorer that the Python path does not hold
+is imported from the config file's folder (then the working directory); ``log_probs`` is listed
+in ``path_options``, so its relative path resolves against the config file's folder, like every
+path of a config. ``custom_scorer_bigram.npy`` is a flat table over the FSDD labels ([13, 12]:
+the same log-probability for every label but ``<blank>``): a demonstration, not a language model.
 
 From Python::
 
@@ -15,14 +23,18 @@ Works on numpy and CuPy alike: the table moves to the run's array module in ``be
 context is one int array [N] (each lane's last label) — no per-hypothesis objects.
 """
 
+from pathlib import Path
+
 import numpy as np
 
 from gpudecode.scorers import LabelScorer
 
 
 class BigramScorer(LabelScorer):
+    path_options = ("log_probs",)  # file options: resolved against the config's folder
+
     def __init__(self, *, log_probs):
-        table = np.load(log_probs) if isinstance(log_probs, str) else np.asarray(log_probs)
+        table = np.load(log_probs) if isinstance(log_probs, (str, Path)) else np.asarray(log_probs)
         self.vocab_size = table.shape[-1]
         if table.shape != (self.vocab_size + 1, self.vocab_size):
             raise ValueError(f"BigramScorer: log_probs must be [V + 1, V], got {table.shape}")

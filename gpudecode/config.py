@@ -81,6 +81,10 @@ def _resolve_path(path: Path, info: ValidationInfo) -> Path:
 
 
 ConfigPath = Annotated[Path, BeforeValidator(_non_empty_path), AfterValidator(_resolve_path)]
+# A folder kept as text: resolved like a ConfigPath, but a place to look in, not a file whose
+# content belongs to the run.
+ConfigFolder = Annotated[str, BeforeValidator(_non_empty_path),
+                         AfterValidator(lambda text, info: str(_resolve_path(Path(text), info)))]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -334,7 +338,7 @@ class ScorerConfig(_Section):
     cuda_graphs: bool | None = None  # None: runtime.cuda_graphs.enabled
     start_labels: tuple[LabelSpec, ...] = ()
     options: dict[str, Any] = Field(default_factory=dict)  # free, for custom scorers
-    base_dir: ConfigPath | None = None
+    base_dir: ConfigFolder | None = None
 
     @field_validator("type")
     @classmethod
@@ -366,7 +370,7 @@ class ScorerConfig(_Section):
     def import_path(self) -> tuple[Path, ...]:
         """Where a ``module:Class`` type is looked for after the Python path: ``base_dir``, then the
         working directory."""
-        return (*((self.base_dir,) if self.base_dir is not None else ()), Path.cwd())
+        return (*((Path(self.base_dir),) if self.base_dir is not None else ()), Path.cwd())
 
 
 class SearchTuningConfig(_Section):

@@ -20,7 +20,8 @@ from gpudecode.hypothesis import Hypothesis
 from gpudecode.scorers import UtteranceBatch, create_scorer
 from gpudecode.scorers.registry import ScorerTypeError, scorer_class
 from gpudecode.search.registry import SearchSetup, SearchTypeError, search_type
-from gpudecode.session import EncoderLayout, OnnxSession, SessionOptions, discover_encoder
+from gpudecode.session import EncoderLayout, ModelError, ModelSpec, OnnxSession, SessionOptions, discover_encoder
+from gpudecode.session.pairs import check_cross_inputs, check_vocab_sizes, last_dim
 from gpudecode.states.options import StateManagerOptions
 
 ONNX_SCORERS = ("onnx-decoder", "recurrent-lm")
@@ -70,11 +71,12 @@ class Decoder:
             self.encoder_spec = discover_encoder(
                 self.encoder.tensors, io_map=config.models.encoder.io_map,
                 layout=None if layout is None else EncoderLayout(**layout.model_dump()))
-        self.scorers = [(s.name, self._build_scorer(i, s), s.scale) for i, s in enumerate(config.scorers)]
+        self.scorers = [(s.name, self._build_named(i, s), s.scale) for i, s in enumerate(config.scorers)]
         self.blank = self._special("blank") if "blank" in needs else None
         self.prediction = self.joint = None
         if self.search_type.needs_transducer:
             self.prediction, self.joint = self._build_transducer(config.models.transducer)
+        self._check_model_pairs()
         setup = SearchSetup(config=search, scorers=tuple(self.scorers), xp=self.xp, blank=self.blank,
                             sentence_end=self.sentence_end, prediction=self.prediction, joint=self.joint,
                             tuning=search.tuning.to_options() if tuning is None else tuning, stats=stats)
@@ -131,6 +133,45 @@ class Decoder:
     def _graphs(self, scorer):
         """The CUDA-graph options of one scorer: the runtime's, switched by the scorer's own key."""
         return self.config.runtime.cuda_graphs.to_options(scorer.cuda_graphs)
+
+    def _build_named(self, index: int, scorer: ScorerConfig):
+        """:meth:`_build_scorer`; a model that does not fit is a ``ModelError`` naming the scorer."""
+        try:
+            return self._build_scorer(index, scorer)
+        except ModelError as exc:
+            key = f"scorers[{index}] {scorer.name!r}"
+            if str(exc).startswith(key) or str(exc).startswith(f"scorer {scorer.name!r}"):
+                raise
+            raise ModelError(f"{key}: {exc}") from exc
+
+    def _check_model_pairs(self) -> None:
+        """Models loaded together must fit each other (:mod:`gpudecode.session.pairs`): the encoder's
+        outputs against each attention decoder's per-utterance inputs, and the label counts of the
+        encoder's frame scores (CTC), the ONNX scorers and the transducer's joint network against
+        the vocabulary. Each failure is a ``ModelError`` naming both models."""
+        config, encoder = self.config, self.encoder
+        sizes: list[tuple[str, int | None]] = []
+        search = self.search_type
+        if encoder is not None:
+            path = config.models.encoder.path
+            if search.needs_encoder and not search.needs_transducer and "blank" in search.labels:
+                main = self.encoder_spec.names["encoder-states"]  # frame log-probs of a CTC search
+                sizes.append((f"models.encoder ({path}, output '{main}')", last_dim(encoder.tensors.output(main))))
+        for i, (scorer_config, (name, scorer, _)) in enumerate(zip(config.scorers, self.scorers)):
+            key = f"scorers[{i}] {name!r}"
+            spec = getattr(scorer, "spec", None)
+            if scorer_config.type == "ctc-prefix" and encoder is not None:
+                output = scorer_config.io_map.get("log-probs", "log-probs")
+                sizes.append((f"{key} (the CTC head '{output}' of {config.models.encoder.path})",
+                              last_dim(encoder.tensors.output(output))))
+            if isinstance(spec, ModelSpec):
+                sizes.append((f"{key} ({spec.source})", spec.vocab_size))
+                if encoder is not None and scorer_config.type == "onnx-decoder":
+                    check_cross_inputs(spec, self.encoder_spec, who=key)
+        if self.joint is not None:
+            sizes.append((f"models.transducer.joint ({config.models.transducer.joint})",
+                          getattr(self.joint, "vocab_size", None)))
+        check_vocab_sizes(sizes, (str(config.models.vocabulary.path), len(self.vocabulary)))
 
     def _build_scorer(self, index: int, scorer: ScorerConfig):
         key = f"scorers[{index}]"

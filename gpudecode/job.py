@@ -75,6 +75,12 @@ class RunSummary:
             rows.append(("WER", f"{100 * w['wer']:.2f} % ({errors} errors / {w['num_ref_words']} words: "
                                 f"{w['substitutions']} sub, {w['deletions']} del, {w['insertions']} ins)"))
             rows.append(("CER", f"{100 * self.wer['cer']:.2f} %"))
+            if w.get("num_hypotheses_without_reference"):
+                rows.append(("hypotheses without reference", f"{w['num_hypotheses_without_reference']} (left out of "
+                                                             "the WER)"))
+            if w.get("num_missing_hypotheses"):
+                rows.append(("references without hypothesis", f"{w['num_missing_hypotheses']} (counted as all "
+                                                              "deletions)"))
         if self.gpu_memory_bytes is not None:
             rows.append(("GPU memory (CuPy pool)", f"{self.gpu_memory_bytes / 2**20:.1f} MiB"))
         if self.retried_batches:

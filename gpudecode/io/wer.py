@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpudecode.io.errors import ResultFileError
+
+log = logging.getLogger(__name__)
 
 
 def read_transcripts(path: str | Path) -> dict[str, str]:
@@ -13,11 +18,17 @@ def read_transcripts(path: str | Path) -> dict[str, str]:
     id only is an empty transcript; a truncated last line without newline is kept)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError as exc:
         raise ResultFileError("file does not exist", path=path) from exc
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise ResultFileError(f"cannot read: {exc}", path=path) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ResultFileError(f"line {line}: not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                              f"{exc.start}); save the file as UTF-8", path=path) from exc
     transcripts: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         parts = line.split(maxsplit=1)
@@ -28,6 +39,53 @@ def read_transcripts(path: str | Path) -> dict[str, str]:
                                   utterance_id=parts[0])
         transcripts[parts[0]] = " ".join(parts[1].split()) if len(parts) > 1 else ""
     return transcripts
+
+
+@dataclass(frozen=True)
+class ReferenceCheck:
+    """What :func:`validate_references` found: ``num_references`` transcripts; the utterance ids
+    without a reference (their hypotheses are left out of the WER) and the references without an
+    utterance (counted as all deletions), each sorted."""
+
+    num_references: int
+    without_reference: tuple[str, ...]
+    without_utterance: tuple[str, ...]
+
+    def warning(self, path: str | Path) -> str | None:
+        """One line naming the counts and a few ids, or None when every id matches."""
+        parts = []
+        if self.without_reference:
+            parts.append(f"{len(self.without_reference)} utterance(s) have no reference (left out of the "
+                         f"WER): {_some(self.without_reference)}")
+        if self.without_utterance:
+            parts.append(f"{len(self.without_utterance)} reference(s) have no utterance to decode (counted as "
+                         f"all deletions): {_some(self.without_utterance)}")
+        return f"references {path}: " + "; ".join(parts) if parts else None
+
+
+def validate_references(path: str | Path, ids: Iterable[str]) -> ReferenceCheck:
+    """Check a reference file against the utterance ids of a run before it decodes: a missing or
+    unreadable file, non-UTF-8 text, a duplicate id, no transcripts or no words are a
+    :class:`ResultFileError`; ids missing on either side are counted (and logged as one warning)."""
+    refs = read_transcripts(path)
+    if not refs:
+        raise ResultFileError("no reference transcripts", path=path)
+    if not any(words for words in refs.values()):
+        raise ResultFileError("the references hold no words", path=path)
+    ids = list(ids)
+    known = set(ids)
+    check = ReferenceCheck(num_references=len(refs),
+                           without_reference=tuple(sorted(i for i in known if i not in refs)),
+                           without_utterance=tuple(sorted(i for i in refs if i not in known)))
+    message = check.warning(path)
+    if message:
+        log.warning("%s", message)
+    return check
+
+
+def _some(ids: tuple[str, ...], limit: int = 5) -> str:
+    shown = ", ".join(repr(i) for i in ids[:limit])
+    return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 
 def score_wer(hyp_text_path: str | Path, ref_path: str | Path,

@@ -25,6 +25,7 @@ from gpudecode.scorers.registry import register_scorer
 from gpudecode.session import OnnxSession, SessionOptions
 from gpudecode.session.conventions import load_step_model_spec, resolve_model_path
 from gpudecode.session.graphs import GraphOptions
+from gpudecode.session.pairs import check_state_kind
 from gpudecode.session.step_model import StepModelRunner
 from gpudecode.states.factory import create_state_manager
 from gpudecode.states.history import StateHistory
@@ -110,6 +111,7 @@ class OnnxDecoderScorer(LabelScorer):
         self.scores_kind = scores_kind
         self.max_batch_size = max_batch_size
         self.io_map = dict(io_map or {})
+        check_state_kind(self.spec, state_manager.type, state_manager.family)  # before the manager's own refusal
         self.states = create_state_manager(
             replace(state_manager, history_alignment=self.spec.history_alignment), self.spec.state_variables,
             execution_provider=self.session.provider,

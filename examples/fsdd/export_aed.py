@@ -113,7 +113,8 @@ def main(argv=None) -> None:
                **{p: {0: "batch", 2: "present-time"} for p in present},
                **{c: {0: "batch", 2: "encoder-time"} for c in cross}}
     metadata = {**common, "model": "fsdd aed decoder", **{f"STATE_{p}": q for p, q in zip(past, present)},
-                **{f"UTTERANCE_{c}": c for c in cross}}
+                **{f"UTTERANCE_{c}": c for c in cross},
+                "max_positions": str(opts.max_positions)}  # learned positions: search.max_labels is checked
     export(OnnxDecoderStep(model).eval(), example, paths["decoder"],
            ["token", "prefix-length", "encoder-states-size", *past, *cross], ["scores", *present], dynamic, metadata,
            args.opset, {"scores": [None, 1, v], **{p: [None, heads, None, head_dim] for p in present}})

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
+from gpudecode.search.positions import check_max_labels
 from gpudecode.search.registry import SearchSetup, SearchType, register_search
 from gpudecode.search.transducer import TransducerOptions, transducer_greedy_search, transducer_search
 
 
 def _label_sync_options(setup: SearchSetup) -> LabelSyncOptions:
     search = setup.config
+    check_max_labels(setup.scorers, search.max_labels)
     return LabelSyncOptions(
         beam_size=search.beam_size, sentence_end=setup.sentence_end,
         length_norm_scale=search.length_norm_scale, score_threshold=search.score_threshold,

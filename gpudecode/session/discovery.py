@@ -24,6 +24,9 @@ HISTORY_ALIGNMENT_KEY = "HISTORY_ALIGNMENT"  # "right" (RASR, the default) or "l
 #: input's own buffer (ONNX Runtime's GroupQueryAttention with a shared past/present buffer: the
 #: new step lands at position prefix-length of the left-aligned past, so T leaves room for it).
 IN_PLACE_PREFIX = "IN_PLACE_"
+#: Metadata key: the label positions the model has (e.g. learned position embeddings); a search
+#: whose labels (prompt included) could need more is refused at load.
+MAX_POSITIONS_KEY = "max_positions"
 UTTERANCE_ROWS = ("lane", "utterance")
 
 # (input regex, output template): the Hugging Face / Optimum decoder-with-past names.
@@ -391,6 +394,7 @@ def discover_step_model(
         state_variables=state_variables,
         utterance_inputs=tuple(utterance_inputs),
         scores_output=scores.name,
+        max_time=_declared_max_time(tensors),
     )
     if vocab_size is not None and spec.vocab_size is not None and spec.vocab_size != vocab_size:
         raise _fail(
@@ -399,6 +403,20 @@ def discover_step_model(
             f"(from the vocabulary), got {spec.vocab_size}",
         )
     return spec
+
+
+def _declared_max_time(tensors: ModelTensors) -> int | None:
+    """The most past positions of a step from the ``max_positions`` metadata (positions - 1), or None."""
+    value = tensors.metadata.get(MAX_POSITIONS_KEY)
+    if value is None:
+        return None
+    try:
+        positions = int(value)
+    except ValueError:
+        positions = 0
+    if positions < 1:
+        raise _fail(tensors, f"metadata {MAX_POSITIONS_KEY}={value!r}: expected a number of positions >= 1")
+    return positions - 1
 
 
 def _in_place_outputs(tensors: ModelTensors, state_variables, history_alignment: str) -> dict[str, str]:

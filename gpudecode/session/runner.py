@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from gpudecode import backend
+from gpudecode.session.cuda_libs import preload_cuda_libraries, provider_failure
 from gpudecode.session.graphs import SKIP_GRAPH, capture_blocker, host_copy_blocker
 from gpudecode.session.options import SessionOptions
 from gpudecode.session.placement import data_copies
@@ -74,6 +75,7 @@ class OnnxSession:
                     f"{cupy.cuda.runtime.getDeviceCount()} device(s)"
                 )
             self.stream = backend.shared_stream(options.device_id)
+            self._preload_report = preload_cuda_libraries(ort)  # NVIDIA's pip wheels, before the provider loads
             providers = [("CUDAExecutionProvider", self._cuda_provider_options()), "CPUExecutionProvider"]
             if options.check_placement:
                 handle, optimised_path = tempfile.mkstemp(suffix=".onnx")
@@ -131,10 +133,8 @@ class OnnxSession:
     def _check_cuda(self, optimised_path: str | None) -> None:
         active = self.session.get_providers()
         if not active or active[0] != "CUDAExecutionProvider":
-            raise SessionError(
-                f"{self.source}: CUDA was requested but ONNX Runtime runs the model on {active}: the CUDA "
-                "execution provider failed to load (check the CUDA/cuDNN libraries of onnxruntime-gpu)"
-            )
+            raise SessionError(provider_failure(self.ort, self.source, active,
+                                                preload_report=getattr(self, "_preload_report", "")))
         if optimised_path and Path(optimised_path).stat().st_size:
             optimised = onnx.load(optimised_path, load_external_data=False)
             copies = data_copies(optimised)

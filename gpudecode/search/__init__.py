@@ -9,6 +9,7 @@ Python entry::
 
 from gpudecode.search.ctc import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
+from gpudecode.search.nonfinite import NonFiniteScores
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.stats import SearchStats
 from gpudecode.search.topk import top_k_indices
@@ -19,6 +20,7 @@ __all__ = [
     "CtcPrefixOptions",
     "Hypothesis",
     "LabelSyncOptions",
+    "NonFiniteScores",
     "SearchStats",
     "SearchTuning",
     "TransducerOptions",

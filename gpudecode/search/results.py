@@ -53,8 +53,7 @@ def nbest_lists(ranks: np.ndarray, labels: list[list[int]], scores: np.ndarray, 
     [G, K] (a -inf rank ends a group's list), and per lane, row-major over [G, K], its ``labels``
     (and ``frames``), ``scores`` and ``lengths`` [G·K], each scorer's score ``scorer_scores``
     [S, G·K] by ``names`` and ``truncated`` [G·K] bool (None: none is). The values are gathered by
-    numpy and the objects made by ``map``
-    (thousands per search: no interpreted loop over them)."""
+    numpy and the objects made by ``map`` (thousands per search: no interpreted loop over them)."""
     num_best = ranks.shape[1]
     finite = np.isfinite(ranks)
     counts = np.where(finite.all(axis=1), num_best, finite.argmin(axis=1)).tolist()  # up to the first -inf

@@ -15,6 +15,7 @@ from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_search import assert_same_nbest
 
 ARRAYS = SearchTuning(fused_ctc_frames=False)  # CuPy runs the array version
+ARRAY_LOOPS = SearchTuning(compiled_cpu_loops=False)  # numpy runs the array version (not the compiled loop)
 FULL_SCAN = SearchTuning(ctc_prefilter=False)  # the kernel scans every label of every frame
 
 CASES = [
@@ -44,7 +45,7 @@ def _flat(results):
 def test_reference_frame_equals_the_array_frame(case, seed, monkeypatch):
     log_probs, lengths = _inputs(seed)
     options = CtcPrefixOptions(**case)
-    expected = ctc_prefix_search(log_probs, lengths, options)
+    expected = ctc_prefix_search(log_probs, lengths, options, tuning=ARRAY_LOOPS)
     calls = []
 
     def reference(search, t, exact):
@@ -52,7 +53,7 @@ def test_reference_frame_equals_the_array_frame(case, seed, monkeypatch):
         full_frame_reference(search, t, exact)
 
     monkeypatch.setattr(ctc_module._PrefixSearch, "_full_frame", reference)
-    got = ctc_prefix_search(log_probs, lengths, options)
+    got = ctc_prefix_search(log_probs, lengths, options, tuning=ARRAY_LOOPS)
     assert calls, "the reference frame never ran"
     assert _flat(got) == _flat(expected)
     for nbest_got, nbest_expected in zip(got, expected):
@@ -152,7 +153,7 @@ def test_label_prefilter_gives_the_full_search(case, levels, monkeypatch):
     lengths = np.array([14, 9, 1, 12, 0])
     num_top = 2 * options.beam_size + 1
     assert vocab_size - 1 > num_top
-    expected = ctc_prefix_search(log_probs, lengths, options)
+    expected = ctc_prefix_search(log_probs, lengths, options, tuning=ARRAY_LOOPS)
     searches = []
 
     def reference(search, t, exact):
@@ -160,7 +161,7 @@ def test_label_prefilter_gives_the_full_search(case, levels, monkeypatch):
         full_frame_reference(search, t, exact, num_top=num_top)
 
     monkeypatch.setattr(ctc_module._PrefixSearch, "_full_frame", reference)
-    got = ctc_prefix_search(log_probs, lengths, options)
+    got = ctc_prefix_search(log_probs, lengths, options, tuning=ARRAY_LOOPS)
     assert searches, "the reference frame never ran"
     assert _flat(got) == _flat(expected)
     full_scans = max(getattr(s, "full_scans", 0) for s in searches)

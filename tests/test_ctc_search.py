@@ -16,6 +16,7 @@ from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
 from gpudecode.search import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
 from gpudecode.search import ctc as ctc_module
 from gpudecode.search.stats import SearchStats
+from gpudecode.search.tuning import SearchTuning
 from gpudecode.session import OnnxSession, SessionOptions
 from gpudecode.states.options import StateManagerOptions
 from gpudecode.testing import build_ctc_encoder, build_lstm_lm
@@ -360,7 +361,8 @@ def test_hash_collisions_would_merge_distinct_sequences_without_the_check(monkey
         return (self.group_base + equal.argmax(axis=2)).reshape(-1), equal.any(axis=2).reshape(-1)
 
     monkeypatch.setattr(ctc_module._PrefixSearch, "_recombination", trusting)
-    broken = ctc_prefix_search(log_probs, lengths, CtcPrefixOptions(beam_size=6, hash_modulus=1))
+    broken = ctc_prefix_search(log_probs, lengths, CtcPrefixOptions(beam_size=6, hash_modulus=1),
+                               tuning=SearchTuning(compiled_cpu_loops=False))  # the array version's check
     assert [[h.labels for h in u] for u in broken] != [[h.labels for h in u] for u in expected]
 
 
@@ -396,7 +398,8 @@ def test_a_frame_every_utterance_skips_takes_the_blank_only_path(monkeypatch):
     monkeypatch.setattr(ctc_module._PrefixSearch, "_blank_frame",
                         lambda self, t: (calls.append(t), original(self, t)))
     options = CtcPrefixOptions(beam_size=50, nbest=50, blank_skip_threshold_logp=float(np.log(0.9)))
-    nbest = ctc_prefix_search(log_probs, np.array([8, 6]), options)
+    nbest = ctc_prefix_search(log_probs, np.array([8, 6]), options,
+                              tuning=SearchTuning(compiled_cpu_loops=False))  # the array version's frame
     assert calls == [3]
     reference = ctc_prefix_search(log_probs, np.array([8, 6]), CtcPrefixOptions(beam_size=50, nbest=50))
     masked = log_probs.copy()

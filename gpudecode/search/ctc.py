@@ -54,7 +54,7 @@ from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest,
 from gpudecode.search.nonfinite import NonFiniteScores, group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
-from gpudecode.search import ctc_frame
+from gpudecode.search import ctc_cpu, ctc_frame
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
 from gpudecode.search.tuning import DEFAULT_TUNING, SearchTuning
@@ -246,6 +246,7 @@ class _PrefixSearch:
 
         groups = np.arange(num_utts, dtype=np.int64)
         fused = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(xp, len(self.entries), beam)  # one launch
+        compiled = not fused and ctc_cpu.use_loop(xp, len(self.entries), self.tuning)  # one compiled call
         blank_logp = np.full(num_lanes, _NEG_INF, dtype=np.float32)
         blank_logp[::beam] = 0  # each utterance starts from one lane: the empty prefix
         self.blank_logp = xp.asarray(blank_logp)
@@ -265,13 +266,15 @@ class _PrefixSearch:
         # per utterance the largest frame log-prob and scorer score (NaN or +inf: non-finite scores)
         self.input_max = _frame_maxima(self.log_probs, self.lengths_dev, xp)
         self.lm_max = initial_maxima(len(self.entries), num_utts, xp)
-        if fused:
-            state, self.node_frames, self.unresolved = ctc_frame.search_kernel(
+        if fused or compiled:
+            loop = functools.partial(ctc_frame.search_kernel, prefilter=self.tuning.ctc_prefilter) if fused \
+                else ctc_cpu.search_frames
+            state, self.node_frames, self.unresolved = loop(
                 self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds,
                 (self.blank_logp, self.label_logp, self.last, self.length, self.hash, self.prev_hash, self.node),
-                self.node_parent, self.node_label, options, beam, prefilter=self.tuning.ctc_prefilter)
+                self.node_parent, self.node_label, options, beam)
             self.blank_logp, self.label_logp, self.last, self.length, self.hash, self.prev_hash, self.node = state
-            if self.stats is not None:
+            if self.stats is not None and fused:
                 self.stats.fused_launches += 1
             return self._nbest(exact)
         lanes = xp.arange(num_lanes, dtype=np.int64)

@@ -35,7 +35,11 @@ class SearchTuning:
       transducer step's selection as fused kernels (off: the array versions);
     - ``ctc_prefilter``: the fused CTC kernel lists each frame's best labels first instead of
       scanning every label (off: the full scan);
-    - ``host_wait``: how the host waits for the GPU (:class:`gpudecode.backend.HostWait`).
+    - ``host_wait``: how the host waits for the GPU (:class:`gpudecode.backend.HostWait`);
+    - ``compiled_cpu_loops``: on numpy, run the CTC prefix search without scorers and the
+      transducer search's selection as compiled loops (numba, the ``cpu-jit`` extra:
+      ``gpudecode.search.ctc_cpu``, ``gpudecode.search.transducer_cpu``) where numba imports
+      (off, or without numba: the array versions).
     """
 
     lagged_stop_test: bool | None = None
@@ -47,6 +51,7 @@ class SearchTuning:
     ctc_prefilter: bool = True
     fused_transducer_step: bool = True
     host_wait: HostWait = HostWait()
+    compiled_cpu_loops: bool = True
 
     def __post_init__(self) -> None:
         for name in ("stop_test_lag", "stop_test_every"):

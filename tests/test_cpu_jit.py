@@ -1,0 +1,89 @@
+"""The compiled CPU loops (numba, ``SearchTuning.compiled_cpu_loops``) against the array versions
+they replace, which stay the oracle: the same n-best lists — labels, frames and scores — on the
+existing CTC prefix search and transducer cases, and on larger random and peaky inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpudecode.bench.cpu import peaky_log_probs
+from gpudecode.bench.ctc import random_log_probs
+from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
+from gpudecode.search import ctc as ctc_module
+from gpudecode.search import ctc_cpu
+from gpudecode.search.tuning import SearchTuning
+from tests.test_ctc_frame import CASES, _inputs
+
+pytest.importorskip("numba")
+
+ARRAYS = SearchTuning(compiled_cpu_loops=False)
+COMPILED = SearchTuning()
+
+
+def _nbest(results):
+    return [[(h.labels, h.frames, h.score, h.scores) for h in nbest] for nbest in results]
+
+
+@pytest.fixture
+def array_frames_counted(monkeypatch):
+    """Counts the array version's full frames (the compiled loop runs none)."""
+    calls = []
+    original = ctc_module._PrefixSearch._full_frame
+    monkeypatch.setattr(ctc_module._PrefixSearch, "_full_frame",
+                        lambda self, t, exact: (calls.append(t), original(self, t, exact)))
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compiled_ctc_loop_equals_the_array_search(case, seed, array_frames_counted):
+    """The CTC frame step's cases (hash collisions, undecided pairs, blank skipping, threshold,
+    another blank, empty and one-frame utterances): identical n-best lists, bit for bit."""
+    log_probs, lengths = _inputs(seed)
+    options = CtcPrefixOptions(**case, nbest=case["beam_size"])
+    expected = ctc_prefix_search(log_probs, lengths, options, tuning=ARRAYS)
+    assert array_frames_counted, "the array version did not run"
+    array_frames_counted.clear()
+    got = ctc_prefix_search(log_probs, lengths, options, tuning=COMPILED)
+    assert not array_frames_counted, "the compiled loop did not run"
+    assert _nbest(got) == _nbest(expected)
+
+
+@pytest.mark.parametrize("inputs", ["peaky", "flat"])
+@pytest.mark.parametrize("beam, threshold", [(1, None), (8, None), (25, None), (12, 6.0)])
+def test_compiled_ctc_loop_on_larger_inputs(inputs, beam, threshold):
+    """12 utterances of up to 120 frames, 80 classes (the CPU bench's inputs, smaller), utterances
+    of different lengths: identical n-best lists; one utterance per call gives the same too."""
+    log_probs = peaky_log_probs(12, 120, 80, seed=4) if inputs == "peaky" else \
+        random_log_probs(np, 12, 120, 80, seed=4)
+    lengths = np.array([120, 117, 64, 1, 0, 90, 120, 33, 100, 12, 119, 75])
+    options = CtcPrefixOptions(beam_size=beam, score_threshold=threshold)
+    expected = ctc_prefix_search(log_probs, lengths, options, tuning=ARRAYS)
+    got = ctc_prefix_search(log_probs, lengths, options)
+    assert _nbest(got) == _nbest(expected)
+    for u in (0, 3, 9):
+        assert _nbest(ctc_prefix_search(log_probs[u:u + 1], lengths[u:u + 1], options)) == _nbest(expected[u:u + 1])
+
+
+def test_compiled_ctc_loop_with_nan_and_infinite_log_probs():
+    """-inf labels (never emitted) and a NaN frame (the search's non-finite check names the
+    utterance either way)."""
+    from gpudecode.search.nonfinite import NonFiniteScores
+
+    log_probs, lengths = _inputs(5)
+    log_probs[:, :, 3] = -np.inf
+    options = CtcPrefixOptions(beam_size=4)
+    assert _nbest(ctc_prefix_search(log_probs, lengths, options)) == \
+        _nbest(ctc_prefix_search(log_probs, lengths, options, tuning=ARRAYS))
+    log_probs[1, 2, 2] = np.nan
+    for tuning in (ARRAYS, COMPILED):
+        with pytest.raises(NonFiniteScores, match="1"):
+            ctc_prefix_search(log_probs, lengths, options, tuning=tuning)
+
+
+def test_the_loop_runs_only_where_it_applies():
+    assert ctc_cpu.use_loop(np, 0, COMPILED)
+    assert not ctc_cpu.use_loop(np, 1, COMPILED)  # scorers: the array version
+    assert not ctc_cpu.use_loop(np, 0, ARRAYS)

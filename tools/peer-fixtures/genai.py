@@ -23,6 +23,18 @@ prompts, left-padded, differs from its single-prompt runs on the padded rows; it
 
 Made with: torch 2.13.0+cpu, transformers 5.24.0, onnxruntime 1.32.0, onnxruntime-genai 0.18.0,
 tokenizers 0.23.3 (also in ``versions`` of expected.json).
+
+``--target cuda`` makes ``tests/fixtures/peers/genai-cuda/``: the same weights exported by the builder
+for CUDA in float16 (``-p fp16 -e cuda``: GroupQueryAttention in float16, past and present sharing one
+buffer, as GenAI runs on a GPU), and GenAI's own CUDA decodes of it. The export needs no GPU; GenAI's
+decodes do, so the two steps run apart::
+
+    .venv-peers/bin/python tools/peer-fixtures/genai.py --target cuda --step export     # here
+    python3 tools/peer-fixtures/genai.py --target cuda --step expected  # on the GPU machine, with
+                                                                        # onnxruntime-genai-cuda 0.18.0
+
+The CUDA fixture's expected.json holds no transformers decodes (its ``versions`` are those of the GPU
+machine's run).
 """
 
 from __future__ import annotations
@@ -36,7 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
-OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "peers" / "genai"
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "peers"
+#: target -> (fixture folder, the builder's precision and execution provider)
+TARGETS = {"cpu": (FIXTURES / "genai", "fp32", "cpu"), "cuda": (FIXTURES / "genai-cuda", "fp16", "cuda")}
 SEED = 0
 VOCAB = 128
 #: EOS is a label the greedy decodes reach at different steps (the weights do not depend on it)
@@ -86,9 +100,9 @@ def build_hf(directory: Path) -> list[list[int]]:
     return greedy
 
 
-def export(hf_dir: Path, out_dir: Path) -> None:
+def export(hf_dir: Path, out_dir: Path, precision: str = "fp32", provider: str = "cpu") -> None:
     subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir),
-                    "-o", str(out_dir), "-p", "fp32", "-e", "cpu"], check=True)
+                    "-o", str(out_dir), "-p", precision, "-e", provider], check=True)
 
 
 def padded(prompts):
@@ -122,30 +136,38 @@ def generate(model_dir: Path, prompts, num_beams: int, with_scores: bool, max_le
     return sequences, scores
 
 
-def main() -> None:
+def write_export(out: Path, precision: str, provider: str) -> list[list[int]]:
+    """Builds the model, exports it into ``out`` (weights inside model.onnx); transformers' greedy decodes."""
     import onnx
-    import onnxruntime
     import onnxruntime_genai
-    import tokenizers
-    import torch
-    import transformers
 
-    OUT.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, out_dir = Path(tmp) / "hf", Path(tmp) / "onnx"
         hf_greedy = build_hf(hf_dir)
-        export(hf_dir, out_dir)
+        export(hf_dir, out_dir, precision, provider)
         # the builder writes the weights as external data: the fixture keeps them inside model.onnx
         model = onnx.load(str(out_dir / "model.onnx"), load_external_data=True)
         model.producer_version = onnxruntime_genai.__version__  # the builder appends the cwd's git commit
-        onnx.save(model, str(OUT / "model.onnx"), save_as_external_data=False)
-        shutil.copy(out_dir / "genai_config.json", OUT / "genai_config.json")
+        onnx.save(model, str(out / "model.onnx"), save_as_external_data=False)
+        shutil.copy(out_dir / "genai_config.json", out / "genai_config.json")
     # the tokenizer's labels, one per line (a vocabulary for configs/genai-generate.yaml)
-    (OUT / "vocab.txt").write_text("".join(f"t{i}\n" for i in range(VOCAB)))
-    greedy = [generate(OUT, [p], 1, with_scores=True) for p in PROMPTS]
-    beams = [generate(OUT, [p], NUM_BEAMS, with_scores=False, max_length=BEAM_MAX_LENGTH)[0] for p in PROMPTS]
-    beams_short = [generate(OUT, [p], NUM_BEAMS, with_scores=False)[0] for p in PROMPTS]
-    batched, _ = generate(OUT, PROMPTS, 1, with_scores=False)
+    (out / "vocab.txt").write_text("".join(f"t{i}\n" for i in range(VOCAB)))
+    return hf_greedy
+
+
+def write_expected(out: Path, hf_greedy: list[list[int]] | None) -> dict:
+    """GenAI's own decodes of the export in ``out`` -> ``out/expected.json``."""
+    import onnx
+    import onnxruntime
+    import onnxruntime_genai
+
+    greedy = [generate(out, [p], 1, with_scores=True) for p in PROMPTS]
+    beams = [generate(out, [p], NUM_BEAMS, with_scores=False, max_length=BEAM_MAX_LENGTH)[0] for p in PROMPTS]
+    beams_short = [generate(out, [p], NUM_BEAMS, with_scores=False)[0] for p in PROMPTS]
+    batched, _ = generate(out, PROMPTS, 1, with_scores=False)
+    versions = {"onnxruntime": onnxruntime.__version__, "onnxruntime-genai": onnxruntime_genai.__version__,
+                "onnx": onnx.__version__}
     expected = {
         "prompts": PROMPTS,
         "bos": BOS, "eos": EOS, "pad": PAD, "max_length": MAX_LENGTH,
@@ -154,19 +176,41 @@ def main() -> None:
                  "length_penalty": 1.0, "sequences": beams},
         "beam_at_max_length_20": {"num_beams": NUM_BEAMS, "max_length": MAX_LENGTH, "early_stopping": True,
                                   "length_penalty": 1.0, "sequences": beams_short},
-        "transformers_greedy": hf_greedy,
         # GenAI's own batch of the same prompts, left-padded with PAD: its rows with padding differ
         # from the single-prompt runs above (and from transformers); kept as a record, not an oracle
         "genai_batch_left_padded": batched,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "onnxruntime": onnxruntime.__version__, "onnxruntime-genai": onnxruntime_genai.__version__,
-                     "tokenizers": tokenizers.__version__, "onnx": onnx.__version__},
+        "versions": versions,
     }
-    (OUT / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    if hf_greedy is not None:
+        import tokenizers
+        import torch
+        import transformers
+
+        expected["transformers_greedy"] = hf_greedy
+        versions.update({"torch": torch.__version__, "transformers": transformers.__version__,
+                         "tokenizers": tokenizers.__version__})
+    (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     for name in ("greedy", "beam"):
         print(name, json.dumps(expected[name]["sequences"]))
-    without_eos = [s[:-1] if s[-1] == EOS else s for s in hf_greedy]  # GenAI's sequences end before EOS
-    print("GenAI greedy == transformers greedy:", expected["greedy"]["sequences"] == without_eos)
+    if hf_greedy is not None:
+        without_eos = [s[:-1] if s[-1] == EOS else s for s in hf_greedy]  # GenAI's sequences end before EOS
+        print("GenAI greedy == transformers greedy:", expected["greedy"]["sequences"] == without_eos)
+    return expected
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=sorted(TARGETS), default="cpu")
+    parser.add_argument("--step", choices=["all", "export", "expected"], default="all")
+    parser.add_argument("--out", type=Path, help="the fixture folder (default: the target's)")
+    args = parser.parse_args()
+    default_out, precision, provider = TARGETS[args.target]
+    out = args.out or default_out
+    hf_greedy = write_export(out, precision, provider) if args.step in ("all", "export") else None
+    if args.step in ("all", "expected"):
+        write_expected(out, hf_greedy)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ from gpudecode.search.options import (
     option_error,
 )
 from gpudecode.scorers.transducer import PredictionNetwork
-from gpudecode.search.nonfinite import NonFiniteScores, group_maxima, initial_maxima
+from gpudecode.search.nonfinite import NonFiniteScores, group_maxima, initial_maxima, row_maxima
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -310,7 +310,7 @@ class _TransducerSearch:
         lengths_dev = xp.asarray(self.lengths)
         self.ids = list(utterances.ids)
         # per utterance the largest joint and scorer score (NaN or +inf: non-finite scores)
-        self.joint_max = initial_maxima(1, num_utts, xp)
+        self.joint_max = xp.full(num_lanes, _NEG_INF, dtype=np.float32)  # per lane, reduced per utterance at the end
         self.lm_max = initial_maxima(len(self.entries), num_utts, xp)
         # lanes cut by max_symbols_per_frame (a frame left after its last allowed label while the
         # joint's best continuation there was a label); with 1 a label always consumes its frame
@@ -337,6 +337,7 @@ class _TransducerSearch:
 
             for t in range(int(self.lengths.max(initial=0))):
                 self.done = (t >= lengths_dev)[self.lane_group]  # finished utterances stay as they are
+                self.in_frame = ~self.done  # lanes of utterances that have frame t (the joint's checked rows)
                 frames_t = self.encoder_states[:, t][self.lane_group]  # [N, E]
                 for s in range(options.max_symbols_per_frame):
                     if not self._step(t, s, frames_t, exact):
@@ -361,8 +362,8 @@ class _TransducerSearch:
             self._check_vocabulary(vocab_size)
         if self.rescore:
             self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
-        live = (self.score > _NEG_INF) & ~self.done
-        self.joint_max = xp.maximum(self.joint_max, group_maxima([logp], live, self.layout.num_groups, xp))
+        # every lane's joint row is a real hypothesis's (dead lanes hold copies): checked in frame
+        self.joint_max = xp.maximum(self.joint_max, row_maxima(logp, self.in_frame, xp))
 
         beam = self.layout.beam_size
         if self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, len(self.entries), beam):  # one launch
@@ -554,10 +555,11 @@ class _TransducerSearch:
         beam = layout.beam_size
         ranks = self.score + combine_scores(self.lm_scores, self.scales) if self.entries else self.score
         order = best_first(ranks, beam, self.stats)
+        joint_max = self.joint_max.reshape(1, layout.num_groups, beam).max(axis=2)
         return emission_tree_nbest(order, ranks, {TRANSDUCER_SCORE_NAME: self.score}, self.lm_scores, self.entries,
                                    self.node, self.node_parent, self.node_label, self.node_frames, options.num_best,
                                    self.read, unresolved=None if exact else self.unresolved, truncated=self.cut,
-                                   maxima=self.xp.concatenate([self.joint_max, self.lm_max]), ids=self.ids)
+                                   maxima=self.xp.concatenate([joint_max, self.lm_max]), ids=self.ids)
 
 
 def _cut_short(joint, encoder_frames, prediction, emitted, blank: int, xp):

@@ -81,10 +81,15 @@ def _resolve_path(path: Path, info: ValidationInfo) -> Path:
 
 
 ConfigPath = Annotated[Path, BeforeValidator(_non_empty_path), AfterValidator(_resolve_path)]
+
+
+def _resolve_folder(text: str, info: ValidationInfo) -> str:
+    return str(_resolve_path(Path(text), info))
+
+
 # A folder kept as text: resolved like a ConfigPath, but a place to look in, not a file whose
 # content belongs to the run.
-ConfigFolder = Annotated[str, BeforeValidator(_non_empty_path),
-                         AfterValidator(lambda text, info: str(_resolve_path(Path(text), info)))]
+ConfigFolder = Annotated[str, BeforeValidator(_non_empty_path), AfterValidator(_resolve_folder)]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]

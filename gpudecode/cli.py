@@ -52,9 +52,9 @@ class _Failed(click.ClickException):
 
 def _written(output) -> int:
     """How many utterances ``output`` holds (for the messages; 0 where it cannot be read)."""
-    from gpudecode.io import read_done_ids
+    try:  # (an import interrupted by Ctrl-C cannot be imported again)
+        from gpudecode.io import read_done_ids
 
-    try:
         return len(read_done_ids(output)) if output is not None and output.exists() else 0
     except Exception:  # noqa: BLE001 - a count for a message must not hide the error it explains
         return 0
@@ -138,19 +138,10 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
     Exit status: 0 done, 1 an error (one 'Error:' line), 2 a usage error, 130 interrupted by SIGINT
     (Ctrl-C), 143 by SIGTERM; what was written is kept and --resume continues.
     """
-    import contextlib
     import json
     import signal
     import threading
-    import time
     from pathlib import Path
-
-    from gpudecode.backend import GpuUnavailableError, device_memory_in_use
-    from gpudecode.config import ConfigError, check_paths, load_config
-    from gpudecode.engines import EngineError
-    from gpudecode.io import InputError
-    from gpudecode.run import OutOfMemory, SummaryNotSaved, run_decode
-    from gpudecode.session import ModelError, SessionError
 
     if force and not resume:
         raise click.UsageError("--force only applies with --resume")
@@ -165,13 +156,38 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
                        ("gpus_per_worker", gpus_per_worker)):
         if value is not None:  # JSON is YAML: an address like host:port stays a string
             settings.append(f"runtime.engine.{key}={json.dumps(value)}")
-    out_folder = Path(output).resolve() if output is not None else None
+    where = {"output": Path(output).resolve() if output is not None else None}  # for the messages
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
+        _decode(config, overrides, settings, resume=resume, force=force, where=where)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_Terminated)
+        code = EXIT_SIGTERM if isinstance(exc, _Terminated) else EXIT_SIGINT
+        raise _Failed(_interrupted_message(exc, where["output"]), code) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _decode(config: str, overrides: tuple[str, ...], settings: list[str], *, resume: bool, force: bool,
+            where: dict) -> None:
+    """``decode`` once the command line is read: the run, its summary, and an ``Error:`` line for each
+    failure; ``where["output"]``: the output folder, once known."""
+    import contextlib
+    import time
+    from pathlib import Path
+
+    from gpudecode.backend import GpuUnavailableError, device_memory_in_use
+    from gpudecode.config import ConfigError, check_paths, load_config
+    from gpudecode.engines import EngineError
+    from gpudecode.io import InputError
+    from gpudecode.run import OutOfMemory, SummaryNotSaved, run_decode
+    from gpudecode.session import ModelError, SessionError
+
+    try:
         with contextlib.ExitStack() as stack:
             loaded = load_config(config, overrides, settings=settings)
-            out_folder = Path(loaded.io.output)
+            where["output"] = Path(loaded.io.output)
             check_paths(loaded, source=config)
             bar = None  # opened when decoding starts: no "decoding" before an early error
             started = 0.0
@@ -183,6 +199,8 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
                     bar = stack.enter_context(click.progressbar(length=max(total, 1), label="decoding",
                                                                 show_pos=True, file=sys.stderr))
                     started = time.perf_counter()
+                if not sys.stderr.isatty():  # a log: the label once, not a line per update
+                    return
                 rate = done / max(time.perf_counter() - started, 1e-9)
                 on_ray = loaded.runtime.engine.type != "local"
                 memory = device_memory_in_use() if loaded.runtime.device == "cuda" and not on_ray else None
@@ -198,9 +216,6 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
                 pool = f", workers: {' '.join(counts[:8])}{' ...' if len(counts) > 8 else ''} utt"
 
             summary = run_decode(loaded, resume=resume, force=force, progress=progress, on_status=on_status)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_Terminated)
-        code = EXIT_SIGTERM if isinstance(exc, _Terminated) else EXIT_SIGINT
-        raise _Failed(_interrupted_message(exc, out_folder), code) from None
     except (ConfigError, InputError, ModelError, SessionError, GpuUnavailableError, FileNotFoundError,
             OutOfMemory, EngineError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -209,10 +224,7 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
         raise _Failed(f"{exc.error.filename}: {exc.error.strerror or exc.error}; every result is written and the "
                       "WER is shown above, but this file is not saved") from exc
     except OSError as exc:  # disk full, read-only output, ...
-        raise _Failed(_os_error_message(exc, out_folder)) from exc
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        raise _Failed(_os_error_message(exc, where["output"])) from exc
     _echo_summary(summary)
 
 

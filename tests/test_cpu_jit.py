@@ -10,11 +10,15 @@ import pytest
 
 from gpudecode.bench.cpu import peaky_log_probs
 from gpudecode.bench.ctc import random_log_probs
-from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
+from gpudecode.search import CtcPrefixOptions, TransducerOptions, ctc_prefix_search, transducer_search
 from gpudecode.search import ctc as ctc_module
-from gpudecode.search import ctc_cpu
+from gpudecode.search import ctc_cpu, transducer_cpu
+from gpudecode.search import transducer as transducer_module
 from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_frame import CASES, _inputs
+from tests.test_transducer_search import make_models, random_encoder_states
+from tests.test_transducer_step import CASES as TRANSDUCER_CASES
+from tests.test_transducer_step import _inputs as transducer_inputs
 
 pytest.importorskip("numba")
 
@@ -83,7 +87,49 @@ def test_compiled_ctc_loop_with_nan_and_infinite_log_probs():
             ctc_prefix_search(log_probs, lengths, options, tuning=tuning)
 
 
-def test_the_loop_runs_only_where_it_applies():
-    assert ctc_cpu.use_loop(np, 0, COMPILED)
-    assert not ctc_cpu.use_loop(np, 1, COMPILED)  # scorers: the array version
-    assert not ctc_cpu.use_loop(np, 0, ARRAYS)
+def test_the_loops_run_only_where_they_apply():
+    for module in (ctc_cpu, transducer_cpu):
+        assert module.use_loop(np, 0, COMPILED)
+        assert not module.use_loop(np, 1, COMPILED)  # scorers: the array version
+        assert not module.use_loop(np, 0, ARRAYS)
+
+
+# --- transducer ------------------------------------------------------------------------------------
+@pytest.fixture
+def array_selections_counted(monkeypatch):
+    """Counts the array version's selections (the compiled selection runs none)."""
+    calls = []
+    original = transducer_module._TransducerSearch._select
+    monkeypatch.setattr(transducer_module._TransducerSearch, "_select",
+                        lambda self, *args: (calls.append(args[:2]), original(self, *args))[1])
+    return calls
+
+
+@pytest.mark.parametrize("case", TRANSDUCER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_compiled_transducer_selection_equals_the_array_search(case, seed, array_selections_counted):
+    """The fused selection's cases (expansions within a frame, max recombination, threshold, hash
+    collisions, undecided pairs, another blank, one-frame and empty utterances): identical n-best."""
+    options = TransducerOptions(**case, nbest=case["beam_size"])
+    models, encoder_states, lengths = transducer_inputs(seed)
+    expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
+                                 tuning=ARRAYS)
+    assert array_selections_counted, "the array version did not run"
+    array_selections_counted.clear()
+    got = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+    assert not array_selections_counted, "the compiled selection did not run"
+    assert _nbest(got) == _nbest(expected)
+
+
+@pytest.mark.parametrize("stateless", [False, True])
+@pytest.mark.parametrize("beam, symbols, recombination", [(8, 1, "sum"), (6, 3, "sum"), (5, 2, "max")])
+def test_compiled_transducer_selection_on_larger_inputs(stateless, beam, symbols, recombination):
+    """6 utterances of up to 30 frames, 12 labels, LSTM and stateless prediction networks."""
+    models = make_models(9, 12, stateless=stateless, sharpness=1.5)
+    encoder_states = random_encoder_states(9, 6, 30)
+    lengths = np.array([30, 21, 1, 0, 17, 30])
+    options = TransducerOptions(beam_size=beam, max_symbols_per_frame=symbols, recombination=recombination)
+    expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
+                                 tuning=ARRAYS)
+    got = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+    assert _nbest(got) == _nbest(expected)

@@ -13,6 +13,7 @@ from tests.test_ctc_search import assert_same_nbest
 from tests.test_transducer_search import make_models, random_encoder_states
 
 ARRAYS = SearchTuning(fused_transducer_step=False)  # CuPy runs the array version
+ARRAY_LOOPS = SearchTuning(compiled_cpu_loops=False)  # numpy runs the array version (not the compiled selection)
 
 CASES = [
     dict(beam_size=1),
@@ -42,7 +43,8 @@ def _inputs(seed: int, vocab_size: int = 5):
 def test_reference_selection_equals_the_array_selection(case, seed, monkeypatch):
     options = TransducerOptions(**case)
     models, encoder_states, lengths = _inputs(seed)
-    expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+    expected = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
+                                 tuning=ARRAY_LOOPS)
     calls = []
 
     def reference(search, t, s, forced, logp, exact):
@@ -50,7 +52,8 @@ def test_reference_selection_equals_the_array_selection(case, seed, monkeypatch)
         return select_reference(search, t, s, forced, logp, exact)
 
     monkeypatch.setattr(transducer_module._TransducerSearch, "_select", reference)
-    got = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options)
+    got = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options,
+                            tuning=ARRAY_LOOPS)
     assert calls, "the reference selection never ran"
     assert any(s > 0 for _, s in calls) == (options.max_symbols_per_frame > 1)
     assert_same_nbest(expected, got)

@@ -55,7 +55,7 @@ from gpudecode import defaults
 from gpudecode.backend import to_host
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
-from gpudecode.search import transducer_step
+from gpudecode.search import transducer_cpu, transducer_step
 from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
 from gpudecode.search.options import (
     check_frames,
@@ -366,13 +366,15 @@ class _TransducerSearch:
         self.joint_max = xp.maximum(self.joint_max, row_maxima(logp, self.in_frame, xp))
 
         beam = self.layout.beam_size
-        if self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, len(self.entries), beam):  # one launch
+        fused = self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, len(self.entries), beam)
+        if fused or transducer_cpu.use_loop(xp, len(self.entries), self.tuning):  # one launch, or one compiled call
             base = self._new_nodes(t)
-            state, self.unresolved, (parents, labels, alive_new, emitted) = transducer_step.select_kernel(
+            select = transducer_step.select_kernel if fused else transducer_cpu.select
+            state, self.unresolved, (parents, labels, alive_new, emitted) = select(
                 logp, (self.score, self.done, self.node, self.last, self.length, self.hash, self.prev_hash),
                 self.node_parent, self.node_label, base, self.unresolved, options, beam, symbol=s, forced=forced)
             self.score, self.done, self.node, self.last, self.length, self.hash, self.prev_hash = state
-            if self.stats is not None:
+            if self.stats is not None and fused:
                 self.stats.fused_launches += 1
         else:
             parents, labels, alive_new, emitted = self._select(t, s, forced, logp, exact)

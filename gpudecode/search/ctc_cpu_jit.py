@@ -1,0 +1,189 @@
+"""The numba-compiled bodies of :mod:`gpudecode.search.ctc_cpu` (imported only where numba is),
+and the helpers the transducer's compiled selection shares: numpy's float32 ``logaddexp`` and the
+label-path comparison of the emission tree."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+LOG2 = np.float32(math.log(2.0))
+NEG_INF = np.float32(-np.inf)
+
+
+@njit(cache=True, inline="always")
+def logaddexp(x, y):
+    """numpy's float32 ``logaddexp`` (``npy_logaddexpf``), operation for operation."""
+    if x == y:
+        return np.float32(x + LOG2)
+    tmp = np.float32(x - y)
+    if tmp > 0:
+        return np.float32(x + np.float32(math.log1p(np.float32(math.exp(-tmp)))))
+    if tmp <= 0:
+        return np.float32(y + np.float32(math.log1p(np.float32(math.exp(tmp)))))
+    return tmp  # NaN
+
+
+@njit(cache=True)
+def paths_equal(a, b, node_label, node_parent):
+    """Whether emission nodes ``a`` and ``b`` (of equal depth) spell the same labels: both paths
+    walked back until they meet (``emission_tree.same_label_paths`` to the end)."""
+    if a == b:
+        return True
+    while True:
+        if node_label[a] != node_label[b]:
+            return False
+        a, b = node_parent[a], node_parent[b]
+        if a == b:
+            return True
+
+
+@njit(cache=True)
+def frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
+           modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
+    num_utts, num_frames, vocab = log_probs.shape
+    num_lanes = num_utts * beam
+    width = beam * vocab
+    x = np.empty(vocab, np.float32)
+    total = np.empty(beam, np.float32)
+    stay_blank = np.empty(beam, np.float32)
+    stay_label = np.empty(beam, np.float32)
+    match = np.empty(beam, np.int64)
+    matched = np.empty(beam, np.bool_)
+    merged = np.empty(beam, np.float32)
+    retime = np.empty(beam, np.bool_)
+    ranks = np.empty(width, np.float32)
+    order = np.empty(beam, np.int64)
+    order_rank = np.empty(beam, np.float32)
+    old_b = np.empty(beam, np.float32)
+    old_l = np.empty(beam, np.float32)
+    old_last = np.empty(beam, np.int64)
+    old_length = np.empty(beam, np.int64)
+    old_hash = np.empty(beam, np.int64)
+    old_prev = np.empty(beam, np.int64)
+    old_node = np.empty(beam, np.int64)
+    k = 0
+    for t in range(num_frames):
+        kind = kinds[t]
+        if kind == 0:
+            continue
+        if kind == 1:  # every utterance that has the frame skips it: the blank transition only
+            for u in range(num_utts):
+                value = log_probs[u, t, blank] if t < lengths[u] else np.float32(0)
+                for i in range(u * beam, (u + 1) * beam):
+                    blank_logp[i] = np.float32(logaddexp(blank_logp[i], label_logp[i]) + value)
+                    label_logp[i] = NEG_INF
+            continue
+        base = 1 + k * num_lanes
+        k += 1
+        for u in range(num_utts):
+            first = u * beam
+            active = t < lengths[u]
+            keep = active and not (has_skip and skip[u, t])
+            for v in range(vocab):
+                if keep:
+                    x[v] = log_probs[u, t, v]
+                elif v == blank:
+                    x[v] = log_probs[u, t, blank] if active else np.float32(0)
+                else:
+                    x[v] = NEG_INF
+            for i in range(beam):
+                lane = first + i
+                old_b[i], old_l[i], old_last[i] = blank_logp[lane], label_logp[lane], last[lane]
+                old_length[i], old_hash[i], old_prev[i], old_node[i] = length[lane], hsh[lane], \
+                    prev_hash[lane], node[lane]
+                total[i] = logaddexp(old_b[i], old_l[i])
+                stay_blank[i] = np.float32(total[i] + x[blank])
+                stay_label[i] = np.float32(old_l[i] + x[old_last[i]]) if old_last[i] >= 0 else NEG_INF
+            # recombination: lane j's prefix = lane i's prefix + j's last label
+            for j in range(beam):
+                match[j], matched[j] = 0, False
+                for i in range(beam):
+                    if matched[j]:
+                        break
+                    if (old_hash[i] == old_prev[j] and old_length[i] + 1 == old_length[j]
+                            and total[i] > NEG_INF and total[j] > NEG_INF
+                            and paths_equal(old_node[i], node_parent[old_node[j]], node_label, node_parent)):
+                        match[j], matched[j] = i, True
+                v = max(old_last[j], 0)
+                i = match[j]
+                if v == blank:
+                    merged[j] = NEG_INF
+                elif old_last[i] >= 0 and v == old_last[i]:
+                    merged[j] = np.float32(old_b[i] + x[v])
+                else:
+                    merged[j] = np.float32(total[i] + x[v])
+            # candidates, lane-major then label; the stay candidate in the blank column
+            for i in range(beam):
+                row = i * vocab
+                for v in range(vocab):
+                    ranks[row + v] = np.float32(total[i] + x[v])
+                if old_last[i] >= 0:
+                    ranks[row + old_last[i]] = np.float32(old_b[i] + x[old_last[i]])
+            for j in range(beam):
+                retime[j] = matched[j] and merged[j] > logaddexp(stay_blank[j], stay_label[j])
+                if matched[j]:
+                    stay_label[j] = logaddexp(stay_label[j], merged[j])
+                    ranks[match[j] * vocab + max(old_last[j], 0)] = NEG_INF
+            for i in range(beam):
+                ranks[i * vocab + blank] = logaddexp(stay_blank[i], stay_label[i])
+            if use_threshold:  # as the array version: a NaN best drops every candidate
+                best, nan = NEG_INF, False
+                for c in range(width):
+                    if ranks[c] != ranks[c]:
+                        nan = True
+                    elif ranks[c] > best:
+                        best = ranks[c]
+                floor = np.float32(best - threshold)
+                for c in range(width):
+                    if nan or not ranks[c] >= floor:
+                        ranks[c] = NEG_INF
+            # the best beam columns: larger rank first, equal ranks (and NaN as -inf) by column
+            filled = 0
+            for c in range(width):
+                r = ranks[c]
+                if r != r:
+                    r = NEG_INF
+                if filled == beam and not r > order_rank[beam - 1]:
+                    continue
+                p = filled if filled < beam else beam - 1
+                while p > 0 and r > order_rank[p - 1]:
+                    order_rank[p] = order_rank[p - 1]
+                    order[p] = order[p - 1]
+                    p -= 1
+                order_rank[p] = r
+                order[p] = c
+                if filled < beam:
+                    filled += 1
+            # the new lanes
+            for b in range(beam):
+                column = order[b]
+                alive = order_rank[b] > NEG_INF
+                p = column // vocab
+                label = column % vocab
+                stay = label == blank or not alive
+                retimed = stay and alive and retime[p]
+                lane = first + b
+                parent_node = old_node[p]
+                node_parent[base + lane] = node_parent[parent_node] if retimed else parent_node
+                node_label[base + lane] = old_last[p] if retimed else label
+                if stay:
+                    blank_logp[lane] = stay_blank[p] if alive else NEG_INF
+                    label_logp[lane] = stay_label[p] if alive else NEG_INF
+                    node[lane] = base + lane if retimed else parent_node
+                    prev_hash[lane] = old_prev[p]
+                    hsh[lane] = old_hash[p]
+                    last[lane] = old_last[p]
+                    length[lane] = old_length[p]
+                else:
+                    blank_logp[lane] = NEG_INF
+                    label_logp[lane] = ranks[column] if not (old_last[p] >= 0 and label == old_last[p]) \
+                        else np.float32(old_b[p] + x[label])
+                    node[lane] = base + lane
+                    prev_hash[lane] = old_hash[p]
+                    hsh[lane] = (old_hash[p] * multiplier + label + 1) % modulus
+                    last[lane] = label
+                    length[lane] = old_length[p] + 1
+    return k

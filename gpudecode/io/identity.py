@@ -145,38 +145,59 @@ def _show(value: Any) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
-def _diff(old: Any, new: Any, parts: list[str | int], skip: set[str], out: list[tuple[str, Any, Any]]) -> None:
-    key = _key(parts)
-    if key in skip:
-        return
-    if isinstance(old, dict) and isinstance(new, dict):
-        for k in [*old, *(k for k in new if k not in old)]:
-            _diff(old.get(k, _MISSING), new.get(k, _MISSING), [*parts, k], skip, out)
-    elif isinstance(old, list) and isinstance(new, list):
-        for i in range(max(len(old), len(new))):
-            _diff(old[i] if i < len(old) else _MISSING, new[i] if i < len(new) else _MISSING, [*parts, i],
-                  skip, out)
-    elif old != new:
-        out.append((key, old, new))
+def _named(items: Any) -> bool:
+    """A list of sections with distinct names (the scorers)."""
+    return (isinstance(items, list) and all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items)
+            and len({i["name"] for i in items}) == len(items))
+
+
+class _Differ:
+    """Walks two identities' configs side by side; model files (hashed on both sides) compare by content."""
+
+    def __init__(self, old_files: Mapping[str, dict], new_files: Mapping[str, dict]):
+        self.old_files, self.new_files = old_files, new_files
+        self.lines: list[str] = []
+
+    def diff(self, old: Any, new: Any, old_parts: list, new_parts: list) -> None:
+        """``*_parts``: the key on each side (scorers matched by name may sit at other indices)."""
+        key, old_key = _key(new_parts), _key(old_parts)
+        if old_key in self.old_files and key in self.new_files:
+            was, now = self.old_files[old_key], self.new_files[key]
+            if was.get("sha256") != now.get("sha256"):
+                where = now["path"] if was.get("path") == now["path"] else f"{was.get('path')} → {now['path']}"
+                self.lines.append(f"{key}: different file content ({where}; SHA-256 {str(was.get('sha256'))[:12]}… "
+                                  f"→ {now['sha256'][:12]}…)")
+        elif isinstance(old, dict) and isinstance(new, dict):
+            for k in [*old, *(k for k in new if k not in old)]:
+                self.diff(old.get(k, _MISSING), new.get(k, _MISSING), [*old_parts, k], [*new_parts, k])
+        elif _named(old) and _named(new):  # scorers: matched by name, so that one removed is one line
+            new_index = {item["name"]: j for j, item in enumerate(new)}
+            old_names = {item["name"] for item in old}
+            for i, item in enumerate(old):
+                j = new_index.get(item["name"])
+                self.diff(item, _MISSING if j is None else new[j], [*old_parts, i],
+                          [*new_parts, i if j is None else j])
+            for j, item in enumerate(new):
+                if item["name"] not in old_names:
+                    self.diff(_MISSING, item, [*old_parts, j], [*new_parts, j])
+        elif isinstance(old, list) and isinstance(new, list):
+            for i in range(max(len(old), len(new))):
+                self.diff(old[i] if i < len(old) else _MISSING, new[i] if i < len(new) else _MISSING,
+                          [*old_parts, i], [*new_parts, i])
+        elif old != new:
+            self.lines.append(f"{key}: {_show(old)} → {_show(new)}")
 
 
 def identity_differences(old: Mapping, new: Mapping) -> list[str]:
     """What differs from identity ``old`` to ``new``, one line each (empty: the same run): config keys
-    (``key: old → new``), model files whose content changed, the toolkit version."""
+    (``key: old → new``), model files whose content changed (a file at another path with the same
+    content is the same), the toolkit version."""
     lines = []
     if old.get("gpudecode") != new.get("gpudecode"):
         lines.append(f"gpudecode version: {old.get('gpudecode')} → {new.get('gpudecode')}")
-    old_files, new_files = old.get("files", {}), new.get("files", {})
-    both = set(old_files) & set(new_files)
-    found: list[tuple[str, Any, Any]] = []
-    _diff(old.get("config", {}), new.get("config", {}), [], both, found)  # files in both: by content
-    lines += [f"{key}: {_show(was)} → {_show(now)}" for key, was, now in found]
-    for key in sorted(both):
-        was, now = old_files[key], new_files[key]
-        if was.get("sha256") != now.get("sha256"):
-            where = now["path"] if was.get("path") == now["path"] else f"{was.get('path')} → {now['path']}"
-            lines.append(f"{key}: different file content ({where}; SHA-256 {str(was.get('sha256'))[:12]}… → "
-                         f"{now['sha256'][:12]}…)")
+    differ = _Differ(old.get("files", {}), new.get("files", {}))
+    differ.diff(old.get("config", {}), new.get("config", {}), [], [])
+    lines += differ.lines
     if len(lines) > _MAX_LISTED:
         lines = [*lines[:_MAX_LISTED], f"... and {len(lines) - _MAX_LISTED} more"]
     return lines

@@ -54,8 +54,11 @@ def test_cpu_bench_smoke(tmp_path):
             assert 0 <= ctc["best_equal"] <= 2 and ctc["pyctcdecode_frames_per_s"] > 0
             assert all(d["higher"] in ("gpudecode", "pyctcdecode", "equal") for d in ctc["differing"])
     for part, beam in (("genai", 1), ("gpt2", 2)):
-        (cell,) = written[part]["cells"]
+        cell = written[part]["cells"][0]
         assert cell["beam"] == beam and cell["gpudecode_tokens_per_s"] > 0 and cell["gpudecode_tokens"] > 0
+    assert [(c["ends"], c["beam"]) for c in written["genai"]["cells"]] == [("eos", 1), ("max-length", 1)]
+    eos, full = written["genai"]["cells"]  # sentence-end masked: every prompt runs to the context
+    assert full["gpudecode_tokens"] > eos["gpudecode_tokens"]
     assert "frames/s" in format_table(results) and "tokens/s" in format_table(results)
 
 

@@ -8,7 +8,9 @@ Measured in one run (each peer part only where the peer imports; otherwise a not
   equal on how many utterances, and where they differ, which has the higher exact CTC
   log-likelihood (:func:`ctc_log_likelihood`, the forward algorithm);
 - LM decoding of ONNX Runtime GenAI's own export (``tests/fixtures/peers/genai``) against GenAI's
-  CPU greedy and beam search, one generator per prompt (its left-padded batch gives other tokens);
+  CPU greedy and beam search, one generator per prompt (its left-padded batch gives other tokens):
+  sequences that end at sentence-end (most end early), and greedy sequences that all run to the
+  context (sentence-end masked by ``min_length`` on both sides);
 - GPT-2 (``tests/fixtures/peers/gpt2``) against ``transformers`` ``generate`` on torch CPU, one prompt
   per call.
 
@@ -85,6 +87,15 @@ def peaky_log_probs(num_utts: int, num_frames: int, vocab_size: int, *, seed: in
     logits -= logits.max(axis=2, keepdims=True)
     logits -= np.log(np.exp(logits).sum(axis=2, keepdims=True))
     return logits
+
+
+def _version(package: str) -> str | None:
+    """The installed version of ``package`` (None: not installed): numba decides whether the CTC
+    search runs its compiled loop (``SearchTuning.compiled_cpu_loops``)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _fastest_wall(run, repeats: int):
@@ -189,7 +200,7 @@ def _lm_batch(prompts: list[list[int]], new_tokens: list[int]):
                           inputs={"prompt": table}, sizes={"prompt": sizes})
 
 
-def _genai_part(*, num_prompts: int, beams, repeats: int) -> dict:
+def _genai_part(*, num_prompts: int, beams, repeats: int, max_length_beams=(1,)) -> dict:
     from gpudecode.scorers.prefix_lm import PrefixLmScorer
     from gpudecode.search import LabelSyncOptions, label_sync_search
     from gpudecode.session import SessionOptions
@@ -202,7 +213,11 @@ def _genai_part(*, num_prompts: int, beams, repeats: int) -> dict:
     prompts = _prompts(document["prompts"], num_prompts, vocab, eos)
     new_tokens = [min(64, context - len(p)) for p in prompts]
     part = {"export": "tests/fixtures/peers/genai (GenAI model builder, fp32 CPU Llama with GroupQueryAttention)",
-            "prompts": len(prompts), "max_length": context, "new_tokens": "min(64, context - prompt)", "cells": []}
+            "prompts": len(prompts), "max_length": context, "new_tokens": "min(64, context - prompt)",
+            "ends": {"eos": "each sequence ends at sentence-end (most end early) or the context",
+                     "max-length": "sentence-end masked (min_length = context on both sides): every sequence "
+                                   "runs to the context (greedy only)"},
+            "cells": []}
     try:
         import onnxruntime_genai as og
     except ImportError:
@@ -219,18 +234,23 @@ def _genai_part(*, num_prompts: int, beams, repeats: int) -> dict:
             config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = 1
             (folder / "genai_config.json").write_text(json.dumps(config))
             model = og.Model(str(folder))
-        for beam in beams:
-            options = LabelSyncOptions(beam_size=1, sentence_end=eos, max_labels_per_input=1.0) if beam == 1 else \
+        cells = [("eos", beam) for beam in beams] + [("max-length", beam) for beam in beams if beam in max_length_beams]
+        for ends, beam in cells:
+            # "max-length": sentence-end masked on both sides (min_length: the toolkit's counts labels,
+            # GenAI's the prompt too), so every prompt runs to the context
+            min_length = context if ends == "max-length" else 0
+            options = LabelSyncOptions(beam_size=1, sentence_end=eos, max_labels_per_input=1.0,
+                                       min_length=min_length) if beam == 1 else \
                 LabelSyncOptions(beam_size=beam, sentence_end=eos, max_labels_per_input=1.0, max_labels=context,
                                  finished="separate-genai", early_stopping=True, length_norm_scale=1.0,
-                                 length_counts="prompt-and-labels", nbest=1)
+                                 length_counts="prompt-and-labels", nbest=1, min_length=min_length)
             batch = _lm_batch(prompts, new_tokens)
             label_sync_search([("genai", lm, 1.0)], batch, options, xp=np)  # warm-up
             ours_s, nbest = _fastest_wall(lambda: label_sync_search([("genai", lm, 1.0)], batch, options, xp=np),
                                           repeats)
             ours = [[*p, *hyps[0].labels] for p, hyps in zip(prompts, nbest)]
             generated = sum(len(h[0].labels) for h in nbest)
-            cell = {"beam": beam, "gpudecode_s": ours_s, "gpudecode_tokens": generated,
+            cell = {"ends": ends, "beam": beam, "gpudecode_s": ours_s, "gpudecode_tokens": generated,
                     "gpudecode_tokens_per_s": generated / ours_s, "gpudecode_call": "all prompts in one call"}
             if model is not None:
                 def peer():
@@ -238,7 +258,7 @@ def _genai_part(*, num_prompts: int, beams, repeats: int) -> dict:
                     for prompt in prompts:
                         params = og.GeneratorParams(model)
                         params.set_search_options(max_length=context, do_sample=False, num_beams=beam,
-                                                  num_return_sequences=1, batch_size=1)
+                                                  num_return_sequences=1, batch_size=1, min_length=min_length)
                         generator = og.Generator(model, params)
                         generator.append_tokens(np.array([prompt], np.int32))
                         while not generator.is_done():
@@ -343,7 +363,7 @@ def run_cpu_bench(*, num_utts: int = 64, num_frames: int = 500, vocab_size: int 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = {"benchmark": "cpu", "config": {
         "threads": 1, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "timing": f"fastest of {repeats}",
-        "parts": list(parts)}}
+        "parts": list(parts), "numba": _version("numba")}}
     if "ctc" in parts:
         results["ctc"] = _ctc_part(num_utts=num_utts, num_frames=num_frames, vocab_size=vocab_size,
                                    beams=beams, repeats=repeats, inputs=ctc_inputs)
@@ -367,7 +387,7 @@ def plot_cpu(results: dict, path) -> str | None:
     for part, key, label in (("genai", "speed_over_genai", "GenAI"), ("gpt2", "speed_over_transformers", "GPT-2")):
         for cell in results.get(part, {}).get("cells", []):
             if key in cell:
-                names.append(f"{label} b{cell['beam']}")
+                names.append(f"{label} b{cell['beam']}" + (" max-len" if cell.get("ends") == "max-length" else ""))
                 ratios.append(cell[key])
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(range(len(ratios)), ratios)
@@ -401,15 +421,17 @@ def format_table(results: dict) -> str:
         section = results.get(part)
         if not section:
             continue
-        lines += [f"| {part} beam | gpudecode tokens/s | {peer} tokens/s | gpudecode ÷ {peer} | best equal |",
-                  "|---:|---:|---:|---:|---|"]
+        lines += [f"| {part} sequences end | beam | tokens | gpudecode tokens/s | {peer} tokens/s | "
+                  f"gpudecode ÷ {peer} | best equal |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
         for c in section["cells"]:
             if f"{key}_tokens_per_s" in c:
                 ratio = c["speed_over_genai" if part == "genai" else "speed_over_transformers"]
                 rest = f"{c[f'{key}_tokens_per_s']:,.0f} | {ratio:.2f} | {c['best_equal']} / {section['prompts']}"
             else:
                 rest = "— | — | —"
-            lines.append(f"| {c['beam']} | {c['gpudecode_tokens_per_s']:,.0f} | {rest} |")
+            lines.append(f"| {c.get('ends', 'eos')} | {c['beam']} | {c['gpudecode_tokens']} | "
+                         f"{c['gpudecode_tokens_per_s']:,.0f} | {rest} |")
         lines.append("")
     for part in ("ctc", "genai", "gpt2"):
         if results.get(part, {}).get("note"):

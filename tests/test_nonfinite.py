@@ -32,6 +32,7 @@ from gpudecode.search import (
     transducer_search,
 )
 from gpudecode.search.nonfinite import NonFiniteScores
+from gpudecode.search.stats import SearchStats
 from tests.test_truncation import ROWS, V, RowScorer, batch, log_softmax, prediction_network
 
 # +inf next to a -inf makes NaN in the search's sums (what the check is for); numpy warns of it
@@ -129,6 +130,21 @@ def test_a_nan_on_an_ended_lane_is_not_reported():
         nbest = label_sync_search([("table", RowScorer(ROWS), 1.0), ("poison", NanAfterEnd(vocab_size=V), 1.0)],
                                   batch(["runs", "ends"], [6, 6]), options)
         assert nbest[0][0].labels == [3] * 4 and nbest[1][0].labels == [] and np.isfinite(nbest[1][0].score)
+
+
+def test_the_check_adds_no_device_to_host_transfer():
+    """The maxima travel with the search's final read: a static label-synchronous search still reads
+    once per step (the stop test, none after the last step) plus once at the end; the CTC prefix
+    search with a scorer and no score cache reads the lengths and the results only."""
+    stats = SearchStats()
+    options = LabelSyncOptions(beam_size=2, sentence_end=END, max_labels=5)
+    label_sync_search([("table", RowScorer(ROWS), 1.0), ("poison", NonFiniteScorer(vocab_size=V), 1.0)],
+                      batch(["runs", "ends"], [9, 9]), options, stats=stats)
+    assert stats.step_loop.count == 5 and stats.transfers == (5 - 1) + 1
+    stats = SearchStats()
+    ctc_prefix_search(ctc_log_probs(), np.array([5, 5]), CtcPrefixOptions(beam_size=2, max_cached_score_vectors=0),
+                      [("lm", NonFiniteScorer(vocab_size=V), 0.5)], ids=["a", "b"], stats=stats)
+    assert stats.transfers == 2
 
 
 # --- CTC ------------------------------------------------------------------------------------------

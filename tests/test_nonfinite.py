@@ -254,7 +254,8 @@ def clean(tmp_path_factory):
 def test_the_cli_stops_with_an_error_line_naming_scorer_and_utterance(tmp_path, clean, value):
     result = decode(config_with(tmp_path, value, batch_size=1), tmp_path / "out")
     assert result.exit_code != 0
-    assert f"Error: non-finite scores (NaN or +inf) from scorer(s) 'poison' for 1 utterance(s): '{BAD}'" in result.output
+    assert (f"Error: non-finite scores (NaN or +inf) from scorer(s) 'poison' for 1 utterance(s): '{BAD}'"
+            in result.output)
     written = transcripts(tmp_path / "out")  # batches decoded before it stay written, and nothing empty
     assert BAD not in written and all(written[u] == clean[u] for u in written)
     lines = (tmp_path / "out" / "nbest.jsonl").read_text().splitlines()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from gpudecode.backend import get_array_module, to_host
-from gpudecode.session.discovery import HF_BRANCH_INPUT, ModelSpec
+from gpudecode.session.discovery import HF_BRANCH_INPUT, ModelError, ModelSpec
 from gpudecode.session.graphs import GraphBuckets, GraphOptions
 from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states
 from gpudecode.session.runner import OnnxSession
@@ -384,7 +384,7 @@ class StepModelRunner:
             longest = min(int(to_host(histories.lengths.max())) if histories.num_rows else 0,
                           self.states.max_history)
             if longest > limit:
-                raise ValueError(f"{self.spec.source}: a history of {longest} labels (prompt included) "
+                raise ModelError(f"{self.spec.source}: a history of {longest} labels (prompt included) "
                                  f"exceeds the model's context of {limit + 1} positions; lower "
                                  "search.max_labels or shorten the prompts")
             natural = longest

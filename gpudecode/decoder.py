@@ -138,6 +138,8 @@ class Decoder:
         """:meth:`_build_scorer`; a model that does not fit is a ``ModelError`` naming the scorer."""
         try:
             return self._build_scorer(index, scorer)
+        except ScorerTypeError as exc:  # options the class does not take
+            raise ConfigError(f"scorers[{index}].options: {exc}") from None
         except ModelError as exc:
             key = f"scorers[{index}] {scorer.name!r}"
             if str(exc).startswith(key) or str(exc).startswith(f"scorer {scorer.name!r}"):
@@ -228,15 +230,15 @@ class Decoder:
         checked against the vocabulary."""
         try:
             cls = scorer_class(scorer.type, scorer.import_path)
-            options = dict(scorer.options)
-            for name in getattr(cls, "path_options", ()):
-                value = options.get(name)
-                if isinstance(value, (str, Path)) and scorer.base_dir is not None:
-                    options[name] = str(Path(scorer.base_dir) / Path(value).expanduser())
-            return create_scorer(scorer.type, search_path=scorer.import_path, name=scorer.name,
-                                 expected_vocab_size=len(self.vocabulary), **options)
         except ScorerTypeError as exc:
             raise ConfigError(f"{key}.type: {exc}") from None
+        options = dict(scorer.options)
+        for name in getattr(cls, "path_options", ()):
+            value = options.get(name)
+            if isinstance(value, (str, Path)) and scorer.base_dir is not None:
+                options[name] = str(Path(scorer.base_dir) / Path(value).expanduser())
+        return create_scorer(scorer.type, search_path=scorer.import_path, name=scorer.name,
+                             expected_vocab_size=len(self.vocabulary), **options)
 
     def encode(self, ids: Sequence[str], features: Sequence[np.ndarray] | None,
                prompts: Sequence[Sequence[int]] | None = None) -> UtteranceBatch:

@@ -155,6 +155,12 @@ def test_a_scorer_without_vocab_size_is_named_at_construction(tmp_path):
             r"scorer 'wide' \(tests\.test_scorer_contract\.Flat\) has vocab_size 13, but the vocabulary has 12 "
             "labels")):
         Decoder(_config({"type": "tests.test_scorer_contract:Flat", "name": "wide", "options": {"vocab_size": 13}}))
+    with pytest.raises(ConfigError, match=(
+            r"scorers\[1\]\.options: scorer type 'tests\.test_scorer_contract:Flat': cannot build Flat with options "
+            r"\['colums'\]")):
+        Decoder(_config({"type": "tests.test_scorer_contract:Flat", "name": "typo", "options": {"colums": 3}}))
+    with pytest.raises(ConfigError, match=r"scorers\[1\]\.options: scorer type 'length-reward': cannot build"):
+        Decoder(_config({"type": "length-reward", "name": "len", "options": {"rewrd": 0.5}}))
     out = tmp_path / "out"
     run = cli("decode", EXAMPLE, "--output", out, "-o",
               "scorers.1={type: 'tests.test_scorer_contract:NoVocabSize', name: novocab}", cwd=ROOT)

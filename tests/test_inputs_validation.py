@@ -19,7 +19,13 @@ from click.testing import CliRunner
 from gpudecode.cli import main
 from gpudecode.io.errors import ResultFileError
 from gpudecode.io.wer import validate_references
-from gpudecode.session.cuda_libs import cuda_library_names, preload_cuda_libraries, provider_failure
+from gpudecode.session.cuda_libs import (
+    cuda_library_names,
+    cuda_major,
+    missing_libraries,
+    preload_cuda_libraries,
+    provider_failure,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "configs" / "random-aed.yaml"  # 16 mel bins at 8 kHz, features examples/features
@@ -59,6 +65,7 @@ def test_a_folder_holding_npy_and_wav_files_is_an_error_listing_both(tmp_path):
     assert not out.exists()  # nothing decoded, nothing written
     chosen = cli("decode", EXAMPLE, "--features", folder, "--output", out, "-o", "io.features.format=npy-dir")
     assert chosen.returncode == 0, chosen.stderr
+    assert f"{folder}: format npy-dir decodes this folder's .npy files only; ignored: 2 .wav file(s)" in chosen.stderr
     assert sorted(line.split()[0] for line in (out / "text").read_text().splitlines()) == [
         "example-0", "example-1", "example-2"]
 
@@ -214,3 +221,21 @@ def test_the_cuda_extras_bring_nvidia_s_library_wheels():
     for extra, cupy in (("cuda12", "cupy-cuda12x[ctk]"), ("cuda13", "cupy-cuda13x[ctk]")):
         assert any(r.startswith("onnxruntime-gpu[cuda,cudnn]>=") for r in extras[extra]), extras[extra]
         assert any(r.startswith(cupy) for r in extras[extra]), extras[extra]
+
+
+@pytest.mark.gpu
+def test_the_cuda_provider_loads_through_preload_dlls_from_nvidia_s_wheels():
+    """On a GPU machine with the cuda12/cuda13 extra: a CUDA session runs on the CUDA provider, and
+    the CUDA and cuDNN libraries in the process are those of NVIDIA's pip wheels."""
+    import onnxruntime
+
+    from gpudecode.session import OnnxSession, SessionOptions
+
+    assert hasattr(onnxruntime, "preload_dlls"), onnxruntime.__version__
+    session = OnnxSession(ROOT / "examples" / "models" / "encoder.onnx", SessionOptions(device="cuda"))
+    assert session.session.get_providers()[0] == "CUDAExecutionProvider"
+    assert missing_libraries(cuda_library_names(cuda_major(onnxruntime))) == []
+    maps = Path("/proc/self/maps").read_text()
+    for name in ("libcudnn.so.9", "libcublasLt.so."):
+        paths = {line.split()[-1] for line in maps.splitlines() if name in line}
+        assert paths and all("site-packages/nvidia" in p for p in paths), paths

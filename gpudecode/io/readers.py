@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from gpudecode import defaults
 from gpudecode.io.errors import FeatureError
 from gpudecode.io.features import FeatureSource
+
+log = logging.getLogger(__name__)
 
 _SUFFIX_FORMATS = {
     ".npz": "npz",
@@ -43,17 +46,26 @@ def detect_format(path: str | Path) -> str:
     return fmt
 
 
-def _folder_format(folder: Path) -> str:
-    """``npy-dir`` or ``audio``; a folder holding both is an error listing what it holds."""
+def _folder_counts(folder: Path) -> dict[str, int]:
+    """Files per feature suffix (``.npy``, ``.wav``, ``.flac``) directly in ``folder``."""
     counts: dict[str, int] = {}
     for file in folder.iterdir():
         suffix = file.suffix.lower()
         if file.is_file() and (suffix == ".npy" or suffix in defaults.AUDIO_EXTENSIONS):
             counts[suffix] = counts.get(suffix, 0) + 1
-    formats = {"npy-dir" if suffix == ".npy" else "audio" for suffix in counts}
+    return counts
+
+
+def _format_of_suffix(suffix: str) -> str:
+    return "npy-dir" if suffix == ".npy" else "audio"
+
+
+def _folder_format(folder: Path) -> str:
+    """``npy-dir`` or ``audio``; a folder holding both is an error listing what it holds."""
+    counts = _folder_counts(folder)
+    formats = {_format_of_suffix(suffix) for suffix in counts}
     if len(formats) > 1:
-        held = ", ".join(f"{counts[s]} {s} file(s) ({'npy-dir' if s == '.npy' else 'audio'})"
-                         for s in sorted(counts))
+        held = ", ".join(f"{counts[s]} {s} file(s) ({_format_of_suffix(s)})" for s in sorted(counts))
         raise FeatureError(
             f"folder holds several feature formats: {held}; a run decodes one: move the others "
             "out, or set io.features.format (npy-dir or audio) to decode that one alone",
@@ -101,6 +113,12 @@ def open_features(path: str | Path, format: str = "auto", front_end: Any = None,
         raise FeatureError("does not exist", path=path)
     if format == "auto":
         format = detect_format(path)
+    elif path.is_dir() and format in ("npy-dir", "audio"):
+        ignored = {s: n for s, n in _folder_counts(path).items() if _format_of_suffix(s) != format}
+        if ignored:
+            log.warning("%s: format %s decodes this folder's %s files only; ignored: %s", path, format,
+                        ".npy" if format == "npy-dir" else "audio",
+                        ", ".join(f"{n} {s} file(s)" for s, n in sorted(ignored.items())))
     kwargs = {"num_features": num_features, "on_error": on_error}
     if format == "audio":
         return AudioSource(path, front_end, **kwargs)

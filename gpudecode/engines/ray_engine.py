@@ -51,6 +51,7 @@ from gpudecode.io import (
     bucket_by_length,
     score_wer,
 )
+from gpudecode.io.wer import validate_references
 from gpudecode.job import OutOfMemory, RunSummary, decode_fitting, open_utterances
 from gpudecode.search import Hypothesis
 
@@ -341,6 +342,8 @@ def run_decode_ray(config: Config, *, done: set[str], resume: bool,
     vocabulary = _load_vocabulary(config)
     summary = RaySummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output)
     with open_utterances(config, vocabulary, encoder=config.models.encoder is not None) as source:
+        if io.references is not None and "text" in io.formats:  # before decoding: bad references stop here
+            validate_references(io.references, source.ids())
         lengths = [(u, n) for u, n in source.lengths().items() if u not in done]
         summary.skipped = [str(error) for error in source.skipped]
     batches = bucket_by_length(lengths, config.search.batch_size)  # as the single-process run batches

@@ -165,6 +165,11 @@ def test_ctc_frame_log_probs_with_nan_name_ctc_and_padding_is_ignored():
         ctc_prefix_search(log_probs, lengths, CtcPrefixOptions(beam_size=2), ids=["a", "b"])
     with pytest.raises(NonFiniteScores, match=r"scorer\(s\) 'ctc' for 1 utterance\(s\): 'b';"):
         ctc_greedy_search(log_probs, lengths, ids=["a", "b"])
+    log_probs[1, 2] = -np.inf  # a frame no label can take: no path at all
+    with pytest.raises(NonFiniteScores, match=r"no hypothesis with a finite score .* for 1 utterance\(s\): 'b';"):
+        ctc_greedy_search(log_probs, lengths, ids=["a", "b"])
+    with pytest.raises(NonFiniteScores, match=r"no hypothesis with a finite score .* for 1 utterance\(s\): 'b';"):
+        ctc_prefix_search(log_probs, lengths, CtcPrefixOptions(beam_size=2), ids=["a", "b"])
 
 
 @pytest.mark.parametrize("value", ["nan", "inf"])

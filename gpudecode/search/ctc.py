@@ -51,7 +51,7 @@ from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
-from gpudecode.search.nonfinite import NonFiniteScores, group_maxima, initial_maxima
+from gpudecode.search.nonfinite import check_scores, group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search import ctc_cpu, ctc_frame
@@ -149,8 +149,7 @@ def ctc_greedy_search(log_probs, lengths, *, blank: int = 0, xp: ModuleType = np
         return read(best, emitted, score)
 
     best, emitted, score = on_search_stream(xp, run)
-    if not np.isfinite(score).all():  # a NaN or +inf frame log-prob (a frame's max is never -inf otherwise)
-        raise NonFiniteScores([ids[u] for u in np.flatnonzero(~np.isfinite(score)).tolist()], [CTC_SCORE_NAME])
+    check_scores(ids, CTC_SCORE_NAME, score)  # NaN or +inf: a frame log-prob was
     results = []
     for u in range(num_utts):
         frames = np.flatnonzero(emitted[u])

@@ -72,6 +72,15 @@ def bad_groups(maxima: np.ndarray, best: np.ndarray | None = None) -> tuple[np.n
     return bad, flagged
 
 
+def check_scores(ids: Sequence[str], name: str, scores: np.ndarray) -> None:
+    """Raises :class:`NonFiniteScores` for the utterances ``ids`` whose one hypothesis's score
+    (``scores`` [U], host; a greedy search's, the sum of its steps' scores by ``name``) is not finite."""
+    bad = ~np.isfinite(scores)
+    if bad.any():
+        raise NonFiniteScores([ids[u] for u in np.flatnonzero(bad).tolist()],
+                              [name] if (~(scores[bad] < np.inf)).any() else [])
+
+
 def check_finite(ids: Sequence[str], names: Sequence[str], maxima: np.ndarray,
                  best: np.ndarray | None = None) -> None:
     """Raises :class:`NonFiniteScores` for the groups (utterances ``ids``) that

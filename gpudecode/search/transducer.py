@@ -65,7 +65,7 @@ from gpudecode.search.options import (
     option_error,
 )
 from gpudecode.scorers.transducer import PredictionNetwork
-from gpudecode.search.nonfinite import NonFiniteScores, group_maxima, initial_maxima, row_maxima
+from gpudecode.search.nonfinite import check_scores, group_maxima, initial_maxima, row_maxima
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -206,8 +206,7 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
             prediction.release(groups)
 
     table, score, cut, frames_of_step = on_search_stream(xp, run)
-    if not np.isfinite(score).all():  # a NaN or +inf joint log-prob on the path
-        raise NonFiniteScores([ids[u] for u in np.flatnonzero(~np.isfinite(score)).tolist()], [TRANSDUCER_SCORE_NAME])
+    check_scores(ids, TRANSDUCER_SCORE_NAME, score)  # NaN or +inf: a joint log-prob on the path was
     results = []
     for u in range(num_utts):
         kept = table[:, u] >= 0

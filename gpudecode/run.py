@@ -50,8 +50,8 @@ def _check_identity(output: Path, identity: dict, force: bool) -> bool:
     differ (and ``force`` accepts it)."""
     stored = read_identity(output)
     if stored is None:
-        log.warning("%s holds results but no %s (written by an older gpudecode): resuming without checking that "
-                    "the config and models are those that produced them", output, defaults.IDENTITY_FILE)
+        log.warning("Warning: %s holds results but no %s (written by an older gpudecode): resuming without "
+                    "checking that the config and models are those that produced them", output, defaults.IDENTITY_FILE)
         return False
     differences = identity_differences(stored, identity)
     if differences and not force:

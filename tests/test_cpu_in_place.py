@@ -166,3 +166,39 @@ def test_a_session_that_does_not_write_in_place_is_caught_and_run_plainly():
     finally:
         lm.close()
         plain.close()
+
+
+class _FailsLater(_NotInPlace):
+    """A session whose fourth run with output buffers fails (after the first step's check)."""
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.bound_runs = 0
+
+    def run(self, inputs, output_names=None, *, outputs=None, upload_outputs=False):
+        if outputs:
+            self.bound_runs += 1
+            if self.bound_runs == 4:
+                raise RuntimeError("shared buffer refused")
+        return self._session.run(inputs, output_names, outputs=outputs, upload_outputs=upload_outputs)
+
+
+def test_a_later_failure_of_the_shared_buffer_run_goes_on_plainly():
+    lm, plain = genai_lm(True), genai_lm(False)
+    try:
+        session = lm.runner.session = _FailsLater(lm.runner.session)
+        with pytest.warns(UserWarning, match=r"failed \(shared buffer refused\)"):
+            ours = decode(lm, 4)
+        assert session.bound_runs == 4 and not lm.runner._resident
+        same(ours, decode(plain, 4))
+    finally:
+        lm.close()
+        plain.close()
+
+
+def test_resident_rows_stay_within_the_model_context():
+    states = manager()
+    histories = states.initial_histories(2)
+    assert states.merge_resident(histories, time_size=40).inputs["past_key"].shape[2] == 64
+    assert states.merge_resident(histories, key=1, time_size=40, max_positions=50).inputs["past_key"].shape[2] == 50
+    assert states.merge_resident(histories, key=2, time_size=60, max_positions=50).inputs["past_key"].shape[2] == 61

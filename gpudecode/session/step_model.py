@@ -219,15 +219,15 @@ class StepModelRunner:
         new step in place; the first call is also run plainly and compared."""
         if self.spec.max_time is not None:
             time_size = self._natural_time(histories, time_size)
+        context = None if self.spec.max_time is None else self.spec.max_time + 1
         try:
-            merged = self.states.merge_resident(histories, key=rows.start, time_size=time_size)
+            merged = self.states.merge_resident(histories, key=rows.start, time_size=time_size, max_positions=context)
             feeds = self._feeds(merged, labels, _input_rows(rows, lanes.group_size), lanes)
             shared = {v.output_name: merged.inputs[v.input_name] for v in self.spec.state_variables}
             scores = self.session.run(feeds, [self.spec.scores_output, *shared], outputs=shared)[self.spec.scores_output]
             states = self.states.resident_new_steps(merged)  # read where written
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime refusing the shared buffer: plain runs
-            if self._resident_checked:
-                raise
+            # (the pool holds every state: the plain runs go on from there, whatever the buffers hold)
             return self._resident_refused(f"the run with a shared past/present buffer failed ({exc})",
                                           histories, labels, rows, lanes, time_size)
         if not self._resident_checked:

@@ -121,13 +121,15 @@ class StateManager:
         return (self.device == "cpu" and self.options.cpu_in_place and self.options.history_alignment == "left"
                 and resident_layouts_supported(self.layouts))
 
-    def merge_resident(self, histories: StateHistory, *, key=0, time_size: int | None = None) -> MergedStates:
+    def merge_resident(self, histories: StateHistory, *, key=0, time_size: int | None = None,
+                       max_positions: int | None = None) -> MergedStates:
         """The left-aligned merged states of ``histories`` in buffers this manager keeps between
         steps (per ``key``, e.g. the first row of a model call), with ``C >= time_size + 1``
         positions: a model writes the new step at each row's length in place, then the caller
         reports it with :meth:`written_in_place`. The inputs are views ``[N, .., C, ..]``, valid
         until the next merge of ``key``; ``time_size`` of the result is T, not C
-        (:mod:`gpudecode.states.resident`)."""
+        (:mod:`gpudecode.states.resident`). ``max_positions``: C stays within it where T + 1 does
+        (a model's context)."""
         if not self.resident_supported:
             raise ValueError(f"state_manager {self.options.type!r}: these states cannot stay resident")
         histories = self._as_histories(histories)
@@ -139,7 +141,7 @@ class StateManager:
             time_size = min(histories.width, self.max_history)
         views, kept = self._resident.merge(histories, key=key, time_size=time_size,
                                            max_history=effective_max_history(self.max_history, time_size),
-                                           keep_first=self._keep_first)
+                                           keep_first=self._keep_first, max_positions=max_positions)
         shapes = [layout.tensor_shape(histories.num_rows, view.shape[2]) for layout, view in zip(self.layouts, views)]
         inputs = {layout.name: view.reshape(shape) for layout, view, shape in zip(self.layouts, views, shapes)}
         return MergedStates(inputs=inputs, prefix_lengths=kept, time_size=time_size)

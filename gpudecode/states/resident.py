@@ -101,14 +101,18 @@ class ResidentStates:
         self._stamp[flat] = self._next_stamp + np.arange(flat.size, dtype=np.int64)
         self._next_stamp += int(flat.size)
 
-    def merge(self, histories: StateHistory, *, key, time_size: int, max_history: int, keep_first: bool):
+    def merge(self, histories: StateHistory, *, key, time_size: int, max_history: int, keep_first: bool,
+              max_positions: int | None = None):
         """The rows ``[:N]`` of the resident buffers of ``key`` holding each history's window
-        left-aligned, C >= ``time_size`` + 1 (room for the new step), and the kept lengths [N]."""
+        left-aligned, C >= ``time_size`` + 1 (room for the new step), and the kept lengths [N].
+        ``max_positions``: C never exceeds it (the model's context) unless ``time_size`` + 1 does."""
         self._grow_slot_tables()
         num_rows = histories.num_rows
         slots, kept = window_table(histories, time_size, max_history, keep_first, left=True)
         rows = self._rows.get(key)
         capacity = next_power_of_two(max(time_size + 1, MIN_POSITIONS))  # regrown rarely, never per step
+        if max_positions is not None:
+            capacity = max(min(capacity, max_positions), time_size + 1)
         rows = _Rows(self.layouts, num_rows, capacity) if rows is None else \
             rows.grown(self.layouts, num_rows, capacity)
         self._rows[key] = rows

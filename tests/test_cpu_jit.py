@@ -71,6 +71,20 @@ def test_compiled_ctc_loop_on_larger_inputs(inputs, beam, threshold):
         assert _nbest(ctc_prefix_search(log_probs[u:u + 1], lengths[u:u + 1], options)) == _nbest(expected[u:u + 1])
 
 
+@pytest.mark.parametrize("case", [dict(beam_size=8), dict(beam_size=6, score_threshold=3.0, hash_modulus=5),
+                                  dict(beam_size=5, blank_skip_threshold_logp=-0.05)], ids=str)
+def test_threaded_ctc_loop_equals_the_array_search(case):
+    """Utterances spread over two threads (``cpu_threads``): the same n-best lists."""
+    log_probs = random_log_probs(np, 9, 40, 12, seed=8, sharpness=2.0, blank_bias=1.0)
+    lengths = np.array([40, 33, 0, 1, 40, 17, 25, 40, 8])
+    options = CtcPrefixOptions(**case)
+    expected = ctc_prefix_search(log_probs, lengths, options, tuning=ARRAYS)
+    assert _nbest(ctc_prefix_search(log_probs, lengths, options, tuning=SearchTuning(cpu_threads=2))) == \
+        _nbest(expected)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        SearchTuning(cpu_threads=0)
+
+
 def test_compiled_ctc_loop_with_nan_and_infinite_log_probs():
     """-inf labels (never emitted) and a NaN frame (the search's non-finite check names the
     utterance either way)."""

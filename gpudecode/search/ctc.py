@@ -267,7 +267,7 @@ class _PrefixSearch:
         self.lm_max = initial_maxima(len(self.entries), num_utts, xp)
         if fused or compiled:
             loop = functools.partial(ctc_frame.search_kernel, prefilter=self.tuning.ctc_prefilter) if fused \
-                else ctc_cpu.search_frames
+                else functools.partial(ctc_cpu.search_frames, threads=self.tuning.cpu_threads)
             state, self.node_frames, self.unresolved = loop(
                 self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds,
                 (self.blank_logp, self.label_logp, self.last, self.length, self.hash, self.prev_hash, self.node),

@@ -2,8 +2,8 @@
 
 :meth:`gpudecode.search.ctc._PrefixSearch._full_frame` runs a frame as ~80 numpy operations; for
 one utterance per call, or small beams, their fixed cost dominates. Without label scorers the
-utterances never interact, so here one compiled function loops over the frames, and per frame
-over the utterances and their lanes — candidates, recombination with the collision check (label
+utterances never interact, so here one compiled function loops over the utterances (spread over
+threads with ``SearchTuning.cpu_threads``), and per utterance over its frames and lanes — candidates, recombination with the collision check (label
 paths walked to the end), score threshold, the deterministic top-k (equal ranks to the lower lane,
 then the lower label; NaN ranks as -inf) and the new lanes — as ``kernels/ctc_frame.cu`` does on
 CUDA and ``gpudecode.testing.search_reference.full_frame_reference`` in Python. The float32
@@ -43,20 +43,20 @@ def use_loop(xp, num_scorers: int, tuning) -> bool:
     return xp is np and num_scorers == 0 and tuning.compiled_cpu_loops and available()
 
 
-def _compiled():
-    from gpudecode.search import ctc_cpu_jit
-
-    return ctc_cpu_jit.frames
-
-
 def search_frames(log_probs, lengths, skip, frame_kinds: np.ndarray, state: tuple, node_parent, node_label,
-                  options, beam_size: int) -> tuple[tuple, list[int], np.bool_]:
+                  options, beam_size: int, *, threads: int = 1) -> tuple[tuple, list[int], np.bool_]:
     """Every frame of a prefix search without scorers, compiled (``ctc_frame.search_kernel``'s
     contract on numpy arrays): ``log_probs`` [U, T, V] float32, ``lengths`` [U], ``skip`` [U, T]
     bool or None, ``frame_kinds`` [T] int8 (0 idle, 1 blank only, 2 full), ``state`` the lane
-    arrays in :data:`LANE_STATE` order; ``node_parent`` / ``node_label`` written in place. Returns
-    (the new lane state, the frame of each full frame, False: pairs are compared to the end)."""
-    frames = _compiled()
+    arrays in :data:`LANE_STATE` order; ``node_parent`` / ``node_label`` written in place;
+    ``threads`` > 1: utterances spread over that many of numba's threads (at most its pool).
+    Returns (the new lane state, the frame of each full frame, False: pairs are compared to the end)."""
+    import numba
+
+    from gpudecode.search import ctc_cpu_jit
+
+    threads = min(int(threads), numba.config.NUMBA_NUM_THREADS, int(log_probs.shape[0]))
+    frames = ctc_cpu_jit.frames_threaded if threads > 1 else ctc_cpu_jit.frames
     log_probs = np.ascontiguousarray(log_probs, dtype=np.float32)
     state = [np.ascontiguousarray(array).copy() for array in state]
     blank_logp, label_logp, last, length, hsh, prev_hash, node = state
@@ -64,8 +64,15 @@ def search_frames(log_probs, lengths, skip, frame_kinds: np.ndarray, state: tupl
     has_skip = skip is not None
     skip = np.ascontiguousarray(skip, dtype=np.bool_) if has_skip else np.zeros((1, 1), np.bool_)
     threshold = options.score_threshold
-    frames(log_probs, np.ascontiguousarray(lengths, dtype=np.int64), skip, has_skip, kinds, int(beam_size),
-           int(options.blank), threshold is not None, np.float32(threshold or 0), np.int64(HASH_MULTIPLIER),
-           np.int64(options.hash_modulus), blank_logp, label_logp, last, length, hsh, prev_hash, node,
-           node_parent, node_label)
+    previous = numba.get_num_threads()
+    if threads > 1:
+        numba.set_num_threads(threads)
+    try:
+        frames(log_probs, np.ascontiguousarray(lengths, dtype=np.int64), skip, has_skip, kinds, int(beam_size),
+               int(options.blank), threshold is not None, np.float32(threshold or 0), np.int64(HASH_MULTIPLIER),
+               np.int64(options.hash_modulus), blank_logp, label_logp, last, length, hsh, prev_hash, node,
+               node_parent, node_label)
+    finally:
+        if threads > 1:
+            numba.set_num_threads(previous)
     return tuple(state), np.flatnonzero(kinds == 2).tolist(), np.bool_(False)

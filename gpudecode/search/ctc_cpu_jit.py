@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 LOG2 = np.float32(math.log(2.0))
 NEG_INF = np.float32(-np.inf)
@@ -41,8 +41,10 @@ def paths_equal(a, b, node_label, node_parent):
 
 
 @njit(cache=True)
-def frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
-           modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
+def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
+               modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
+    """Every frame of utterance ``u``: its lanes' state and its lanes' emission nodes (node
+    ``1 + k · N + lane`` of the k-th full frame), updated in place; no other utterance's."""
     num_utts, num_frames, vocab = log_probs.shape
     num_lanes = num_utts * beam
     width = beam * vocab
@@ -64,126 +66,143 @@ def frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold
     old_hash = np.empty(beam, np.int64)
     old_prev = np.empty(beam, np.int64)
     old_node = np.empty(beam, np.int64)
+    first = u * beam
     k = 0
     for t in range(num_frames):
         kind = kinds[t]
         if kind == 0:
             continue
         if kind == 1:  # every utterance that has the frame skips it: the blank transition only
-            for u in range(num_utts):
-                value = log_probs[u, t, blank] if t < lengths[u] else np.float32(0)
-                for i in range(u * beam, (u + 1) * beam):
-                    blank_logp[i] = np.float32(logaddexp(blank_logp[i], label_logp[i]) + value)
-                    label_logp[i] = NEG_INF
+            value = log_probs[u, t, blank] if t < lengths[u] else np.float32(0)
+            for i in range(first, first + beam):
+                blank_logp[i] = np.float32(logaddexp(blank_logp[i], label_logp[i]) + value)
+                label_logp[i] = NEG_INF
             continue
         base = 1 + k * num_lanes
         k += 1
-        for u in range(num_utts):
-            first = u * beam
-            active = t < lengths[u]
-            keep = active and not (has_skip and skip[u, t])
-            for v in range(vocab):
-                if keep:
-                    x[v] = log_probs[u, t, v]
-                elif v == blank:
-                    x[v] = log_probs[u, t, blank] if active else np.float32(0)
-                else:
-                    x[v] = NEG_INF
+        active = t < lengths[u]
+        keep = active and not (has_skip and skip[u, t])
+        for v in range(vocab):
+            if keep:
+                x[v] = log_probs[u, t, v]
+            elif v == blank:
+                x[v] = log_probs[u, t, blank] if active else np.float32(0)
+            else:
+                x[v] = NEG_INF
+        for i in range(beam):
+            lane = first + i
+            old_b[i], old_l[i], old_last[i] = blank_logp[lane], label_logp[lane], last[lane]
+            old_length[i], old_hash[i], old_prev[i], old_node[i] = length[lane], hsh[lane], \
+                prev_hash[lane], node[lane]
+            total[i] = logaddexp(old_b[i], old_l[i])
+            stay_blank[i] = np.float32(total[i] + x[blank])
+            stay_label[i] = np.float32(old_l[i] + x[old_last[i]]) if old_last[i] >= 0 else NEG_INF
+        # recombination: lane j's prefix = lane i's prefix + j's last label
+        for j in range(beam):
+            match[j], matched[j] = 0, False
             for i in range(beam):
-                lane = first + i
-                old_b[i], old_l[i], old_last[i] = blank_logp[lane], label_logp[lane], last[lane]
-                old_length[i], old_hash[i], old_prev[i], old_node[i] = length[lane], hsh[lane], \
-                    prev_hash[lane], node[lane]
-                total[i] = logaddexp(old_b[i], old_l[i])
-                stay_blank[i] = np.float32(total[i] + x[blank])
-                stay_label[i] = np.float32(old_l[i] + x[old_last[i]]) if old_last[i] >= 0 else NEG_INF
-            # recombination: lane j's prefix = lane i's prefix + j's last label
-            for j in range(beam):
-                match[j], matched[j] = 0, False
-                for i in range(beam):
-                    if matched[j]:
-                        break
-                    if (old_hash[i] == old_prev[j] and old_length[i] + 1 == old_length[j]
-                            and total[i] > NEG_INF and total[j] > NEG_INF
-                            and paths_equal(old_node[i], node_parent[old_node[j]], node_label, node_parent)):
-                        match[j], matched[j] = i, True
-                v = max(old_last[j], 0)
-                i = match[j]
-                if v == blank:
-                    merged[j] = NEG_INF
-                elif old_last[i] >= 0 and v == old_last[i]:
-                    merged[j] = np.float32(old_b[i] + x[v])
-                else:
-                    merged[j] = np.float32(total[i] + x[v])
-            # candidates, lane-major then label; the stay candidate in the blank column
-            for i in range(beam):
-                row = i * vocab
-                for v in range(vocab):
-                    ranks[row + v] = np.float32(total[i] + x[v])
-                if old_last[i] >= 0:
-                    ranks[row + old_last[i]] = np.float32(old_b[i] + x[old_last[i]])
-            for j in range(beam):
-                retime[j] = matched[j] and merged[j] > logaddexp(stay_blank[j], stay_label[j])
                 if matched[j]:
-                    stay_label[j] = logaddexp(stay_label[j], merged[j])
-                    ranks[match[j] * vocab + max(old_last[j], 0)] = NEG_INF
-            for i in range(beam):
-                ranks[i * vocab + blank] = logaddexp(stay_blank[i], stay_label[i])
-            if use_threshold:  # as the array version: a NaN best drops every candidate
-                best, nan = NEG_INF, False
-                for c in range(width):
-                    if ranks[c] != ranks[c]:
-                        nan = True
-                    elif ranks[c] > best:
-                        best = ranks[c]
-                floor = np.float32(best - threshold)
-                for c in range(width):
-                    if nan or not ranks[c] >= floor:
-                        ranks[c] = NEG_INF
-            # the best beam columns: larger rank first, equal ranks (and NaN as -inf) by column
-            filled = 0
+                    break
+                if (old_hash[i] == old_prev[j] and old_length[i] + 1 == old_length[j]
+                        and total[i] > NEG_INF and total[j] > NEG_INF
+                        and paths_equal(old_node[i], node_parent[old_node[j]], node_label, node_parent)):
+                    match[j], matched[j] = i, True
+            v = max(old_last[j], 0)
+            i = match[j]
+            if v == blank:
+                merged[j] = NEG_INF
+            elif old_last[i] >= 0 and v == old_last[i]:
+                merged[j] = np.float32(old_b[i] + x[v])
+            else:
+                merged[j] = np.float32(total[i] + x[v])
+        # candidates, lane-major then label; the stay candidate in the blank column
+        for i in range(beam):
+            row = i * vocab
+            for v in range(vocab):
+                ranks[row + v] = np.float32(total[i] + x[v])
+            if old_last[i] >= 0:
+                ranks[row + old_last[i]] = np.float32(old_b[i] + x[old_last[i]])
+        for j in range(beam):
+            retime[j] = matched[j] and merged[j] > logaddexp(stay_blank[j], stay_label[j])
+            if matched[j]:
+                stay_label[j] = logaddexp(stay_label[j], merged[j])
+                ranks[match[j] * vocab + max(old_last[j], 0)] = NEG_INF
+        for i in range(beam):
+            ranks[i * vocab + blank] = logaddexp(stay_blank[i], stay_label[i])
+        if use_threshold:  # as the array version: a NaN best drops every candidate
+            best, nan = NEG_INF, False
             for c in range(width):
-                r = ranks[c]
-                if r != r:
-                    r = NEG_INF
-                if filled == beam and not r > order_rank[beam - 1]:
-                    continue
-                p = filled if filled < beam else beam - 1
-                while p > 0 and r > order_rank[p - 1]:
-                    order_rank[p] = order_rank[p - 1]
-                    order[p] = order[p - 1]
-                    p -= 1
-                order_rank[p] = r
-                order[p] = c
-                if filled < beam:
-                    filled += 1
-            # the new lanes
-            for b in range(beam):
-                column = order[b]
-                alive = order_rank[b] > NEG_INF
-                p = column // vocab
-                label = column % vocab
-                stay = label == blank or not alive
-                retimed = stay and alive and retime[p]
-                lane = first + b
-                parent_node = old_node[p]
-                node_parent[base + lane] = node_parent[parent_node] if retimed else parent_node
-                node_label[base + lane] = old_last[p] if retimed else label
-                if stay:
-                    blank_logp[lane] = stay_blank[p] if alive else NEG_INF
-                    label_logp[lane] = stay_label[p] if alive else NEG_INF
-                    node[lane] = base + lane if retimed else parent_node
-                    prev_hash[lane] = old_prev[p]
-                    hsh[lane] = old_hash[p]
-                    last[lane] = old_last[p]
-                    length[lane] = old_length[p]
-                else:
-                    blank_logp[lane] = NEG_INF
-                    label_logp[lane] = ranks[column] if not (old_last[p] >= 0 and label == old_last[p]) \
-                        else np.float32(old_b[p] + x[label])
-                    node[lane] = base + lane
-                    prev_hash[lane] = old_hash[p]
-                    hsh[lane] = (old_hash[p] * multiplier + label + 1) % modulus
-                    last[lane] = label
-                    length[lane] = old_length[p] + 1
-    return k
+                if ranks[c] != ranks[c]:
+                    nan = True
+                elif ranks[c] > best:
+                    best = ranks[c]
+            floor = np.float32(best - threshold)
+            for c in range(width):
+                if nan or not ranks[c] >= floor:
+                    ranks[c] = NEG_INF
+        # the best beam columns: larger rank first, equal ranks (and NaN as -inf) by column
+        filled = 0
+        for c in range(width):
+            r = ranks[c]
+            if r != r:
+                r = NEG_INF
+            if filled == beam and not r > order_rank[beam - 1]:
+                continue
+            p = filled if filled < beam else beam - 1
+            while p > 0 and r > order_rank[p - 1]:
+                order_rank[p] = order_rank[p - 1]
+                order[p] = order[p - 1]
+                p -= 1
+            order_rank[p] = r
+            order[p] = c
+            if filled < beam:
+                filled += 1
+        # the new lanes
+        for b in range(beam):
+            column = order[b]
+            alive = order_rank[b] > NEG_INF
+            p = column // vocab
+            label = column % vocab
+            stay = label == blank or not alive
+            retimed = stay and alive and retime[p]
+            lane = first + b
+            parent_node = old_node[p]
+            node_parent[base + lane] = node_parent[parent_node] if retimed else parent_node
+            node_label[base + lane] = old_last[p] if retimed else label
+            if stay:
+                blank_logp[lane] = stay_blank[p] if alive else NEG_INF
+                label_logp[lane] = stay_label[p] if alive else NEG_INF
+                node[lane] = base + lane if retimed else parent_node
+                prev_hash[lane] = old_prev[p]
+                hsh[lane] = old_hash[p]
+                last[lane] = old_last[p]
+                length[lane] = old_length[p]
+            else:
+                blank_logp[lane] = NEG_INF
+                label_logp[lane] = ranks[column] if not (old_last[p] >= 0 and label == old_last[p]) \
+                    else np.float32(old_b[p] + x[label])
+                node[lane] = base + lane
+                prev_hash[lane] = old_hash[p]
+                hsh[lane] = (old_hash[p] * multiplier + label + 1) % modulus
+                last[lane] = label
+                length[lane] = old_length[p] + 1
+
+
+@njit(cache=True)
+def frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
+           modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
+    """Every frame of the prefix search (``ctc_cpu.search_frames``), utterance after utterance, the
+    lane state updated in place."""
+    for u in range(log_probs.shape[0]):
+        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
+                   modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label)
+
+
+@njit(cache=True, parallel=True)
+def frames_threaded(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold,
+                    multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent,
+                    node_label):
+    """:func:`frames` with the utterances spread over numba's threads (they share no lane and no node)."""
+    for u in prange(log_probs.shape[0]):
+        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
+                   modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label)

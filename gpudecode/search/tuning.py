@@ -39,7 +39,9 @@ class SearchTuning:
     - ``compiled_cpu_loops``: on numpy, run the CTC prefix search without scorers and the
       transducer search's selection as compiled loops (numba, the ``cpu-jit`` extra:
       ``gpudecode.search.ctc_cpu``, ``gpudecode.search.transducer_cpu``) where numba imports
-      (off, or without numba: the array versions).
+      (off, or without numba: the array versions);
+    - ``cpu_threads``: the compiled CTC loop's threads (numba's), utterances spread over them
+      (1: the calling thread alone).
     """
 
     lagged_stop_test: bool | None = None
@@ -52,9 +54,10 @@ class SearchTuning:
     fused_transducer_step: bool = True
     host_wait: HostWait = HostWait()
     compiled_cpu_loops: bool = True
+    cpu_threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("stop_test_lag", "stop_test_every"):
+        for name in ("stop_test_lag", "stop_test_every", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SearchTuning.{name}: expected an int >= 1, got {value!r}")

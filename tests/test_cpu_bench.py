@@ -41,13 +41,15 @@ def test_ctc_log_likelihoods_sum_to_one_over_all_label_sequences():
 
 def test_cpu_bench_smoke(tmp_path):
     results = run_cpu_bench(num_utts=2, num_frames=10, vocab_size=6, beams=(2,), lm_prompts=2, genai_beams=(1,),
-                            gpt2_beams=(2,), output_dir=tmp_path)
+                            gpt2_beams=(2,), cores=2, output_dir=tmp_path)
     written = json.loads((tmp_path / "cpu.json").read_text())
     assert written["benchmark"] == "cpu" and written["config"]["threads"] == 1
     assert {"ctc", "genai", "gpt2"} <= set(written)
     assert [(c["inputs"], c["beam"]) for c in written["ctc"]["cells"]] == [("peaky", 2), ("flat", 2)]
+    assert written["ctc"]["all_cores"]["cores"] == 2
     for ctc in written["ctc"]["cells"]:
         assert ctc["gpudecode_batched_frames_per_s"] > 0 and ctc["gpudecode_per_utterance_frames_per_s"] > 0
+        assert ctc["gpudecode_threaded_frames_per_s"] > 0  # all cores: the toolkit's threads
         if written["ctc"]["pyctcdecode"] is None:
             assert "note" in written["ctc"]
         else:
@@ -60,6 +62,7 @@ def test_cpu_bench_smoke(tmp_path):
     eos, full = written["genai"]["cells"]  # sentence-end masked: every prompt runs to the context
     assert full["gpudecode_tokens"] > eos["gpudecode_tokens"]
     assert "frames/s" in format_table(results) and "tokens/s" in format_table(results)
+    assert "gpudecode 2 threads frames/s" in format_table(results)
 
 
 def test_cpu_bench_refuses_unknown_parts_and_inputs():

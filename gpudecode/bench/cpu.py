@@ -16,7 +16,10 @@ Measured in one run (each peer part only where the peer imports; otherwise a not
 
 One thread on both sides: ``OMP_NUM_THREADS=1`` is set before the peers load, ONNX Runtime's
 ``intra_op_num_threads`` = 1 (the toolkit's ``SessionOptions.intra_op_threads``; GenAI's config's
-session options), ``torch.set_num_threads(1)``.
+session options), ``torch.set_num_threads(1)``. On a machine of more than one core the CTC cells run
+a second time on all cores on both sides: the toolkit's compiled loop with ``cpu_threads`` = cores
+(all utterances in one call) against pyctcdecode's ``decode_beams_batch`` with a process pool of as
+many processes.
 """
 
 from __future__ import annotations
@@ -113,9 +116,11 @@ CTC_INPUTS = {"peaky": "gpudecode.bench.cpu.peaky_log_probs (seed 0)",
               "flat": "gpudecode.bench.ctc.random_log_probs (seed 0, sharpness 4, blank bias 8)"}
 
 
-def _ctc_part(*, num_utts: int, num_frames: int, vocab_size: int, beams, repeats: int, inputs) -> dict:
+def _ctc_part(*, num_utts: int, num_frames: int, vocab_size: int, beams, repeats: int, inputs,
+              cores: int = 1) -> dict:
     from gpudecode.bench.ctc import random_log_probs
     from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
+    from gpudecode.search.tuning import SearchTuning
 
     lengths = np.full(num_utts, num_frames, dtype=np.int64)
     total = num_utts * num_frames
@@ -146,12 +151,22 @@ def _ctc_part(*, num_utts: int, num_frames: int, vocab_size: int, beams, repeats
     else:
         part["pyctcdecode"] = None
         part["note"] = "pyctcdecode is not installed: the toolkit alone"
+    pool = None
+    if cores > 1:  # all cores on both sides: the toolkit's threads, pyctcdecode's process pool
+        part["all_cores"] = {"cores": cores, "gpudecode": f"all utterances in one call, cpu_threads={cores}"}
+        if decoder is not None:
+            import multiprocessing
+
+            pool = multiprocessing.get_context("fork").Pool(cores)  # before any thread starts
+            part["all_cores"]["pyctcdecode"] = f"decode_beams_batch with a pool of {cores} processes"
+    threaded = SearchTuning(cpu_threads=cores)
     cases = [(name, beam) for name in inputs for beam in beams]
     for name, beam in cases:
         log_probs = peaky_log_probs(num_utts, num_frames, vocab_size) if name == "peaky" else \
             random_log_probs(np, num_utts, num_frames, vocab_size)
         options = CtcPrefixOptions(beam_size=beam, sentence_end=None, nbest=1)
-        ctc_prefix_search(log_probs[:, :8], np.full(num_utts, 8), options)  # warm-up
+        for tuning in (SearchTuning(), threaded):  # warm-up (and the compiled loops' first compilation)
+            ctc_prefix_search(log_probs[:, :8], np.full(num_utts, 8), options, tuning=tuning)
         batched_s, nbest = _fastest_wall(lambda: ctc_prefix_search(log_probs, lengths, options), repeats)
         single_s, _ = _fastest_wall(lambda: [ctc_prefix_search(log_probs[u:u + 1], lengths[u:u + 1], options)
                                              for u in range(num_utts)], repeats)
@@ -176,7 +191,19 @@ def _ctc_part(*, num_utts: int, num_frames: int, vocab_size: int, beams, repeats
                          "batched_over_pyctcdecode": peer_s / batched_s,
                          "per_utterance_over_pyctcdecode": peer_s / single_s,
                          "best_equal": num_utts - len(differ), "differing": differ})
+        if cores > 1:
+            threaded_s, _ = _fastest_wall(lambda: ctc_prefix_search(log_probs, lengths, options, tuning=threaded),
+                                          repeats)
+            cell.update({"gpudecode_threaded_s": threaded_s, "gpudecode_threaded_frames_per_s": total / threaded_s})
+            if pool is not None:
+                pool_s, _ = _fastest_wall(lambda: decoder.decode_beams_batch(pool, list(log_probs), beam_width=beam),
+                                          repeats)
+                cell.update({"pyctcdecode_pool_s": pool_s, "pyctcdecode_pool_frames_per_s": total / pool_s,
+                             "threaded_over_pyctcdecode_pool": pool_s / threaded_s})
         part["cells"].append(cell)
+    if pool is not None:
+        pool.close()
+        pool.join()
     return part
 
 
@@ -353,8 +380,11 @@ def _gpt2_part(*, num_prompts: int, beams, repeats: int) -> dict:
 def run_cpu_bench(*, num_utts: int = 64, num_frames: int = 500, vocab_size: int = 80, beams=(8, 25),
                   ctc_inputs=("peaky", "flat"),
                   lm_prompts: int = 16, genai_beams=(1, 4), gpt2_beams=(1, 8), parts=("ctc", "genai", "gpt2"),
-                  repeats: int = 1, output_dir=None) -> dict:
-    """Runs every comparison in one process, one thread each side; returns (and writes ``cpu.json``)."""
+                  repeats: int = 1, cores: int | None = None, output_dir=None) -> dict:
+    """Runs every comparison in one process, one thread each side; returns (and writes ``cpu.json``).
+    ``cores`` (None: all the machine's): the CTC cells also run on that many cores on both sides
+    (the toolkit's threads against pyctcdecode's process pool) where it is more than one."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
     if set(ctc_inputs) - set(CTC_INPUTS):
         raise ValueError(f"run_cpu_bench: ctc_inputs must be among {sorted(CTC_INPUTS)}, got {list(ctc_inputs)}")
     unknown = set(parts) - {"ctc", "genai", "gpt2"}
@@ -363,10 +393,10 @@ def run_cpu_bench(*, num_utts: int = 64, num_frames: int = 500, vocab_size: int 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = {"benchmark": "cpu", "config": {
         "threads": 1, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "timing": f"fastest of {repeats}",
-        "parts": list(parts), "numba": _version("numba")}}
+        "parts": list(parts), "numba": _version("numba"), "cores": cores}}
     if "ctc" in parts:
         results["ctc"] = _ctc_part(num_utts=num_utts, num_frames=num_frames, vocab_size=vocab_size,
-                                   beams=beams, repeats=repeats, inputs=ctc_inputs)
+                                   beams=beams, repeats=repeats, inputs=ctc_inputs, cores=cores)
     if "genai" in parts:
         results["genai"] = _genai_part(num_prompts=lm_prompts, beams=genai_beams, repeats=repeats)
     if "gpt2" in parts:
@@ -417,6 +447,15 @@ def format_table(results: dict) -> str:
             lines.append(f"| {c['inputs']} | {c['beam']} | {c['gpudecode_batched_frames_per_s']:,.0f} | "
                          f"{c['gpudecode_per_utterance_frames_per_s']:,.0f} | {peer} |")
         lines.append("")
+        if ctc.get("all_cores"):
+            cores = ctc["all_cores"]["cores"]
+            lines += [f"| CTC inputs | beam | gpudecode {cores} threads frames/s | pyctcdecode pool of {cores} frames/s | "
+                      "gpudecode ÷ pyctcdecode |", "|---|---:|---:|---:|---:|"]
+            for c in ctc["cells"]:
+                pool = (f"{c['pyctcdecode_pool_frames_per_s']:,.0f} | {c['threaded_over_pyctcdecode_pool']:.2f}"
+                        if "pyctcdecode_pool_s" in c else "— | —")
+                lines.append(f"| {c['inputs']} | {c['beam']} | {c['gpudecode_threaded_frames_per_s']:,.0f} | {pool} |")
+            lines.append("")
     for part, peer, key in (("genai", "GenAI", "genai"), ("gpt2", "transformers", "transformers")):
         section = results.get(part)
         if not section:

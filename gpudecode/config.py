@@ -93,6 +93,8 @@ ConfigFolder = Annotated[str, BeforeValidator(_non_empty_path), AfterValidator(_
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+# a count where true/false would be a mistake (YAML reads "yes" as true): no bools, no floats
+StrictPositiveInt = Annotated[int, Field(gt=0, strict=True)]
 
 
 def _not_bool(value: Any) -> Any:
@@ -299,6 +301,7 @@ class StateManagerConfig(_Section):
     state_compression: Literal[defaults.STATE_COMPRESSIONS] = defaults.STATE_COMPRESSION
     state_compression_bits: Literal[8, 16] = 8
     state_compression_scale: PositiveFloat | None = None
+    cpu_in_place: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> StateManagerConfig:
@@ -383,8 +386,8 @@ class SearchTuningConfig(_Section):
     (:class:`gpudecode.search.tuning.SearchTuning`; ``null``: on CuPy only)."""
 
     lagged_stop_test: bool | None = None
-    stop_test_lag: PositiveInt = defaults.STOP_TEST_LAG
-    stop_test_every: PositiveInt = defaults.STOP_TEST_EVERY
+    stop_test_lag: StrictPositiveInt = defaults.STOP_TEST_LAG
+    stop_test_every: StrictPositiveInt = defaults.STOP_TEST_EVERY
     lagged_continuous_mask: bool | None = None
     fused_label_step: bool = True
     fused_ctc_frames: bool = True
@@ -393,6 +396,8 @@ class SearchTuningConfig(_Section):
     host_wait: Literal[defaults.HOST_WAIT_MODES] = defaults.HOST_WAIT
     host_wait_nap_s: PositiveFloat = defaults.HOST_WAIT_NAP_S
     host_wait_max_nap_s: PositiveFloat = defaults.HOST_WAIT_MAX_NAP_S
+    compiled_cpu_loops: bool = True
+    cpu_threads: StrictPositiveInt = defaults.CPU_THREADS
 
     @model_validator(mode="after")
     def _check(self) -> SearchTuningConfig:

@@ -95,6 +95,7 @@ HOST_WAIT_MODES = ("block", "spin", "nap")
 HOST_WAIT = "nap"  # poll and sleep between polls
 HOST_WAIT_NAP_S = 100e-6  # a napping wait's first sleep ...
 HOST_WAIT_MAX_NAP_S = 1e-3  # ... doubling up to this
+CPU_THREADS = 1  # the compiled CTC loop's threads (1: the calling thread alone)
 
 # --- io --------------------------------------------------------------------------------------
 FEATURE_FORMATS = ("auto", "npy-dir", "npz", "hdf5", "kaldi-ark", "kaldi-scp", "audio")

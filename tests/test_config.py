@@ -105,6 +105,32 @@ def test_search_tuning_keys_make_the_searches_tuning():
     assert "search.tuning.host_wait: invalid choice 'doze'" in _error(MINIMAL, ["search.tuning.host_wait=doze"])
 
 
+def test_cpu_keys_reach_the_options():
+    from gpudecode.search.tuning import SearchTuning
+
+    config = validate_config(apply_overrides(MINIMAL, [
+        "search.tuning.compiled_cpu_loops=false", "search.tuning.cpu_threads=3",
+        "scorers=[{type: onnx-decoder, model: x.onnx, state_manager: {cpu_in_place: false}}]"]))
+    assert config.search.tuning.to_options() == SearchTuning(compiled_cpu_loops=False, cpu_threads=3)
+    assert config.scorers[0].state_manager.to_options().cpu_in_place is False
+    default = validate_config(apply_overrides(MINIMAL, ["scorers=[{type: onnx-decoder, model: x.onnx, state_manager: {}}]"]))
+    assert default.scorers[0].state_manager.to_options().cpu_in_place is True
+    assert default.search.tuning.to_options().compiled_cpu_loops is True
+
+
+@pytest.mark.parametrize("override, key", [
+    ("search.tuning.cpu_threads=0", "search.tuning.cpu_threads: input should be greater than 0"),
+    ("search.tuning.cpu_threads=true", "search.tuning.cpu_threads: input should be a valid integer"),
+    ("search.tuning.cpu_threads=1.5", "search.tuning.cpu_threads: input should be a valid integer"),
+    ("search.tuning.stop_test_lag=yes", "search.tuning.stop_test_lag: input should be a valid integer"),
+    ("search.tuning.compiled_cpu_loops=maybe", "search.tuning.compiled_cpu_loops: input should be a valid boolean"),
+    ("scorers=[{type: onnx-decoder, model: x.onnx, state_manager: {cpu_in_place: maybe}}]",
+     "scorers[0].state_manager.cpu_in_place: input should be a valid boolean"),
+])
+def test_bad_cpu_key_values_name_the_key(override, key):
+    assert key in _error(MINIMAL, [override])
+
+
 def test_search_types_are_not_scorer_types():
     """``ctc`` and ``transducer`` are searches (``search.type``), not label scorers."""
     for name in ("ctc", "transducer"):

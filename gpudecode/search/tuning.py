@@ -54,7 +54,7 @@ class SearchTuning:
     fused_transducer_step: bool = True
     host_wait: HostWait = HostWait()
     compiled_cpu_loops: bool = True
-    cpu_threads: int = 1
+    cpu_threads: int = defaults.CPU_THREADS
 
     def __post_init__(self) -> None:
         for name in ("stop_test_lag", "stop_test_every", "cpu_threads"):

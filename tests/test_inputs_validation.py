@@ -224,9 +224,9 @@ def test_the_cuda_extras_bring_nvidia_s_library_wheels():
 
 
 @pytest.mark.gpu
-def test_the_cuda_provider_loads_through_preload_dlls_from_nvidia_s_wheels():
-    """On a GPU machine with the cuda12/cuda13 extra: a CUDA session runs on the CUDA provider, and
-    the CUDA and cuDNN libraries in the process are those of NVIDIA's pip wheels."""
+def test_the_cuda_provider_loads_after_preload_dlls():
+    """On a GPU machine: ``preload_dlls()`` runs before the first CUDA session, the session runs on
+    the CUDA provider, and no CUDA or cuDNN library the provider needs is missing."""
     import onnxruntime
 
     from gpudecode.session import OnnxSession, SessionOptions
@@ -235,6 +235,17 @@ def test_the_cuda_provider_loads_through_preload_dlls_from_nvidia_s_wheels():
     session = OnnxSession(ROOT / "examples" / "models" / "encoder.onnx", SessionOptions(device="cuda"))
     assert session.session.get_providers()[0] == "CUDAExecutionProvider"
     assert missing_libraries(cuda_library_names(cuda_major(onnxruntime))) == []
+
+
+@pytest.mark.gpu
+def test_the_cuda_provider_loads_through_preload_dlls_from_nvidia_s_wheels():
+    """On a GPU machine with the cuda12/cuda13 extra (NVIDIA's wheels installed): the CUDA and cuDNN
+    libraries in the process are those of the wheels."""
+    import importlib.util
+
+    if importlib.util.find_spec("nvidia") is None:
+        pytest.skip("NVIDIA's CUDA wheels are not installed here (the cuda12 / cuda13 extra brings them)")
+    test_the_cuda_provider_loads_after_preload_dlls()
     maps = Path("/proc/self/maps").read_text()
     for name in ("libcudnn.so.9", "libcublasLt.so."):
         paths = {line.split()[-1] for line in maps.splitlines() if name in line}

@@ -123,13 +123,20 @@ def test_an_unwritable_wer_file_keeps_the_wer_on_the_console(tmp_path, monkeypat
     assert len(lines(out / "nbest.jsonl")) == 3 and not (out / "wer.json").exists()
 
 
+def _ctrl_c_default() -> None:
+    """In the child before it starts: SIGINT's default disposition (a background job's shell may
+    have set it to ignored, which Python then keeps)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, name, code", [(signal.SIGINT, "SIGINT", EXIT_SIGINT),
                                              (signal.SIGTERM, "SIGTERM", EXIT_SIGTERM)])
 def test_sigint_and_sigterm_say_that_resume_continues(tmp_path, sig, name, code):
     config = slow_config(tmp_path, num_utts=12)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "gpudecode", "decode", str(config), "--output", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_ctrl_c_default)  # as from a terminal, even where the tests ignore Ctrl-C
     deadline = time.monotonic() + 60
     jsonl = out / "nbest.jsonl"
     while time.monotonic() < deadline and (not jsonl.exists() or len(jsonl.read_text().splitlines()) < 2):

@@ -239,12 +239,14 @@ def test_the_cuda_provider_loads_after_preload_dlls():
 
 @pytest.mark.gpu
 def test_the_cuda_provider_loads_through_preload_dlls_from_nvidia_s_wheels():
-    """On a GPU machine with the cuda12/cuda13 extra (NVIDIA's wheels installed): the CUDA and cuDNN
-    libraries in the process are those of the wheels."""
-    import importlib.util
+    """On a GPU machine with the cuda12/cuda13 extra (NVIDIA's wheels installed beside onnxruntime):
+    the CUDA and cuDNN libraries in the process are those of the wheels."""
+    import onnxruntime
 
-    if importlib.util.find_spec("nvidia") is None:
-        pytest.skip("NVIDIA's CUDA wheels are not installed here (the cuda12 / cuda13 extra brings them)")
+    # preload_dlls() looks for NVIDIA's wheels in onnxruntime's own site-packages folder
+    if not (Path(onnxruntime.__file__).parent.parent / "nvidia" / "cudnn").is_dir():
+        pytest.skip("NVIDIA's cuDNN wheel is not installed beside onnxruntime here (the cuda12 / cuda13 extra "
+                    "brings it)")
     test_the_cuda_provider_loads_after_preload_dlls()
     maps = Path("/proc/self/maps").read_text()
     for name in ("libcudnn.so.9", "libcublasLt.so."):

@@ -29,8 +29,9 @@ def array_module(device: str):
     return np
 
 
-def prompt_batch(prompts: list[list[int]], max_new: int) -> UtteranceBatch:
-    """``prompts`` (different lengths) as one batch of token prompts, ``max_new`` labels each."""
+def prompt_batch(prompts: list[list[int]], max_new) -> UtteranceBatch:
+    """``prompts`` (different lengths) as one batch of token prompts, ``max_new`` labels each (an
+    int, or one per prompt)."""
     table = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
     for u, prompt in enumerate(prompts):
         table[u, :len(prompt)] = prompt

@@ -27,6 +27,7 @@ from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.session import SessionOptions
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.options import StateManagerOptions
+from tests.hf_generate import prompt_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "peers" / "genai-cuda"
@@ -55,14 +56,9 @@ def test_fixture_is_the_cuda_float16_form():
     assert [b[0] for b in DOCUMENT["beam_at_max_length_20"]["sequences"]] != greedy
 
 
-def prompt_batch(max_length: int) -> UtteranceBatch:
+def prompts_up_to(max_length: int) -> UtteranceBatch:
     """``PROMPTS`` in one batch; each may grow to ``max_length`` (prompt + generated labels)."""
-    sizes = np.array([len(p) for p in PROMPTS])
-    table = np.zeros((len(PROMPTS), sizes.max()), np.int64)
-    for u, prompt in enumerate(PROMPTS):
-        table[u, :len(prompt)] = prompt
-    return UtteranceBatch(ids=[f"p{u}" for u in range(len(PROMPTS))], input_lengths=max_length - sizes,
-                          inputs={"prompt": table}, sizes={"prompt": sizes})
+    return prompt_batch(PROMPTS, max_length - np.array([len(p) for p in PROMPTS]))
 
 
 def scorer(graphs: bool) -> PrefixLmScorer:
@@ -77,7 +73,7 @@ def scorer(graphs: bool) -> PrefixLmScorer:
 def search(lm: PrefixLmScorer, options: LabelSyncOptions, max_length: int, continuous: int | None):
     import cupy
 
-    return label_sync_search([("genai", lm, 1.0)], prompt_batch(max_length), options, xp=cupy,
+    return label_sync_search([("genai", lm, 1.0)], prompts_up_to(max_length), options, xp=cupy,
                              max_active_utterances=continuous)
 
 

@@ -40,6 +40,44 @@ def paths_equal(a, b, node_label, node_parent):
             return True
 
 
+@njit(cache=True, inline="always")
+def drop_below_threshold(ranks, width, threshold):
+    """Sets ``ranks[:width]`` more than ``threshold`` below the best to -inf, as the array version
+    does (a NaN among them drops every candidate)."""
+    best, nan = NEG_INF, False
+    for c in range(width):
+        if ranks[c] != ranks[c]:
+            nan = True
+        elif ranks[c] > best:
+            best = ranks[c]
+    floor = np.float32(best - threshold)
+    for c in range(width):
+        if nan or not ranks[c] >= floor:
+            ranks[c] = NEG_INF
+
+
+@njit(cache=True, inline="always")
+def best_columns(ranks, width, beam, order, order_rank):
+    """The ``beam`` best columns of ``ranks[:width]`` into ``order`` (their ranks into
+    ``order_rank``): larger rank first, equal ranks (and NaN, as -inf) by column."""
+    filled = 0
+    for c in range(width):
+        r = ranks[c]
+        if r != r:
+            r = NEG_INF
+        if filled == beam and not r > order_rank[beam - 1]:
+            continue
+        p = filled if filled < beam else beam - 1
+        while p > 0 and r > order_rank[p - 1]:
+            order_rank[p] = order_rank[p - 1]
+            order[p] = order[p - 1]
+            p -= 1
+        order_rank[p] = r
+        order[p] = c
+        if filled < beam:
+            filled += 1
+
+
 @njit(cache=True)
 def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
                modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
@@ -129,34 +167,9 @@ def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_th
                 ranks[match[j] * vocab + max(old_last[j], 0)] = NEG_INF
         for i in range(beam):
             ranks[i * vocab + blank] = logaddexp(stay_blank[i], stay_label[i])
-        if use_threshold:  # as the array version: a NaN best drops every candidate
-            best, nan = NEG_INF, False
-            for c in range(width):
-                if ranks[c] != ranks[c]:
-                    nan = True
-                elif ranks[c] > best:
-                    best = ranks[c]
-            floor = np.float32(best - threshold)
-            for c in range(width):
-                if nan or not ranks[c] >= floor:
-                    ranks[c] = NEG_INF
-        # the best beam columns: larger rank first, equal ranks (and NaN as -inf) by column
-        filled = 0
-        for c in range(width):
-            r = ranks[c]
-            if r != r:
-                r = NEG_INF
-            if filled == beam and not r > order_rank[beam - 1]:
-                continue
-            p = filled if filled < beam else beam - 1
-            while p > 0 and r > order_rank[p - 1]:
-                order_rank[p] = order_rank[p - 1]
-                order[p] = order[p - 1]
-                p -= 1
-            order_rank[p] = r
-            order[p] = c
-            if filled < beam:
-                filled += 1
+        if use_threshold:
+            drop_below_threshold(ranks, width, threshold)
+        best_columns(ranks, width, beam, order, order_rank)
         # the new lanes
         for b in range(beam):
             column = order[b]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from gpudecode.search.ctc_cpu_jit import NEG_INF, logaddexp, paths_equal
+from gpudecode.search.ctc_cpu_jit import NEG_INF, best_columns, drop_below_threshold, logaddexp, paths_equal
 
 
 @njit(cache=True, inline="always")
@@ -106,34 +106,9 @@ def select(logp, beam, blank, merge_done, forced, use_threshold, threshold, use_
                     ranks[match * vocab + v] = NEG_INF
         for i in range(beam):
             ranks[i * vocab + blank] = stay[i]
-        if use_threshold:  # as the array version: a NaN best drops every candidate
-            best, nan = NEG_INF, False
-            for c in range(width):
-                if ranks[c] != ranks[c]:
-                    nan = True
-                elif ranks[c] > best:
-                    best = ranks[c]
-            floor = np.float32(best - threshold)
-            for c in range(width):
-                if nan or not ranks[c] >= floor:
-                    ranks[c] = NEG_INF
-        # the best beam columns: larger rank first, equal ranks (and NaN as -inf) by column
-        filled = 0
-        for c in range(width):
-            r = ranks[c]
-            if r != r:
-                r = NEG_INF
-            if filled == beam and not r > order_rank[beam - 1]:
-                continue
-            p = filled if filled < beam else beam - 1
-            while p > 0 and r > order_rank[p - 1]:
-                order_rank[p] = order_rank[p - 1]
-                order[p] = order[p - 1]
-                p -= 1
-            order_rank[p] = r
-            order[p] = c
-            if filled < beam:
-                filled += 1
+        if use_threshold:
+            drop_below_threshold(ranks, width, threshold)
+        best_columns(ranks, width, beam, order, order_rank)
         # the new lanes
         for b in range(beam):
             column = order[b]

@@ -253,6 +253,31 @@ def inspect(model: str, io_map: tuple[str, ...]) -> None:
         raise click.ClickException(str(exc)) from exc
 
 
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the prepared model.")
+@click.option("--float16", is_flag=True, help="Weights and activations in float16, logits float32.")
+@click.option("--attention", type=click.Choice(["auto", "gqa", "none"]), default="auto", show_default=True,
+              help="Fuse the self-attention as GroupQueryAttention over a left-aligned cache (auto, gqa) or leave it.")
+@click.option("--check", is_flag=True, help="Prove the prepared model equals the original (steps and a short decode).")
+@click.option("--prefill-model", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The prompt model for --check's decode (default: decoder_model.onnx next to a one-label step model).")
+def prepare(model: str, output: str, float16: bool, attention: str, check: bool, prefill_model: str | None) -> None:
+    """Rewrite MODEL (a decoder step export) into the form the fast path uses; print what was done."""
+    from gpudecode.prepare.api import prepare_model
+
+    try:
+        report = prepare_model(model, output, float16=float16, attention=attention, check=check,
+                               prefill_model=prefill_model)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(report.table())
+    if attention == "gqa" and not report.fused:
+        raise _Failed(f"{model}: --attention gqa: the attention stayed unfused ({report.reason})")
+    if not report.passed:
+        raise _Failed(f"{model}: --check failed: the prepared model differs from the original")
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(",") if v)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import onnx
 
+from gpudecode.prepare.detect import prepare_hint
 from gpudecode.session.conventions import discover_with_hints, model_hints
 from gpudecode.session.discovery import ModelError, discover_encoder
 from gpudecode.session.genai import uses_group_query_attention
@@ -148,6 +149,9 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 (u.name, f"{tensors.input(u.name).describe()}" + (f"  from '{u.source}'" if u.source else ""))
                 for u in spec.utterance_inputs
             ])
+            hint = prepare_hint(spec, fused_attention=uses_group_query_attention(model))
+            if hint is not None:
+                notes.append(hint)
             lines += [f"note: {n}" for n in notes]
     lines.append("metadata:" if tensors.metadata else "metadata: none")
     lines += _table(sorted(tensors.metadata.items()))

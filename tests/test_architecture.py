@@ -23,14 +23,14 @@ PACKAGE = "gpudecode"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("", "defaults", "sizes", "spec", "backend", "kernels", "hypothesis")),
     ("io", ("io",)),
-    ("states and session", ("states", "session")),
+    ("states and session", ("states", "session", "prepare.detect")),
     ("scorers", ("scorers",)),
     ("search", ("search",)),
     ("config", ("config",)),
     ("decoder", ("decoder",)),
     ("jobs", ("job", "run", "engines")),
     ("testing", ("testing",)),
-    ("applications", ("cli", "__main__", "inspect", "bench")),
+    ("applications", ("cli", "__main__", "inspect", "bench", "prepare")),
 )
 #: Modules only tests, benchmarks and tools may import: the library never does.
 NOT_FOR_THE_LIBRARY = ("testing", "bench", "cli", "__main__")

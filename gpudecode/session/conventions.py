@@ -14,6 +14,7 @@ the results differed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from gpudecode.backend import array_module, to_host
+from gpudecode.prepare.detect import prepare_hint
 from gpudecode.session.discovery import HISTORY_ALIGNMENT_KEY, HF_LENGTH_INPUTS, ModelError, ModelSpec, discover_step_model
 from gpudecode.session.genai import (
     GenAiConfig, find_genai_config, genai_state_dims, graph_state_dims, read_genai_config,
@@ -120,7 +122,11 @@ def load_step_model_spec(session, *, io_map=None, state_patterns=(), utterance_p
         result = probe_alignment(session, replace(spec, history_alignment=alignment), seed=seed)
         results.append(result)
         if result.passed:
-            return replace(spec, history_alignment=alignment)
+            chosen = replace(spec, history_alignment=alignment)
+            hint = prepare_hint(chosen)
+            if hint is not None:  # (shown once per model: the warning filter's default)
+                warnings.warn(hint, stacklevel=2)
+            return chosen
     raise ModelError(
         f"{spec.source}: refused: the toolkit cannot prove it feeds this model's attention correctly. A history "
         f"of {PROBE_HISTORY} steps padded with {PROBE_PADDING} positions (noise), in one batch with an unpadded "

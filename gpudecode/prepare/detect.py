@@ -42,8 +42,11 @@ def prepare_hint(spec, *, fused_attention: bool = False) -> str | None:
     """One line suggesting ``gpudecode prepare`` for a step model (a ``ModelSpec``) that is not in
     the fast form: a Hugging Face decoder whose cache is right-aligned (the attention as plain ops,
     the history copied into every step); None for a model in the fast form (left-aligned, written in
-    place, or ``fused_attention``: its graph runs one of :data:`FAST_ATTENTION_OPS`) or of another kind."""
+    place, or ``fused_attention``: its graph runs one of :data:`FAST_ATTENTION_OPS`), one ``prepare``
+    wrote already (metadata :data:`PREPARED_KEY`), or of another kind."""
     variables = spec.state_variables
+    if PREPARED_KEY in spec.tensors.metadata:  # prepared already: its report said why it stayed as it is
+        return None
     if (spec.convention != "huggingface" or not variables or spec.history_alignment == "left" or fused_attention
             or spec.in_place_outputs or any(v.time_axis is None for v in variables)):
         return None

@@ -1,0 +1,223 @@
+"""``gpudecode prepare``: standard decoder exports rewritten into the fast form, proven against the
+original and against the peers' committed outputs.
+
+- the ``torch.onnx`` GPT-2 (``tests/fixtures/peers/gpt2``) and Optimum's Llama (``model.onnx``, and
+  ``decoder_with_past_model.onnx`` with its prefill) -> ``GroupQueryAttention`` over a left-aligned
+  cache: the check's figures, the n-best of ``transformers`` ``generate`` (``expected.json``), the
+  in-place CPU path taken;
+- Optimum's merged decoder (an ``If`` the rewrite does not recognise) -> written unfused, reported so, works;
+- ONNX Runtime GenAI's builder output -> "already fast";
+- the command line, ``inspect``'s suggestion and the load-time warning.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from gpudecode.cli import main as cli_main
+from gpudecode.prepare.api import FORM_ALREADY_FAST, FORM_GQA, FORM_UNFUSED, prepare_model
+from gpudecode.prepare.check import compare_steps
+from gpudecode.prepare.detect import PREPARED_KEY
+from gpudecode.prepare.rewrite import find_attention, to_group_query_attention
+from gpudecode.scorers.prefix_lm import PrefixLmScorer
+from gpudecode.session.discovery import HISTORY_ALIGNMENT_KEY
+from gpudecode.states.options import StateManagerOptions
+from tests.hf_generate import assert_same, decode_like_generate
+
+PEERS = Path(__file__).resolve().parent / "fixtures" / "peers"
+GPT2, OPTIMUM, GENAI = PEERS / "gpt2", PEERS / "optimum", PEERS / "genai"
+GPT2_STEP = GPT2 / "decoder_with_past_model.onnx"
+CASES = ("greedy", "beam4-late", "beam8-late")
+
+
+def document(folder: Path) -> dict:
+    return json.loads((folder / "expected.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    output = tmp_path_factory.mktemp("gpt2") / "fast.onnx"
+    return prepare_model(GPT2_STEP, output, check=True)
+
+
+@pytest.fixture(scope="module")
+def optimum(tmp_path_factory):
+    output = tmp_path_factory.mktemp("optimum") / "fast.onnx"
+    return prepare_model(OPTIMUM / "model.onnx", output, check=True)
+
+
+def lm(model, prefill=None, vocab: int = 100) -> PrefixLmScorer:
+    return PrefixLmScorer(model=str(model), prefill_model=prefill and str(prefill), vocab_size=vocab,
+                          scores_kind="logits", state_manager=StateManagerOptions(type="transformer-cpu"))
+
+
+def ops(path) -> Counter:
+    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+
+
+def metadata(path) -> dict:
+    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+
+
+def test_gpt2_attention_becomes_group_query_attention(gpt2):
+    assert gpt2.form == FORM_GQA and gpt2.layers == 2 and gpt2.reason is None
+    counts = ops(gpt2.output)
+    assert counts["GroupQueryAttention"] == 2
+    assert counts["Softmax"] == 0 and ops(GPT2_STEP)["Softmax"] == 2  # the plain attention is gone
+    assert gpt2.fused_ops.get("SkipLayerNormalization", 0) > 0  # ONNX Runtime's fusions ran
+    assert metadata(gpt2.output)[HISTORY_ALIGNMENT_KEY] == "left"
+    assert metadata(gpt2.output)[PREPARED_KEY] == FORM_GQA
+
+
+def test_gpt2_check_passes_within_float32_tolerance(gpt2):
+    check = gpt2.check
+    assert check.passed and check.skipped is None
+    assert check.max_logit_difference <= 1e-4 and check.max_state_difference <= 1e-4
+    assert check.decode_prompts >= 4 and check.same_nbest == check.decode_prompts
+    assert "max |Δ| logits" in gpt2.table() and "passed" in gpt2.table()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prepared_gpt2_decodes_like_generate_and_the_original(gpt2, case):
+    """The prepared model's n-best = transformers' ``generate`` on the same weights (the committed
+    fixture) = the original export's, and it runs the in-place CPU path (left-aligned, resident)."""
+    doc = document(GPT2)
+    settings, prompts = doc["cases"][case], doc["prompts"]
+    prepared = lm(gpt2.output, GPT2 / "decoder_model.onnx")
+    got = decode_like_generate(prepared, prompts, settings, eos=doc["eos"], max_new=doc["max_new_tokens"])
+    assert_same(got, doc["expected"][case])
+    assert prepared.spec.history_alignment == "left" and prepared.runner._resident
+    original = lm(GPT2_STEP, GPT2 / "decoder_model.onnx")
+    assert original.spec.history_alignment == "right" and not original.runner._resident
+    assert_same(decode_like_generate(original, prompts, settings, eos=doc["eos"], max_new=doc["max_new_tokens"]), got)
+
+
+def test_optimum_llama_is_rewritten_and_decodes_like_generate(optimum):
+    """Optimum's ``model.onnx`` (grouped key-value heads, rotary positions, its own prefill)."""
+    assert optimum.form == FORM_GQA and optimum.layers == 2
+    assert optimum.check.passed and optimum.check.max_logit_difference <= 1e-4
+    graph = onnx.load(str(optimum.output)).graph
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    attrs = {a.name: a.i for a in gqa[0].attribute if a.name in ("num_heads", "kv_num_heads")}
+    assert attrs == {"num_heads": 4, "kv_num_heads": 2}
+    doc = document(OPTIMUM)
+    for case in ("greedy", "beam4-late"):
+        prepared = lm(optimum.output, vocab=doc["vocab_size"])
+        got = decode_like_generate(prepared, doc["prompts"], doc["cases"][case], eos=doc["eos"],
+                                   max_new=doc["max_new_tokens"])
+        assert_same(got, doc["expected"][case])
+        assert prepared.spec.history_alignment == "left" and prepared.runner._resident
+
+
+def test_optimum_decoder_with_past_and_its_prefill(tmp_path):
+    report = prepare_model(OPTIMUM / "decoder_with_past_model.onnx", tmp_path / "fast.onnx", check=True,
+                           prefill_model=OPTIMUM / "decoder_model.onnx")
+    assert report.form == FORM_GQA and report.check.passed
+    doc = document(OPTIMUM)
+    prepared = lm(report.output, OPTIMUM / "decoder_model.onnx", vocab=doc["vocab_size"])
+    got = decode_like_generate(prepared, doc["prompts"], doc["cases"]["beam4-late"], eos=doc["eos"],
+                               max_new=doc["max_new_tokens"])
+    assert_same(got, doc["expected"]["beam4-late"])
+
+
+def test_a_pattern_prepare_cannot_fuse_still_works_and_is_reported_unfused(tmp_path):
+    """Optimum's merged decoder (the attention inside an ``If``): written unfused, with the reason,
+    and it decodes as the original does."""
+    report = prepare_model(OPTIMUM / "decoder_model_merged.onnx", tmp_path / "merged.onnx", check=True)
+    assert report.form == FORM_UNFUSED and not report.fused
+    assert "not recognised" in report.reason and "unfused" in report.table()
+    assert report.check.passed and report.check.same_nbest == report.check.decode_prompts
+    assert ops(report.output)["GroupQueryAttention"] == 0
+    assert metadata(report.output)[PREPARED_KEY] == FORM_UNFUSED
+    assert HISTORY_ALIGNMENT_KEY not in metadata(report.output)
+    with warnings.catch_warnings(record=True) as caught:  # no suggestion to prepare it again
+        warnings.simplefilter("always")
+        lm(report.output, vocab=document(OPTIMUM)["vocab_size"])
+    assert not any("gpudecode prepare" in str(w.message) for w in caught)
+    doc = document(OPTIMUM)
+    got = decode_like_generate(lm(report.output, vocab=doc["vocab_size"]), doc["prompts"], doc["cases"]["greedy"],
+                               eos=doc["eos"], max_new=doc["max_new_tokens"])
+    assert_same(got, doc["expected"]["greedy"])
+
+
+def test_attention_none_leaves_the_attention(tmp_path):
+    report = prepare_model(GPT2_STEP, tmp_path / "plain.onnx", attention="none")
+    assert report.form == FORM_UNFUSED and report.reason == "--attention none"
+    assert ops(report.output)["GroupQueryAttention"] == 0 and ops(report.output)["Softmax"] == 2
+
+
+def test_genai_export_is_already_fast(tmp_path):
+    report = prepare_model(GENAI / "model.onnx", tmp_path / "fast.onnx", check=True)
+    assert report.form == FORM_ALREADY_FAST and report.family == "fast" and "already fast" in report.table()
+    assert report.check.passed
+    config = json.loads((tmp_path / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "fast.onnx"
+    assert metadata(report.output)[PREPARED_KEY] == FORM_ALREADY_FAST
+
+
+def test_the_check_finds_a_wrong_rewrite():
+    """A rewrite with the wrong attention scale differs from the original by far more than the
+    tolerance: the check can fail."""
+    model = onnx.load(str(GPT2_STEP))
+    matches = find_attention(model)
+    assert [m.scale for m in matches] == [pytest.approx(0.25)] * 2  # 1/sqrt(16), as GPT-2 scales
+    wrong = [type(m)(**{**m.__dict__, "scale": m.scale * 3}) for m in matches]
+    right_logits, _ = compare_steps(model, to_group_query_attention(model, matches, {0: 4, 1: 4}))
+    wrong_logits, _ = compare_steps(model, to_group_query_attention(model, wrong, {0: 4, 1: 4}))
+    assert right_logits <= 1e-4 < 1e-2 < wrong_logits
+
+
+def test_float16_keeps_float32_logits(tmp_path):
+    report = prepare_model(GPT2_STEP, tmp_path / "half.onnx", float16=True, check=True)
+    graph = onnx.load(str(report.output)).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+    assert types["logits"] == onnx.TensorProto.FLOAT
+    assert types["past_key_values.0.key"] == types["present.0.key"] == onnx.TensorProto.FLOAT16
+    check = report.check
+    if check.skipped is not None:  # a CPU provider without the float16 kernels says so
+        assert "float16" in check.skipped and "skipped" in report.table() and report.passed
+        assert check.max_logit_difference is None
+    else:
+        assert check.passed and 1e-5 < check.max_logit_difference <= 2e-2  # float16 rounding, within bounds
+
+
+def test_cli_prepare_check_prints_the_table(tmp_path):
+    result = CliRunner().invoke(cli_main, ["prepare", str(GPT2_STEP), "-o", str(tmp_path / "fast.onnx"), "--check"])
+    assert result.exit_code == 0, result.output
+    for line in ("export family", "GroupQueryAttention over a left-aligned cache", "max |Δ| logits", "passed"):
+        assert line in result.output
+    assert (tmp_path / "fast.onnx").is_file()
+
+
+def test_cli_attention_gqa_fails_where_it_cannot_fuse(tmp_path):
+    result = CliRunner().invoke(cli_main, ["prepare", str(OPTIMUM / "decoder_model_merged.onnx"), "-o",
+                                           str(tmp_path / "m.onnx"), "--attention", "gqa"])
+    assert result.exit_code != 0 and "stayed unfused" in result.output
+
+
+def test_inspect_suggests_prepare_only_where_it_helps(gpt2):
+    def inspect(path):
+        result = CliRunner().invoke(cli_main, ["inspect", str(path)])
+        assert result.exit_code == 0, result.output
+        return result.output
+    assert "gpudecode prepare" in inspect(GPT2_STEP)
+    assert "gpudecode prepare" not in inspect(gpt2.output)
+    assert "gpudecode prepare" not in inspect(GENAI / "model.onnx")
+
+
+def test_loading_a_model_not_in_the_fast_form_warns(gpt2):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm(GPT2_STEP, GPT2 / "decoder_model.onnx")
+    assert any("gpudecode prepare" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm(gpt2.output, GPT2 / "decoder_model.onnx")
+    assert not any("gpudecode prepare" in str(w.message) for w in caught)

@@ -74,8 +74,7 @@ PROMPTS = [
 def build_hf(directory: Path) -> list[list[int]]:
     """Saves the model and tokenizer; returns transformers' greedy decodes of ``PROMPTS``."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
     config = LlamaConfig(
@@ -92,12 +91,20 @@ def build_hf(directory: Path) -> list[list[int]]:
             out = model.generate(torch.tensor([prompt]), max_length=MAX_LENGTH, do_sample=False, num_beams=1,
                                  eos_token_id=EOS, pad_token_id=PAD)
             greedy.append([int(t) for t in out[0]])
-    vocab = {f"t{i}": i for i in range(VOCAB)}
+    save_tokenizer(directory, VOCAB, bos=BOS, eos=EOS, pad=PAD)
+    return greedy
+
+
+def save_tokenizer(directory: Path, vocab_size: int, *, bos: int, eos: int, pad: int) -> None:
+    """A word-level tokenizer of labels ``t0`` … (the builder loads one) saved into ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"t{BOS}", eos_token=f"t{EOS}", pad_token=f"t{PAD}",
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"t{bos}", eos_token=f"t{eos}", pad_token=f"t{pad}",
                             unk_token="t3").save_pretrained(directory)
-    return greedy
 
 
 def export(hf_dir: Path, out_dir: Path, precision: str = "fp32", provider: str = "cpu") -> None:

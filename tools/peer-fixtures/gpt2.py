@@ -82,19 +82,29 @@ def _cache(past):
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    for layer in range(LAYERS):
+    for layer in range(len(past) // 2):
         cache.update(past[2 * layer], past[2 * layer + 1], layer)
     return cache
 
 
 def _presents(cache):
     out = []
-    for layer in range(LAYERS):
-        out += [cache.layers[layer].keys, cache.layers[layer].values]
+    for layer in cache.layers:
+        out += [layer.keys, layer.values]
     return out
 
 
+def cache_shape(config) -> tuple[int, int, int]:
+    """(layers, key-value heads, head size) of a GPT-2 or Llama config: the pasts' shape."""
+    layers = getattr(config, "n_layer", None) or config.num_hidden_layers
+    heads = getattr(config, "n_head", None) or config.num_attention_heads
+    width = getattr(config, "n_embd", None) or config.hidden_size
+    return layers, getattr(config, "num_key_value_heads", None) or heads, width // heads
+
+
 def export(lm, directory: Path) -> None:
+    """The step and prefill exports of ``lm`` (any causal LM taking ``past_key_values``: GPT-2, Llama)
+    into ``directory``, in the float type of its weights."""
     import torch
 
     class Step(torch.nn.Module):
@@ -117,11 +127,12 @@ def export(lm, directory: Path) -> None:
                           use_cache=True)
             return (out.logits, *_presents(out.past_key_values))
 
-    head = EMBD // HEADS
-    past_names = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
-    present_names = [f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
+    layers, kv_heads, head = cache_shape(lm.config)
+    dtype = next(lm.parameters()).dtype
+    past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    present_names = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
     n, t = 3, 4
-    past = [torch.randn(n, HEADS, t, head) for _ in past_names]
+    past = [torch.randn(n, kv_heads, t, head, dtype=dtype, device=lm.device) for _ in past_names]
     step_inputs = (torch.tensor([[5], [6], [7]]), torch.ones(n, t + 1, dtype=torch.int64),
                    torch.tensor([[4], [4], [4]]), *past)
     dynamic = {"input_ids": {0: "batch"}, "attention_mask": {0: "batch", 1: "total"},

@@ -63,7 +63,7 @@ class PrepareReport:
         return self.check is None or self.check.skipped is not None or self.check.passed
 
     def rows(self) -> list[tuple[str, str]]:
-        form = {FORM_GQA: f"GroupQueryAttention over a left-aligned cache written in place ({self.layers} layers)",
+        form = {FORM_GQA: f"GroupQueryAttention over a left-aligned cache ({self.layers} layers)",
                 FORM_UNFUSED: f"unfused: {self.reason}",
                 FORM_ALREADY_FAST: "already fast (copied and annotated)"}[self.form]
         rows = [("model", self.source), ("written", self.output), ("export family", self.family),

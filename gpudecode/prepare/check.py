@@ -10,6 +10,7 @@ new key/value states, and the n-best lists (tokens equal, scores within the tole
 from __future__ import annotations
 
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,9 +191,11 @@ def compare_decodes(original: str, prepared: str, *, prefill: str | None, prepar
                               max_labels=options.max_new, finished="separate", nbest=options.beam)
     results = []
     for model, prompt_model in ((original, prefill), (prepared, prepared_prefill or prefill)):
-        scorer = PrefixLmScorer(model=model, prefill_model=prompt_model, vocab_size=vocab, scores_kind="logits",
-                                state_manager=StateManagerOptions(type="transformer-cpu"),
-                                session_options=SessionOptions(device="cpu"))
+        with warnings.catch_warnings():  # (the original's "not in the fast form" note: being prepared)
+            warnings.filterwarnings("ignore", message=".*not in the fast form")
+            scorer = PrefixLmScorer(model=model, prefill_model=prompt_model, vocab_size=vocab, scores_kind="logits",
+                                    state_manager=StateManagerOptions(type="transformer-cpu"),
+                                    session_options=SessionOptions(device="cpu"))
         results.append(label_sync_search([("lm", scorer, 1.0)], batch, search))
     same_nbest = same_best = 0
     worst = 0.0

@@ -259,13 +259,21 @@ def to_group_query_attention(model: onnx.ModelProto, matches: list[AttentionMatc
             [flat["query"], flat["key"], flat["value"], m.past_key, m.past_value, "seqlens_k", "total_sequence_length"],
             [p + "output", m.present_key, m.present_value], domain=MS_DOMAIN, name=f"GroupQueryAttention_{m.layer}",
             num_heads=heads[m.layer], kv_num_heads=m.kv_heads, scale=float(m.scale)))
-        new.append(_const(p + "heads_shape", [0, 0, heads[m.layer], m.head_size], np.int64))
-        new.append(helper.make_node("Reshape", [p + "output", p + "heads_shape"], [p + "output_bsnh"]))
-        new.append(helper.make_node("Transpose", [p + "output_bsnh"], [p + "context"], perm=[0, 2, 1, 3]))
-        for node in graph.node:
-            for i, name in enumerate(node.input):
-                if name == m.context:
-                    node.input[i] = p + "context"
+        readers = index.consumers.get(m.context, [])
+        back = readers[0] if len(readers) == 1 else None
+        if back is not None and back.op_type == "Transpose" and list(attribute(back, "perm", [])) == [0, 2, 1, 3]:
+            # the export's own transpose back to [N, S, heads, Dh]: its readers take the op's output
+            new.append(_const(p + "heads_shape", [0, 0, heads[m.layer], m.head_size], np.int64))
+            new.append(helper.make_node("Reshape", [p + "output", p + "heads_shape"], [back.output[0]]))
+            back.output[0] = p + "unused/context"
+        else:
+            new.append(_const(p + "heads_shape", [0, 0, heads[m.layer], m.head_size], np.int64))
+            new.append(helper.make_node("Reshape", [p + "output", p + "heads_shape"], [p + "output_bsnh"]))
+            new.append(helper.make_node("Transpose", [p + "output_bsnh"], [p + "context"], perm=[0, 2, 1, 3]))
+            for node in graph.node:
+                for i, name in enumerate(node.input):
+                    if name == m.context:
+                        node.input[i] = p + "context"
     nodes = list(graph.node) + new
     del graph.node[:]
     graph.node.extend(_topological(nodes, {i.name for i in graph.input} | {t.name for t in graph.initializer}))

@@ -51,4 +51,5 @@ def prepare_hint(spec, *, fused_attention: bool = False) -> str | None:
             or spec.in_place_outputs or any(v.time_axis is None for v in variables)):
         return None
     return (f"{spec.source}: not in the fast form (attention as plain ops, the cache copied every step); "
-            f"`gpudecode prepare {spec.source} -o FAST.onnx` rewrites it")
+            f"`gpudecode prepare {spec.source} -o FAST.onnx` rewrites it (for CUDA add --float16: ONNX "
+            "Runtime's CUDA GroupQueryAttention runs float16 only)")

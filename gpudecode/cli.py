@@ -472,8 +472,9 @@ def bench_cpu(output: str, utterances: int, frames: int, classes: int, beams: st
 @click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
               help="Folder for peers.json and peers.png (peers-cpu.*, *-float16.*: the CPU, float16 runs).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
-@click.option("--shapes", default="6x512,12x768", show_default=True, help="LAYERSxWIDTH, comma-separated.")
-@click.option("--vocab", type=int, default=10000, show_default=True)
+@click.option("--shapes", default="6x512,12x768x50000", show_default=True,
+              help="LAYERSxWIDTH[xVOCAB], comma-separated (widths: multiples of 64, heads of 64).")
+@click.option("--vocab", type=int, default=10000, show_default=True, help="The vocabulary of a shape without one.")
 @click.option("--beams", default="1,8", show_default=True, help="Comma-separated.")
 @click.option("--prompts", default="64,256", show_default=True, help="Prompt counts, comma-separated.")
 @click.option("--genai-prompts", type=int, default=32, show_default=True,
@@ -486,19 +487,20 @@ def bench_cpu(output: str, utterances: int, frames: int, classes: int, beams: st
               help="Also generate with a static cache and torch.compile.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help="The toolkit's, on CUDA.")
 @click.option("--repeats", type=int, default=1, show_default=True, help="Timed runs per cell; the fastest counts.")
+@click.option("--threads", type=int, default=0, show_default=True,
+              help="CPU threads of every side (torch, ONNX Runtime, GenAI); 0: each library's default.")
 def bench_peers(output: str, device: str, shapes: str, vocab: int, beams: str, prompts: str, genai_prompts: int,
                 new_tokens: int, prompt_length: int, dtype: str, families: str, compile_: bool, cuda_graphs: bool,
-                repeats: int) -> None:
+                repeats: int, threads: int) -> None:
     """The toolkit (on the standard export and on the prepared one) against transformers generate and
     ONNX Runtime GenAI on the same random-initialised weights and prompts (extra bench-peers)."""
-    from gpudecode.bench.peers import PeerBenchOptions, output_name, parse_shapes
+    from gpudecode.bench.peers import options_from_text, output_name
 
     try:
-        options = PeerBenchOptions(device=device, shapes=parse_shapes(shapes), vocab=vocab, beams=_int_list(beams),
-                                   prompts=_int_list(prompts), genai_prompts=genai_prompts, new_tokens=new_tokens,
-                                   prompt_length=prompt_length, dtype=dtype,
-                                   families=tuple(f.strip() for f in families.split(",") if f.strip()),
-                                   compile=compile_, graphs=cuda_graphs, repeats=repeats)
+        options = options_from_text(device=device, shapes=shapes, vocab=vocab, beams=beams, prompts=prompts,
+                                    genai_prompts=genai_prompts, new_tokens=new_tokens, prompt_length=prompt_length,
+                                    dtype=dtype, families=families, compile=compile_, graphs=cuda_graphs,
+                                    repeats=repeats, threads=threads)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     _run_bench("peers", "run_peers_bench", options=options, output_dir=output, name=output_name(options))

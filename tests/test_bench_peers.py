@@ -12,24 +12,39 @@ import pytest
 from click.testing import CliRunner
 
 from gpudecode.bench import peers
-from gpudecode.bench.peers import PeerBenchOptions, format_table, output_name, parse_shapes, side_result
+from gpudecode.bench.peers import (
+    PeerBenchOptions,
+    format_table,
+    options_from_text,
+    output_name,
+    parse_shapes,
+    side_result,
+)
 from gpudecode.cli import main as cli_main
 
 
 def test_shapes_parse_and_refuse_what_is_not_a_shape():
-    assert parse_shapes("6x512, 12X768") == ((6, 512), (12, 768))
-    for bad in ("6x500", "6", "x512", "0x512", "6x512,"):
+    assert parse_shapes("6x512, 12X768x50000") == ((6, 512), (12, 768, 50000))
+    for bad in ("6x500", "6", "x512", "0x512", "6x512,", "6x512x2", "6x512x100x3"):
         with pytest.raises(ValueError, match="shapes"):
             parse_shapes(bad)
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("genai_prompts", 33, "genai_prompts"), ("dtype", "bfloat16", "dtype"), ("families", ("gpt2", "t5"), "families"),
-    ("device", "tpu", "device"), ("beams", (), "beams"), ("prompts", (0, 4), "prompts"), ("new_tokens", 0, "new_tokens"),
+    ("device", "tpu", "device"), ("beams", (), "beams"), ("prompts", (0, 4), "prompts"),
+    ("new_tokens", 0, "new_tokens"), ("threads", -1, "threads"), ("shapes", ((6,),), "shapes"),
 ])
 def test_options_refuse_what_no_side_runs(field, value, message):
     with pytest.raises(ValueError, match=message):
         PeerBenchOptions(**{field: value})
+
+
+def test_prompts_are_in_every_shapes_vocabulary():
+    options = PeerBenchOptions(shapes=((2, 64, 50), (2, 64)), vocab=1000, prompts=(40,), genai_prompts=8)
+    prompts = peers.make_prompts(options)
+    assert prompts.shape == (40, options.prompt_length)
+    assert prompts.min() > peers.EOS and prompts.max() < 50
 
 
 def test_output_names_follow_the_bench_files():
@@ -60,7 +75,9 @@ def synthetic_results() -> dict:
             "sides": {"gpudecode": ours, "hf_generate": ref, "gpudecode_prepared": {"note": "prepare not available"}}}
     return {"benchmark": "peers", "config": {"device": "cuda"}, "cells": [cell], "notes": ["no GenAI cells"],
             "models": [{"family": "gpt2", "layers": 6, "width": 512, "export": "torch.onnx",
-                        "export_max_abs_logit_diff": 3e-6, "prepared_form": "group-query-attention"}]}
+                        "export_max_abs_logit_diff": 3e-6, "prepared_form": "group-query-attention"},
+                       {"family": "llama", "layers": 6, "width": 512, "export": "GenAI builder (fp16)",
+                        "prepared_form": "already-fast", "gpudecode_prepared_load": "ModelError: no"}]}
 
 
 def test_the_table_has_a_row_per_side_in_order_with_ratio_and_parity():
@@ -73,6 +90,8 @@ def test_the_table_has_a_row_per_side_in_order_with_ratio_and_parity():
     assert "gpt2 6×512 torch.onnx 64 × 8 gpudecode_prepared: prepare not available" in table
     assert "no GenAI cells" in table
     assert any("prepared: group-query-attention" in line and "3.0e-06" in line for line in table)
+    assert ("llama 6×512 GenAI builder (fp16): prepared: already-fast; gpudecode_prepared did not load: "
+            "ModelError: no") in table
 
 
 def test_the_plot_is_written(tmp_path):
@@ -81,26 +100,21 @@ def test_the_plot_is_written(tmp_path):
     assert path and (tmp_path / "peers.png").stat().st_size > 0
 
 
-def test_the_command_passes_its_options_as_data(monkeypatch, tmp_path):
-    seen = {}
+def test_the_command_line_text_becomes_the_options():
+    assert options_from_text(device="cpu", shapes="2x128", vocab=2000, prompts="16", beams="1,8", new_tokens=24,
+                             genai_prompts=16, families="llama", compile=True) == \
+        PeerBenchOptions(device="cpu", shapes=((2, 128),), vocab=2000, beams=(1, 8), prompts=(16,), genai_prompts=16,
+                         new_tokens=24, families=("llama",), compile=True)
+    with pytest.raises(ValueError, match="beams"):
+        options_from_text(shapes="2x128", beams="1,b", prompts="16", families="gpt2")
 
-    def fake_run(options, output_dir=None, name="peers"):
-        seen.update(options=options, output_dir=output_dir, name=name)
-        return synthetic_results()
 
-    monkeypatch.setattr(peers, "run_peers_bench", fake_run)
-    result = CliRunner().invoke(cli_main, [
-        "bench", "peers", "--device", "cpu", "--shapes", "2x128", "--vocab", "2000", "--prompts", "16",
-        "--beams", "1,8", "--new-tokens", "24", "--genai-prompts", "16", "--families", "llama", "--compile",
-        "--output", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    assert seen["options"] == PeerBenchOptions(device="cpu", shapes=((2, 128),), vocab=2000, beams=(1, 8),
-                                               prompts=(16,), genai_prompts=16, new_tokens=24, families=("llama",),
-                                               compile=True)
-    assert seen["name"] == "peers-cpu" and seen["output_dir"] == str(tmp_path)
-    assert "| gpt2 6×512, V 10000 | torch.onnx | float32 | 64 × 8 | gpudecode |" in result.output
-    bad = CliRunner().invoke(cli_main, ["bench", "peers", "--genai-prompts", "64"])
-    assert bad.exit_code == 2 and "genai_prompts" in bad.output
+@pytest.mark.parametrize("arguments,message", [(["--genai-prompts", "64"], "genai_prompts"),
+                                               (["--shapes", "6x500"], "shapes"), (["--beams", "x"], "beams"),
+                                               (["--families", "t5"], "families")])
+def test_the_command_refuses_bad_options_before_it_runs(arguments, message):
+    result = CliRunner().invoke(cli_main, ["bench", "peers", "--device", "cpu", *arguments])
+    assert result.exit_code == 2 and message in result.output
 
 
 @pytest.mark.peers

@@ -29,11 +29,13 @@ and the prepared side ``prepare``'s float16 form of the float32 export.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import platform
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -54,16 +56,19 @@ FAMILIES = ("gpt2", "llama")
 SIDES = ("hf_generate", "hf_generate_compiled", "gpudecode", "gpudecode_prepared", "genai")
 
 
-def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
-    """``"6x512,12x768"`` -> ((6, 512), (12, 768)): layers × width, width a multiple of 64."""
+def parse_shapes(text: str) -> tuple[tuple[int, ...], ...]:
+    """``"6x512,12x768x50000"`` -> ((6, 512), (12, 768, 50000)): layers × width (a multiple of 64)
+    [× vocabulary, else the bench's ``vocab``]."""
     shapes = []
     for item in (part.strip() for part in text.split(",")):
-        layers, sep, width = item.lower().partition("x")
-        if not sep or not layers.isdigit() or not width.isdigit():
-            raise ValueError(f"shapes: expected LAYERSxWIDTH items such as 6x512, got {item!r}")
-        if int(layers) < 1 or int(width) < 64 or int(width) % 64:
-            raise ValueError(f"shapes: {item!r}: layers >= 1 and a width that is a multiple of 64 (heads of 64)")
-        shapes.append((int(layers), int(width)))
+        parts = item.lower().split("x")
+        if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts):
+            raise ValueError(f"shapes: expected LAYERSxWIDTH[xVOCAB] items such as 6x512, got {item!r}")
+        shape = tuple(int(part) for part in parts)
+        if shape[0] < 1 or shape[1] < 64 or shape[1] % 64 or (len(shape) == 3 and shape[2] <= EOS + 1):
+            raise ValueError(f"shapes: {item!r}: layers >= 1, a width that is a multiple of 64 (heads of 64), "
+                             f"a vocabulary > {EOS + 1}")
+        shapes.append(shape)
     return tuple(shapes)
 
 
@@ -72,7 +77,7 @@ class PeerBenchOptions:
     """What ``gpudecode bench peers`` measures (see the module docstring)."""
 
     device: str = "cpu"
-    shapes: tuple[tuple[int, int], ...] = ((6, 512), (12, 768))
+    shapes: tuple[tuple[int, ...], ...] = ((6, 512), (12, 768, 50000))
     vocab: int = 10000
     beams: tuple[int, ...] = (1, 8)
     prompts: tuple[int, ...] = (64, 256)
@@ -85,6 +90,8 @@ class PeerBenchOptions:
     graphs: bool = True
     repeats: int = 1
     seed: int = 0
+    #: threads of every side (torch, the toolkit's and GenAI's ONNX Runtime sessions); 0: each library's default
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -99,15 +106,37 @@ class PeerBenchOptions:
         for name in ("beams", "prompts"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: expected integers >= 1, got {list(getattr(self, name))}")
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0, got {self.threads}")
         for name in ("new_tokens", "prompt_length", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.vocab <= EOS + 1:
             raise ValueError(f"vocab: must be > {EOS + 1}, got {self.vocab}")
+        if not self.shapes or any(len(shape) not in (2, 3) for shape in self.shapes):
+            raise ValueError(f"shapes: expected (layers, width[, vocab]) tuples, got {list(self.shapes)}")
+
+    @property
+    def smallest_vocab(self) -> int:
+        return min(shape[2] if len(shape) == 3 else self.vocab for shape in self.shapes)
 
     @property
     def positions(self) -> int:
         return self.prompt_length + self.new_tokens
+
+
+def options_from_text(*, shapes: str, beams: str, prompts: str, families: str, **values) -> PeerBenchOptions:
+    """The options from the command line's text: ``shapes`` (:func:`parse_shapes`), ``beams`` and
+    ``prompts`` (comma-separated integers), ``families`` (comma-separated); the rest as given."""
+    def integers(name: str, text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
+
+    return PeerBenchOptions(shapes=parse_shapes(shapes), beams=integers("beams", beams),
+                            prompts=integers("prompts", prompts),
+                            families=tuple(f.strip() for f in families.split(",") if f.strip()), **values)
 
 
 def output_name(options: PeerBenchOptions) -> str:
@@ -163,9 +192,13 @@ def format_table(results: dict) -> str:
     notes += results.get("notes", [])
     for m in results.get("models", []):
         check = m.get("export_max_abs_logit_diff")
+        loads = "".join(f"; {key[:-len('_load')]} did not load: {value}" for key, value in m.items()
+                        if key.endswith("_load"))
         notes.append(f"{m['family']} {m['layers']}×{m['width']} {m['export']}: "
-                     + (f"export max abs logit diff to torch {check:.1e}; " if check is not None else "")
-                     + f"prepared: {m.get('prepared_form', '—')}")
+                     + (f"export max abs logit diff to torch {check:.1e}; " if check is not None else
+                        f"export check {m['export_check']}; " if "export_check" in m else "")
+                     + (f"float16: {m['float16_export']}; " if "float16_export" in m else "")
+                     + f"prepared: {m.get('prepared_form', '—')}{loads}")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -228,11 +261,11 @@ def build_model(family: str, layers: int, width: int, options: PeerBenchOptions)
 
 
 def make_prompts(options: PeerBenchOptions) -> np.ndarray:
-    """[max prompt count, prompt_length] random labels without sentence-end and padding (a cell takes
-    the first rows)."""
+    """[max prompt count, prompt_length] random labels without sentence-end and padding, in every
+    shape's vocabulary (a cell takes the first rows)."""
     count = max(*options.prompts, options.genai_prompts)
     rng = np.random.default_rng(options.seed)
-    return rng.integers(EOS + 1, options.vocab, (count, options.prompt_length)).astype(np.int64)
+    return rng.integers(EOS + 1, options.smallest_vocab, (count, options.prompt_length)).astype(np.int64)
 
 
 def _timed(run, repeats: int, sync) -> tuple[float, object]:
@@ -305,8 +338,22 @@ def _toolkit_scorer(step: Path, prefill: Path | None, options: PeerBenchOptions)
     extra = {} if prefill is None else {"prefill_model": str(prefill),
                                         "state_manager": StateManagerOptions(type=f"transformer-{options.device}")}
     return PrefixLmScorer(model=str(step), vocab_size=options.vocab, scores_kind="logits",
-                          session_options=SessionOptions(device=options.device),
+                          session_options=SessionOptions(device=options.device, intra_op_threads=options.threads),
                           graphs=GraphOptions(enabled=options.device == "cuda" and options.graphs), **extra)
+
+
+def _scorers(models: dict, prefill: Path | None, options: PeerBenchOptions, info: dict) -> dict:
+    """side -> the toolkit's scorer of that side's model (None: no such side); one that does not load
+    is left out, with why in ``info``."""
+    scorers = {}
+    for side, model in models.items():
+        if model is None:
+            continue
+        try:
+            scorers[side] = _toolkit_scorer(model, prefill, options)
+        except Exception as exc:  # reported per model; the other sides still run
+            info[f"{side}_load"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return scorers
 
 
 def _toolkit_decode(lm, prompts: np.ndarray, beam: int, options: PeerBenchOptions) -> tuple[list, np.ndarray]:
@@ -345,6 +392,10 @@ def _prepare(step: Path, out: Path, options: PeerBenchOptions, info: dict) -> tu
 def _genai_search(folder: Path, prompts: np.ndarray, beam: int, options: PeerBenchOptions):
     import onnxruntime_genai as og
 
+    if options.threads:
+        config = json.loads((folder / "genai_config.json").read_text())
+        config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = options.threads
+        (folder / "genai_config.json").write_text(json.dumps(config, indent=4))
     model = og.Model(str(folder))
     total = prompts.shape[1] + options.new_tokens
 
@@ -396,7 +447,8 @@ def _check_export(torch_side: _Torch, step: Path, prefill: Path, prompts: np.nda
     torch = torch_side.torch
     ids = prompts[:4]
     with torch.no_grad():
-        want = torch_side.model(input_ids=torch.as_tensor(ids, device=torch_side.device)).logits[:, -1].float().cpu().numpy()
+        logits = torch_side.model(input_ids=torch.as_tensor(ids, device=torch_side.device)).logits
+    want = logits[:, -1].float().cpu().numpy()
     pre = ort.InferenceSession(str(prefill), providers=["CPUExecutionProvider"])
     p = ids.shape[1] - 1
     out = pre.run(None, {"input_ids": ids[:, :p], "attention_mask": np.ones((len(ids), p), np.int64),
@@ -416,25 +468,33 @@ def _run_model(family: str, layers: int, width: int, options: PeerBenchOptions, 
     gpt2 = fixture_script("gpt2")
     # the standard export in float32 (what prepare takes; with --dtype float16 it writes float16 itself),
     # and with --dtype float16 the same weights exported in float16 for the unprepared side
-    folders = {"float32": tmp / f"{family}-{layers}x{width}", options.dtype: tmp / f"{family}-{layers}x{width}-{options.dtype}"}
+    name = f"{family}-{layers}x{width}x{options.vocab}"
+    folders = {"float32": tmp / name}
+    if options.dtype == "float16":
+        folders["float16"] = tmp / f"{name}-float16"
+    model_info = {"family": family, "layers": layers, "width": width, "export": "torch.onnx"}
     for dtype, folder in folders.items():
         folder.mkdir()
         exported = build_model(family, layers, width, options)
-        with torch.no_grad():  # the export leaves its module altered: generate runs on a fresh one
+        with torch.no_grad(), warnings.catch_warnings():  # (the tracer's warnings about transformers' code)
+            warnings.simplefilter("ignore")
+            # the export leaves its module altered: generate runs on a fresh one
             gpt2.export(exported if dtype == "float32" else exported.half(), folder)
+        if dtype == "float16":
+            model_info["float16_export"] = _valid_float16(folders["float32"], folder)
     hf = _Torch(build_model(family, layers, width, options), options)
     folder = folders[options.dtype]
     step, prefill = folder / "decoder_with_past_model.onnx", folder / "decoder_model.onnx"
-    model_info = {"family": family, "layers": layers, "width": width, "export": "torch.onnx",
-                  "export_max_abs_logit_diff": _check_export(hf, step, prefill, all_prompts)}
+    try:
+        model_info["export_max_abs_logit_diff"] = _check_export(hf, step, prefill, all_prompts)
+    except Exception as exc:  # (float16 exports where ONNX Runtime's CPU provider lacks a kernel)
+        model_info["export_check"] = f"not run: {type(exc).__name__}: {str(exc)[:200]}"
     results["models"].append(model_info)
     prepared, why = _prepare(folders["float32"] / "decoder_with_past_model.onnx",
                              folder / "decoder_with_past_model.prepared.onnx", options, model_info)
     if why:
         model_info["prepared_form"] = why
-    toolkit = {"gpudecode": _toolkit_scorer(step, prefill, options)}
-    if prepared is not None:
-        toolkit["gpudecode_prepared"] = _toolkit_scorer(prepared, prefill, options)
+    toolkit = _scorers({"gpudecode": step, "gpudecode_prepared": prepared}, prefill, options, model_info)
     compiled = _Torch(build_model(family, layers, width, options), options) if options.compile else None
     for count in options.prompts:
         prompts = all_prompts[:count]
@@ -456,6 +516,26 @@ def _run_model(family: str, layers: int, width: int, options: PeerBenchOptions, 
         _run_genai(layers, width, options, all_prompts, hf, tmp, results)
 
 
+def _valid_float16(float32: Path, float16: Path) -> str:
+    """How the float16 pair in ``float16`` was made: torch.onnx of the float16 model where its graphs
+    type-check, else (torch.onnx writes GPT-2's LayerNormalization with mixed types) the float32
+    export converted by ONNX Runtime's float16 converter."""
+    import onnx
+
+    names = ("decoder_with_past_model.onnx", "decoder_model.onnx")
+    try:
+        for name in names:
+            onnx.shape_inference.infer_shapes(onnx.load(str(float16 / name)), check_type=True, strict_mode=True)
+        return "torch.onnx of the float16 model"
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    for name in names:
+        onnx.save(convert_float_to_float16(onnx.load(str(float32 / name))), str(float16 / name))
+    return f"the float32 export through ONNX Runtime's float16 converter (torch.onnx's float16 graph: {why})"
+
+
 def _array_module(options: PeerBenchOptions):
     if options.device == "cuda":
         import cupy
@@ -474,7 +554,8 @@ def _run_genai(layers: int, width: int, options: PeerBenchOptions, all_prompts: 
         results["notes"].append("onnxruntime_genai is not installed: no GenAI cells")
         return
     genai = fixture_script("genai")
-    hf_dir, folder = tmp / f"llama-{layers}x{width}-hf", tmp / f"llama-{layers}x{width}-genai"
+    name = f"llama-{layers}x{width}x{options.vocab}"
+    hf_dir, folder = tmp / f"{name}-hf", tmp / f"{name}-genai"
     build_model("llama", layers, width, options).save_pretrained(hf_dir)
     genai.save_tokenizer(hf_dir, options.vocab, bos=1, eos=EOS, pad=PAD)
     precision = "fp16" if options.dtype == "float16" else "fp32"
@@ -488,18 +569,13 @@ def _run_genai(layers: int, width: int, options: PeerBenchOptions, all_prompts: 
     results["models"].append(model_info)
     toolkit = {"gpudecode": folder}
     # the builder's export is written in the cell's float type already: prepared as it is
-    prepared, why = _prepare(folder / "model.onnx", tmp / f"llama-{layers}x{width}-prepared" / "model.onnx",
+    prepared, why = _prepare(folder / "model.onnx", tmp / f"{name}-prepared" / "model.onnx",
                              replace(options, dtype="float32"), model_info)
     if prepared is not None:
         toolkit["gpudecode_prepared"] = prepared.parent
     else:
         model_info["prepared_form"] = why
-    scorers = {}
-    for side, path in toolkit.items():
-        try:
-            scorers[side] = _toolkit_scorer(path, None, options)
-        except Exception as exc:
-            results["notes"].append(f"llama {layers}×{width} GenAI export, {side}: {type(exc).__name__}: {exc}")
+    scorers = _scorers(toolkit, None, options, model_info)
     for beam in options.beams:
         cell = _cell("llama", layers, width, "GenAI builder", prompts, beam, options)
         ref = _measure(cell, "hf_generate", lambda: hf.generate(prompts, beam), hf.sync, hf, prompts, None, options)
@@ -537,6 +613,8 @@ def run_peers_bench(options: PeerBenchOptions = PeerBenchOptions(), output_dir=N
     ``<name>.png`` into ``output_dir`` when given."""
     import torch
 
+    if options.threads:
+        torch.set_num_threads(options.threads)
     if options.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -548,7 +626,8 @@ def run_peers_bench(options: PeerBenchOptions = PeerBenchOptions(), output_dir=N
                "models": [], "cells": [], "notes": []}
     prompts = make_prompts(options)
     with tempfile.TemporaryDirectory() as tmp:
-        for layers, width in options.shapes:
+        for layers, width, *vocab in options.shapes:
             for family in options.families:
-                _run_model(family, layers, width, options, prompts, Path(tmp), results)
+                _run_model(family, layers, width, replace(options, vocab=vocab[0] if vocab else options.vocab),
+                           prompts, Path(tmp), results)
     return write_results(results, output_dir, name, plot_peers)

@@ -130,9 +130,12 @@ def _interrupted_message(exc: KeyboardInterrupt, output) -> str:
 @click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=None,
               help="GPUs per Ray worker (overrides runtime.engine.gpus_per_worker; 0.5: two workers share "
                    "a GPU).")
+@click.option("--timings", type=click.Path(dir_okay=False), default=None, hidden=True,
+              help="Write the run's counts and timings (RunTimings) as JSON to this file (for bench e2e).")
 def decode(config: str, features: str | None, prompts: str | None, prompts_format: str | None,
            output: str | None, references: str | None, overrides: tuple[str, ...], resume: bool, force: bool,
-           engine: str | None, address: str | None, workers: int | None, gpus_per_worker: float | None) -> None:
+           engine: str | None, address: str | None, workers: int | None, gpus_per_worker: float | None,
+           timings: str | None) -> None:
     """Decode the features (or token prompts) named by CONFIG (YAML) and write text / n-best / CTM results.
 
     Exit status: 0 done, 1 an error (one 'Error:' line), 2 a usage error, 130 interrupted by SIGINT
@@ -160,7 +163,7 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
-        _decode(config, overrides, settings, resume=resume, force=force, where=where)
+        _decode(config, overrides, settings, resume=resume, force=force, where=where, timings=timings)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_Terminated)
         code = EXIT_SIGTERM if isinstance(exc, _Terminated) else EXIT_SIGINT
         raise _Failed(_interrupted_message(exc, where["output"]), code) from None
@@ -170,9 +173,10 @@ def decode(config: str, features: str | None, prompts: str | None, prompts_forma
 
 
 def _decode(config: str, overrides: tuple[str, ...], settings: list[str], *, resume: bool, force: bool,
-            where: dict) -> None:
+            where: dict, timings: str | None = None) -> None:
     """``decode`` once the command line is read: the run, its summary, and an ``Error:`` line for each
-    failure; ``where["output"]``: the output folder, once known."""
+    failure; ``where["output"]``: the output folder, once known; ``timings``: a file for the run's
+    counts and timings (JSON)."""
     import contextlib
     import time
     from pathlib import Path
@@ -226,6 +230,12 @@ def _decode(config: str, overrides: tuple[str, ...], settings: list[str], *, res
     except OSError as exc:  # disk full, read-only output, ...
         raise _Failed(_os_error_message(exc, where["output"])) from exc
     _echo_summary(summary)
+    if timings is not None:
+        import json
+
+        Path(timings).write_text(json.dumps({
+            "decoded": summary.decoded, "frames": summary.frames, "frame_shift_s": summary.frame_shift_s,
+            "seconds": summary.seconds, "timings": summary.timings.to_dict()}, indent=2), encoding="utf-8")
 
 
 def _echo_summary(summary) -> None:
@@ -520,3 +530,36 @@ def bench_transducer(output: str, utterances: int, encoder_frames: int, beams: s
     _run_bench("transducer", "run_transducer_bench", num_utts=utterances,
                encoder_frames=encoder_frames, beams=_int_list(beams),
                max_symbols_per_frame=max_symbols_per_frame, repeats=repeats, output_dir=output)
+
+
+@bench.command("e2e")
+@click.argument("configs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", type=click.Path(file_okay=False), default="out/bench", show_default=True,
+              help="Folder for <name>.json and <name>.png.")
+@click.option("--name", default="e2e", show_default=True, help="Name of the JSON and PNG files.")
+@click.option("--features", type=click.Path(exists=True), default=None,
+              help="The corpus (default: each config's io.features), e.g. examples/fsdd/data/test/feats.h5.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Decode the corpus N times, under ids <id>-r1 .. <id>-rN.")
+@click.option("--devices", default=None, help="Comma-separated: cuda, cpu (default: cuda,cpu where a GPU is "
+                                              "usable, else cpu); each in its own process.")
+@click.option("-o", "--override", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="A config override of every run (as for decode).")
+@click.option("--results", type=click.Path(file_okay=False), default=None,
+              help="Keep each run's results in RESULTS/<config stem>/<device> (default: a temporary folder).")
+def bench_e2e(configs: tuple[str, ...], output: str, name: str, features: str | None, repeat: int,
+              devices: str | None, overrides: tuple[str, ...], results: str | None) -> None:
+    """`gpudecode decode` of a corpus end to end, each CONFIG on each device in a fresh process:
+    utterances/s, RTFx (start-up excluded), time to first result, start-up and where the time goes."""
+    from gpudecode.bench.e2e import E2eError, E2eOptions, default_devices
+
+    try:
+        options = E2eOptions(configs=configs, features=features, repeat=repeat, overrides=overrides,
+                             devices=default_devices() if devices is None
+                             else tuple(d.strip() for d in devices.split(",") if d.strip()), results=results)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    try:
+        _run_bench("e2e", "run_e2e_bench", options=options, output_dir=output, name=name)
+    except E2eError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -35,11 +36,14 @@ class Decoder:
     the decoder builds what the type asks for and hands it over as :attr:`search_setup`. It runs
     with ``config.search.tuning`` (:class:`gpudecode.search.tuning.SearchTuning`, or ``tuning``
     when given) and adds its timings and counts to ``stats`` (a
-    :class:`gpudecode.search.stats.SearchStats`; None: nothing measured).
+    :class:`gpudecode.search.stats.SearchStats`; None: nothing measured). With ``timings`` (an
+    object with ``encoder_s`` and ``search_s``, e.g. :class:`gpudecode.job.RunTimings`),
+    :meth:`decode_batch` adds the host seconds of the encoder and of the search to it.
     """
 
-    def __init__(self, config: Config, *, tuning=None, stats=None):
+    def __init__(self, config: Config, *, tuning=None, stats=None, timings=None):
         self.config = config
+        self.timings = timings
         runtime = config.runtime
         self.xp = array_module(runtime.device)
         if runtime.device == "cuda" and runtime.cupy_pool_limit_bytes is not None:
@@ -333,7 +337,16 @@ class Decoder:
 
         For time-synchronous searches, ``Hypothesis.frames`` are encoder frames (see :attr:`subsampling`).
         """
-        return self.search_type.decode(self.search_setup, self.encode(ids, features, prompts))
+        if self.timings is None:
+            return self.search_type.decode(self.search_setup, self.encode(ids, features, prompts))
+        start = time.perf_counter()
+        batch = self.encode(ids, features, prompts)
+        encoded = time.perf_counter()
+        try:
+            return self.search_type.decode(self.search_setup, batch)
+        finally:
+            self.timings.encoder_s += encoded - start
+            self.timings.search_s += time.perf_counter() - encoded
 
     def decode(self, features: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None, *,
                prompts: Mapping[str, Sequence[int]] | Sequence[Sequence[int]] | None = None

@@ -7,6 +7,9 @@ it imports neither.
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +20,67 @@ from gpudecode.io import PromptedSource, PromptSource, open_features, read_promp
 from gpudecode.search.nonfinite import NonFiniteScores
 
 _NAMED = 10  # utterance ids a warning names before "and N more"
+
+
+@dataclass
+class RunTimings:
+    """Where a run's time goes: host wall seconds of each part of the decoding loop, and wall-clock
+    instants (``time.time()``, comparable between processes) of its milestones.
+
+    ``reading_s``: reading the features (without the front end); ``front_end_s``: the front end of
+    audio input; ``encoder_s``: the encoder and the batch's inputs; ``search_s``: the search;
+    ``writing_s``: writing and flushing the results. On CUDA these are host times: GPU work that
+    one part queues and the next waits for is counted where it is waited for."""
+
+    started_at: float = 0.0  # the run began (imports done)
+    decoding_at: float = 0.0  # the decoding loop began (sessions created, the source open)
+    first_result_at: float | None = None  # the first result was written and flushed
+    finished_at: float = 0.0  # the decoding loop ended
+    reading_s: float = 0.0
+    front_end_s: float = 0.0
+    encoder_s: float = 0.0
+    search_s: float = 0.0
+    writing_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class TimedFrontEnd:
+    """A front end that adds its seconds to ``timings.front_end_s`` (its other attributes are the
+    front end's own)."""
+
+    def __init__(self, front_end, timings: RunTimings):
+        self._front_end, self._timings = front_end, timings
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._front_end(*args, **kwargs)
+        finally:
+            self._timings.front_end_s += time.perf_counter() - start
+
+    def __getattr__(self, name: str):
+        return getattr(self._front_end, name)
+
+
+def timed_front_end(source, timings: RunTimings) -> None:
+    """Times the front end of ``source`` (audio input) in ``timings``; other sources have none."""
+    front_end = getattr(source, "front_end", None)
+    if front_end is not None and not isinstance(front_end, TimedFrontEnd):
+        source.front_end = TimedFrontEnd(front_end, timings)
+
+
+def timed_batches(batches: Iterable, timings: RunTimings) -> Iterator:
+    """``batches``, the time spent producing each (less the front end's) added to ``timings.reading_s``."""
+    iterator = iter(batches)
+    while True:
+        start, front_end = time.perf_counter(), timings.front_end_s
+        batch = next(iterator, None)
+        timings.reading_s += time.perf_counter() - start - (timings.front_end_s - front_end)
+        if batch is None:
+            return
+        yield batch
 
 
 @dataclass
@@ -35,6 +99,7 @@ class RunSummary:
     retried_batches: int = 0  # batches split after running out of GPU memory
     #: ids of utterances whose best hypothesis the search cut short (``Hypothesis.truncated``)
     truncated: list[str] = field(default_factory=list)
+    timings: RunTimings = field(default_factory=RunTimings)
 
     def count_truncated(self, utterance_id: str, nbest) -> None:
         """Notes ``utterance_id`` when its best hypothesis (``nbest[0]``) is truncated."""

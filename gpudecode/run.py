@@ -20,9 +20,10 @@ from gpudecode.decoder import Decoder
 from gpudecode.io import ResultWriter, UtteranceResult, read_done_ids, score_wer
 from gpudecode.io.identity import archive_number, identity_differences, read_identity, run_identity, write_identity
 from gpudecode.io.wer import validate_references
-from gpudecode.job import OutOfMemory, RunSummary, decode_fitting, open_utterances
+from gpudecode.job import (OutOfMemory, RunSummary, RunTimings, decode_fitting, open_utterances, timed_batches,
+                           timed_front_end)
 
-__all__ = ["OutOfMemory", "ResumeRefused", "RunSummary", "SummaryNotSaved", "run_decode"]
+__all__ = ["OutOfMemory", "ResumeRefused", "RunSummary", "RunTimings", "SummaryNotSaved", "run_decode"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
     another toolkit version are an error (``ResumeRefused``) unless ``force``.
     With ``runtime.engine.type: ray`` the work runs on a Ray cluster (``gpudecode.engines``) and
     ``on_status(workers)`` gets each worker's status (worker name -> ``WorkerStatus``).
+    The local engine fills ``RunSummary.timings`` (:class:`RunTimings`).
     """
+    timings = RunTimings(started_at=time.time())
     io = config.io
     if io.features is None and io.prompts is None:
         raise ConfigError("io.features: no features to decode (set io.features.path or pass --features; "
@@ -120,12 +123,14 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
         output.mkdir(parents=True, exist_ok=True)
         _record_run(config, output, identity, resuming=bool(done), replaced=replaced)
         return run_on_engine(config, done=done, resume=resume, progress=progress, on_status=on_status)
-    decoder = Decoder(config)
+    decoder = Decoder(config, timings=timings)
     front_end = config.models.front_end
-    summary = RunSummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output)
+    summary = RunSummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output,
+                         timings=timings)
     try:
         source = open_utterances(config, decoder.vocabulary, encoder=decoder.encoder is not None,
                                  num_features=decoder.encoder_num_features)
+        timed_front_end(source, timings)
         if io.references is not None and "text" in io.formats:  # before decoding: bad references stop here
             validate_references(io.references, source.ids())
         output.mkdir(parents=True, exist_ok=True)
@@ -133,7 +138,7 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
     except BaseException:
         decoder.close()
         raise
-    start = time.perf_counter()
+    timings.decoding_at, start = time.time(), time.perf_counter()
     try:
         with source, ResultWriter(output, decoder.vocabulary, formats=io.formats, word_merging=io.word_merging,
                                   frame_shift_s=front_end.frame_shift_s * decoder.subsampling,
@@ -141,9 +146,13 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
             total = len([u for u in source.ids() if u not in done])
             if progress:
                 progress(0, total)
-            for batch in source.batches(config.search.batch_size, exclude=done):
+            for batch in timed_batches(source.batches(config.search.batch_size, exclude=done), timings):
                 for utterance, nbest in decode_fitting(decoder, batch, summary, io.on_bad_input):
+                    written = time.perf_counter()
                     writer.write(UtteranceResult(id=utterance.id, nbest=nbest))
+                    timings.writing_s += time.perf_counter() - written
+                    if timings.first_result_at is None:
+                        timings.first_result_at = time.time()
                     summary.frames += utterance.num_frames
                     summary.decoded += 1
                 if progress:
@@ -152,6 +161,7 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
             summary.skipped = [str(error) for error in source.skipped] + summary.skipped
     finally:
         summary.seconds = time.perf_counter() - start
+        timings.finished_at = time.time()
         if config.runtime.device == "cuda":
             summary.gpu_memory_bytes = backend.device_memory_in_use()
         decoder.close()

@@ -595,6 +595,22 @@ def _run_genai(layers: int, width: int, options: PeerBenchOptions, all_prompts: 
         lm.close()
 
 
+def _machine(device: str) -> str:
+    """The CPU's model name and core count (and the GPU's name on CUDA)."""
+    import os
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    machine = f"{cpu}, {os.cpu_count()} cores"
+    return f"{torch.cuda.get_device_name(0)}; {machine}" if device == "cuda" else machine
+
+
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -621,7 +637,7 @@ def run_peers_bench(options: PeerBenchOptions = PeerBenchOptions(), output_dir=N
     results = {"benchmark": "peers",
                "config": {**asdict(options), "timing": f"fastest of {options.repeats} after a warm-up",
                           "init_range": f"{INIT_SCALE} / sqrt(width)", "eos": EOS,
-                          "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+                          "machine": _machine(options.device),
                           "torch_threads": torch.get_num_threads(), "tf32": False, "versions": _versions()},
                "models": [], "cells": [], "notes": []}
     prompts = make_prompts(options)

@@ -277,6 +277,7 @@ def _plot(results: dict, path: Path) -> str | None:
         ax.text(left[y], y, f"  RTFx {_fmt(r['rtfx'], ',.0f')}", va="center", fontsize=8)
     ax.set_xlabel("seconds (wall, process start to exit)")
     ax.set_title(f"gpudecode decode end to end (corpus ×{results['repeat']})")
+    ax.set_xlim(0, 1.15 * max(left))
     ax.invert_yaxis()
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save_figure(plt, fig, path)

@@ -118,13 +118,15 @@ def test_the_command_refuses_bad_options_before_it_runs(arguments, message):
 
 
 @pytest.mark.peers
-def test_a_tiny_run_on_the_cpu_has_every_ratio_and_full_parity(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_tiny_run_has_every_ratio_and_full_parity(tmp_path, device):
+    """float32, where torch and transformers are installed (``cuda``: also under ``-m gpu``)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    options = PeerBenchOptions(device="cpu", shapes=((2, 64),), vocab=300, beams=(1, 4), prompts=(6,),
+    options = PeerBenchOptions(device=device, shapes=((2, 64),), vocab=300, beams=(1, 4), prompts=(6,),
                                genai_prompts=5, new_tokens=8, prompt_length=5)
     results = peers.run_peers_bench(options, output_dir=tmp_path, name=output_name(options))
-    assert json.loads((tmp_path / "peers-cpu.json").read_text())["cells"] == results["cells"]
+    assert json.loads((tmp_path / f"{output_name(options)}.json").read_text())["cells"] == results["cells"]
     exports = {(c["family"], c["export"]) for c in results["cells"]}
     assert {("gpt2", "torch.onnx"), ("llama", "torch.onnx")} <= exports
     try:

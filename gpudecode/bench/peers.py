@@ -306,11 +306,12 @@ class _Torch:
             config = CompileConfig()
             config._compile_all_devices = True
             extra = {"cache_implementation": "static", "compile_config": config}
+        if beam > 1:  # (greedy search takes neither)
+            extra.update(early_stopping=False, length_penalty=0.0)
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=o.new_tokens,
                                       min_new_tokens=o.new_tokens, eos_token_id=EOS, pad_token_id=PAD,
-                                      do_sample=False, num_beams=beam, early_stopping=False, length_penalty=0.0,
-                                      num_return_sequences=1, **extra)
+                                      do_sample=False, num_beams=beam, num_return_sequences=1, **extra)
         return out[:, prompts.shape[1]:].tolist()
 
     def rescore(self, prompts: np.ndarray, sequences: list[list[int]], rows: int = 64) -> np.ndarray:

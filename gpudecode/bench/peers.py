@@ -429,6 +429,12 @@ def _measure(cell: dict, side: str, run, sync, torch_side: _Torch, prompts: np.n
         cell["sides"][side] = {"note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
         return None
     sequences = out[0] if isinstance(out, tuple) else out
+    lengths = sorted({len(seq) for seq in sequences})
+    if lengths != [options.new_tokens]:  # parity needs every side to decode the same number of labels
+        cell["sides"][side] = {**side_result(seconds, new_tokens=options.new_tokens, num_prompts=len(prompts),
+                                             reference_seconds=None if reference is None else reference["s"]),
+                               "note": f"decoded {lengths} labels, not {options.new_tokens}: no parity"}
+        return None
     rescored = torch_side.rescore(prompts, sequences)
     scores = out[1] if isinstance(out, tuple) else rescored  # a side's own scores where it reports them
     ref_s = None if reference is None else reference["s"]

@@ -149,7 +149,7 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
                 (u.name, f"{tensors.input(u.name).describe()}" + (f"  from '{u.source}'" if u.source else ""))
                 for u in spec.utterance_inputs
             ])
-            hint = prepare_hint(spec, fused_attention=uses_group_query_attention(model))
+            hint = prepare_hint(spec, fused_attention=uses_group_query_attention(model), genai=hints is not None)
             if hint is not None:
                 notes.append(hint)
             lines += [f"note: {n}" for n in notes]

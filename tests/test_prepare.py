@@ -6,7 +6,10 @@ original and against the peers' committed outputs.
   cache: the check's figures, the n-best of ``transformers`` ``generate`` (``expected.json``), the
   in-place CPU path taken;
 - Optimum's merged decoder (an ``If`` the rewrite does not recognise) -> written unfused, reported so, works;
-- ONNX Runtime GenAI's builder output -> "already fast";
+- ``torch.onnx``'s Llama (``tests/fixtures/peers/llama-torch``: grouped key-value heads as a query
+  reshape, not a key repeat) -> ``GroupQueryAttention`` with the model's query heads;
+- ONNX Runtime GenAI's builder output, float32 CPU and float16 CUDA, and any model a
+  ``genai_config.json`` names -> "already fast", the config next to the output;
 - the command line, ``inspect``'s suggestion and the load-time warning.
 """
 
@@ -17,6 +20,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -26,13 +30,16 @@ from gpudecode.prepare.api import FORM_ALREADY_FAST, FORM_GQA, FORM_UNFUSED, pre
 from gpudecode.prepare.check import compare_steps
 from gpudecode.prepare.detect import PREPARED_KEY
 from gpudecode.prepare.rewrite import find_attention, to_group_query_attention
+from gpudecode.scorers import UtteranceBatch
 from gpudecode.scorers.prefix_lm import PrefixLmScorer
+from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.session.discovery import HISTORY_ALIGNMENT_KEY
 from gpudecode.states.options import StateManagerOptions
 from tests.hf_generate import assert_same, decode_like_generate
 
 PEERS = Path(__file__).resolve().parent / "fixtures" / "peers"
-GPT2, OPTIMUM, GENAI = PEERS / "gpt2", PEERS / "optimum", PEERS / "genai"
+GPT2, OPTIMUM, GENAI, GENAI_CUDA = PEERS / "gpt2", PEERS / "optimum", PEERS / "genai", PEERS / "genai-cuda"
+LLAMA_TORCH = PEERS / "llama-torch"
 GPT2_STEP = GPT2 / "decoder_with_past_model.onnx"
 CASES = ("greedy", "beam4-late", "beam8-late")
 
@@ -160,6 +167,74 @@ def test_genai_export_is_already_fast(tmp_path):
     config = json.loads((tmp_path / "genai_config.json").read_text())
     assert config["model"]["decoder"]["filename"] == "fast.onnx"
     assert metadata(report.output)[PREPARED_KEY] == FORM_ALREADY_FAST
+
+
+def test_torch_onnx_llama_grouped_query_fold_becomes_group_query_attention(tmp_path):
+    """torch.onnx exports sdpa's grouped heads as the query reshaped to [N, kv heads, groups·S, Dh]:
+    read as it stands that is 2 heads over 2 positions; the rewrite finds the model's 4 heads over
+    one position, and the rewritten model equals the export (steps and decodes)."""
+    source = LLAMA_TORCH / "decoder_with_past_model.onnx"
+    folded = [n for n in onnx.load(str(source)).graph.node if n.op_type == "Reshape"]
+    assert ops(source)["Expand"] <= 1 and len(folded) >= 4  # no key repeat; the query fold's reshapes
+    report = prepare_model(source, tmp_path / "fast.onnx", check=True)
+    assert report.form == FORM_GQA and report.layers == 1 and report.reason is None, report.table()
+    [node] = [n for n in onnx.load(str(report.output)).graph.node if n.op_type == "GroupQueryAttention"]
+    assert {a.name: a.i for a in node.attribute if a.name in ("num_heads", "kv_num_heads")} == \
+        {"num_heads": 4, "kv_num_heads": 2}
+    assert ops(report.output)["Softmax"] == 0
+    check = report.check
+    assert check.passed and check.max_logit_difference <= 1e-4 and check.same_nbest == check.decode_prompts
+
+
+def test_genai_float16_export_is_already_fast_and_loads(tmp_path):
+    """GenAI's float16 CUDA export: copied, its genai_config.json next to the output naming it; the
+    folder loads, and where the CPU provider runs float16 GroupQueryAttention its greedy decodes equal
+    GenAI's own (on CUDA, expected.json)."""
+    report = prepare_model(GENAI_CUDA / "model.onnx", tmp_path / "fast.onnx")
+    assert report.form == FORM_ALREADY_FAST and report.family == "fast"
+    config = json.loads((tmp_path / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "fast.onnx"
+    assert metadata(report.output)[PREPARED_KEY] == FORM_ALREADY_FAST
+    assert metadata(report.output)[HISTORY_ALIGNMENT_KEY] == "left"
+    try:
+        scorer = PrefixLmScorer(model=str(tmp_path), vocab_size=128, scores_kind="logits")
+    except Exception as exc:  # noqa: BLE001 - a CPU provider without float16 GroupQueryAttention
+        pytest.skip(f"the CPU provider cannot run the float16 export: {str(exc).splitlines()[0][:200]}")
+    assert scorer.self_prefill and scorer.spec.history_alignment == "left"
+    assert scorer.spec.tensors.source == str(tmp_path / "fast.onnx")
+    expected = document(GENAI_CUDA)
+    options = LabelSyncOptions(beam_size=1, sentence_end=expected["eos"], max_labels_per_input=1.0)
+    prompts = expected["prompts"]
+    sizes = np.array([len(p) for p in prompts])
+    table = np.zeros((len(prompts), sizes.max()), np.int64)
+    for u, prompt in enumerate(prompts):
+        table[u, :len(prompt)] = prompt
+    batch = UtteranceBatch(ids=[f"p{u}" for u in range(len(prompts))], input_lengths=expected["max_length"] - sizes,
+                           inputs={"prompt": table}, sizes={"prompt": sizes})
+    nbest = label_sync_search([("genai", scorer, 1.0)], batch, options, xp=np)
+    decoded = [[*prompt, *hyps[0].labels] for prompt, hyps in zip(prompts, nbest)]
+    assert decoded == expected["greedy"]["sequences"]
+
+
+def test_a_model_named_by_a_genai_config_is_left_as_it_is(tmp_path):
+    """The family comes from the genai_config.json that names the file, whatever its attention ops:
+    the GPT-2 export (plain attention) named by one is copied, its alignment left to the load-time
+    probe; named by none it is rewritten."""
+    folder = tmp_path / "genai"
+    folder.mkdir()
+    (folder / "step.onnx").write_bytes(GPT2_STEP.read_bytes())
+    config = json.loads((GENAI / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "step.onnx"
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    report = prepare_model(folder / "step.onnx", tmp_path / "out" / "fast.onnx")
+    assert report.form == FORM_ALREADY_FAST and ops(report.output)["Softmax"] == 2
+    written = json.loads((tmp_path / "out" / "genai_config.json").read_text())
+    assert written["model"]["decoder"]["filename"] == "fast.onnx"
+    assert HISTORY_ALIGNMENT_KEY not in metadata(report.output)
+    config["model"]["decoder"]["filename"] = "model.onnx"  # a config naming another file: not this model's
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    other = prepare_model(folder / "step.onnx", tmp_path / "other" / "fast.onnx")
+    assert other.form == FORM_GQA and not (tmp_path / "other" / "genai_config.json").exists()
 
 
 def test_the_check_finds_a_wrong_rewrite():

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from gpudecode.prepare.check import CheckOptions, CheckReport, check_prepared, compare_steps
-from gpudecode.prepare.detect import PREPARED_KEY, detect_family
+from gpudecode.prepare.detect import FAST_ATTENTION_OPS, PREPARED_KEY, detect_family
 from gpudecode.prepare.fuse import fuse_generic, to_float16
 from gpudecode.prepare.rewrite import RewriteError, find_attention, query_heads_count, to_group_query_attention
 from gpudecode.session.discovery import HISTORY_ALIGNMENT_KEY
@@ -92,12 +92,14 @@ def prepare_model(source, output, *, float16: bool = False, attention: str = "au
         raise ValueError(f"{output}: the output must not overwrite the model")
     model = onnx.load(str(source))
     output.parent.mkdir(parents=True, exist_ok=True)
-    detection = detect_family(model)
+    genai_config = _genai_config(source)
+    detection = detect_family(model, genai=genai_config is not None)
     reason, layers, fused_ops, fusion_note = None, 0, {}, None
     if detection.family == "fast":
         form = FORM_ALREADY_FAST
         prepared = model
-        _copy_genai_config(source, output)
+        if genai_config is not None:
+            _copy_genai_config(genai_config, output)
     else:
         fused, fused_ops, fusion_note = _generic_fusions(model, detection)
         prepared, reason, layers = _fuse_attention(fused, attention, detection)
@@ -166,20 +168,31 @@ def _probe_feeds(model: onnx.ModelProto, matches) -> dict:
 
 
 def _annotate(model: onnx.ModelProto, form: str) -> None:
-    """The metadata the toolkit reads: the cache alignment of a fused form, and the prepared form."""
+    """The metadata the toolkit reads: the cache alignment of a fused form (left: the fused ops read
+    each row's history from its start; another graph's alignment is left to the load-time probe),
+    and the prepared form."""
     props = {p.key: p.value for p in model.metadata_props}
-    if form in (FORM_GQA, FORM_ALREADY_FAST):
+    if form in (FORM_GQA, FORM_ALREADY_FAST) and any(n.op_type in FAST_ATTENTION_OPS for n in model.graph.node):
         props[HISTORY_ALIGNMENT_KEY] = "left"
     props[PREPARED_KEY] = form
     del model.metadata_props[:]
     onnx.helper.set_model_props(model, props)
 
 
-def _copy_genai_config(source: Path, output: Path) -> None:
-    """A GenAI export's ``genai_config.json`` next to the output, naming the output's file."""
+def _genai_config(source: Path) -> Path | None:
+    """The ``genai_config.json`` next to ``source`` that names it as its decoder (a GenAI export), or None."""
     config = source.parent / CONFIG_NAME
     if not config.is_file():
-        return
+        return None
+    try:
+        filename = json.loads(config.read_text())["model"]["decoder"]["filename"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return config if filename == source.name else None
+
+
+def _copy_genai_config(config: Path, output: Path) -> None:
+    """A GenAI export's ``genai_config.json`` next to the output, naming the output's file."""
     target = output.parent / CONFIG_NAME
     data = json.loads(config.read_text())
     data["model"]["decoder"]["filename"] = output.name

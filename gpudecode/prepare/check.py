@@ -96,8 +96,9 @@ def _session(model: onnx.ModelProto):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _state_dims(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
-    """Past input -> (heads, head size): static dims, else those GroupQueryAttention's attributes give."""
+def _state_dims(model: onnx.ModelProto, state_shape=(None, None)) -> dict[str, tuple[int, int]]:
+    """Past input -> (heads, head size): static dims, else those GroupQueryAttention's attributes
+    give, else ``state_shape`` (key-value heads, head size; e.g. a ``genai_config.json``'s)."""
     from gpudecode.session.genai import graph_state_dims
 
     resolved = graph_state_dims(model)
@@ -105,17 +106,21 @@ def _state_dims(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     for value in model.graph.input:
         if value.name.startswith("past_key_values."):
             shape = [d.dim_value or resolved.get(d.dim_param) for d in value.type.tensor_type.shape.dim]
-            dims[value.name] = (shape[1], shape[3])
+            dims[value.name] = (shape[1] or state_shape[0], shape[3] or state_shape[1])
     return dims
 
 
-def compare_steps(original: onnx.ModelProto, prepared: onnx.ModelProto, options: CheckOptions = CheckOptions()):
-    """(max |Δ| logits, max |Δ| new states) over ``options.trials`` steps of random histories."""
+def compare_steps(original: onnx.ModelProto, prepared: onnx.ModelProto, options: CheckOptions = CheckOptions(),
+                  *, state_shape: tuple[int | None, int | None] = (None, None)):
+    """(max |Δ| logits, max |Δ| new states) over ``options.trials`` steps of random histories;
+    ``state_shape``: (key-value heads, head size) where neither graph says them."""
     sessions = [_session(original), _session(prepared)]
     alignments = [alignment_of(original), alignment_of(prepared)]
-    dims = _state_dims(original)
+    dims = _state_dims(original, state_shape)
     if any(None in d for d in dims.values()):
-        dims = _state_dims(prepared)
+        dims = _state_dims(prepared, state_shape)
+    if any(None in d for d in dims.values()):
+        raise ValueError(f"the past states' heads or head size are not known: {dims}")
     vocab = _vocab(original)
     rng = np.random.default_rng(options.seed)
     worst_logits = worst_states = 0.0
@@ -212,10 +217,15 @@ def check_prepared(original_path: str, prepared_path: str, *, prefill: str | Non
                    options: CheckOptions = CheckOptions()) -> CheckReport:
     """Both comparisons; a prepared model the CPU provider cannot run (float16 kernels it lacks)
     gives a report that says so rather than a figure."""
+    from gpudecode.session.genai import find_genai_config, read_genai_config
+
     tolerance = TOLERANCE_FLOAT16 if float16 else TOLERANCE_FLOAT32
     original, prepared = onnx.load(original_path), onnx.load(prepared_path)
+    config = find_genai_config(original_path)
+    genai = read_genai_config(config) if config is not None else None
+    state_shape = (genai.num_key_value_heads, genai.head_size) if genai is not None else (None, None)
     try:
-        logits, states = compare_steps(original, prepared, options)
+        logits, states = compare_steps(original, prepared, options, state_shape=state_shape)
     except Exception as exc:  # noqa: BLE001 - a kernel the CPU provider lacks is a skip, not a figure
         if float16:
             return CheckReport(tolerance, float16=True, skipped="the CPU provider cannot run this float16 model "

@@ -23,13 +23,19 @@ class Detection:
     detail: str
 
 
-def detect_family(model) -> Detection:
-    """The family of ``model`` (an ``onnx.ModelProto``)."""
+def detect_family(model, *, genai: bool = False) -> Detection:
+    """The family of ``model`` (an ``onnx.ModelProto``); ``genai``: a ``genai_config.json`` names it
+    as its decoder (ONNX Runtime GenAI's builder output, fast whatever attention op its precision
+    and provider got: e.g. ``MultiHeadAttention`` in its float16 CPU export)."""
     ops = {node.op_type for node in model.graph.node}
     fused = sorted(ops & set(FAST_ATTENTION_OPS))
     inputs = {value.name for value in model.graph.input}
     if fused:
         return Detection("fast", f"attention already fused ({', '.join(fused)})")
+    if genai:
+        attention = sorted(op for op in ops if op.endswith("Attention"))
+        return Detection("fast", "ONNX Runtime GenAI builder export (genai_config.json)"
+                         + (f", attention {', '.join(attention)}" if attention else ""))
     if "token" in inputs:
         return Detection("rasr", "the toolkit's own convention (token, prefix-length)")
     if "input_ids" in inputs and any(name.startswith("past_key_values.") for name in inputs):
@@ -38,14 +44,15 @@ def detect_family(model) -> Detection:
     return Detection("unknown", "no past_key_values inputs and no fused attention")
 
 
-def prepare_hint(spec, *, fused_attention: bool = False) -> str | None:
+def prepare_hint(spec, *, fused_attention: bool = False, genai: bool = False) -> str | None:
     """One line suggesting ``gpudecode prepare`` for a step model (a ``ModelSpec``) that is not in
     the fast form: a Hugging Face decoder whose cache is right-aligned (the attention as plain ops,
     the history copied into every step); None for a model in the fast form (left-aligned, written in
     place, or ``fused_attention``: its graph runs one of :data:`FAST_ATTENTION_OPS`), one ``prepare``
-    wrote already (metadata :data:`PREPARED_KEY`), or of another kind."""
+    wrote already (metadata :data:`PREPARED_KEY`), a GenAI export (``genai``: ``prepare`` leaves it as
+    it is), or of another kind."""
     variables = spec.state_variables
-    if PREPARED_KEY in spec.tensors.metadata:  # prepared already: its report said why it stayed as it is
+    if PREPARED_KEY in spec.tensors.metadata or genai:  # prepared already, or a GenAI export (already fast)
         return None
     if (spec.convention != "huggingface" or not variables or spec.history_alignment == "left" or fused_attention
             or spec.in_place_outputs or any(v.time_axis is None for v in variables)):

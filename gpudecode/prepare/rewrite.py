@@ -112,6 +112,25 @@ def _back_through_scales(index: GraphIndex, name: str) -> tuple[str, float]:
             return name, scale
 
 
+def _unfold_grouped_query(index: GraphIndex, query: str, context: str) -> tuple[str, str, float]:
+    """(query heads, context, scale) with the grouped-query fold undone where there is one.
+
+    ``torch.onnx``'s export of ``scaled_dot_product_attention(..., enable_gqa=True)`` does not repeat
+    the key-value heads: it reshapes the query heads [N, heads, S, Dh] to [N, kv heads, groups·S, Dh]
+    (each key-value head's query heads as rows), multiplies them with the unrepeated keys, and
+    reshapes the context back to [N, heads, S, Dh]. Read as they are, the attention would have
+    ``kv heads`` query heads over ``groups·S`` positions. Where the query comes from a ``Reshape`` and
+    the context's one reader (besides ``Shape`` nodes) is a ``Reshape``, the pair is that fold: the
+    query is the first Reshape's input and the context the second's output (their shapes are read in
+    :func:`query_heads_count`, and the rewrite is proven against the original by the caller)."""
+    fold = index.producer.get(query)
+    readers = [n for n in index.consumers.get(context, []) if n.op_type != "Shape"]
+    if fold is None or fold.op_type != "Reshape" or len(readers) != 1 or readers[0].op_type != "Reshape":
+        return query, context, 1.0
+    unfolded, scale = _back_through_scales(index, fold.input[0])
+    return unfolded, readers[0].output[0], scale
+
+
 def _scores_scale(index: GraphIndex, scores: str) -> float:
     """Scalar Mul / Div applied to the scores between their MatMul and the softmax."""
     scale = 1.0
@@ -180,11 +199,12 @@ def find_attention(model: onnx.ModelProto) -> list[AttentionMatch]:
         score, key_scale = _forward_matmul(index, present["key"], transposed=True)
         context, _ = _forward_matmul(index, present["value"], transposed=False)
         query, query_scale = _back_through_scales(index, score.input[0])
-        scale = key_scale * query_scale * _scores_scale(index, score.output[0])
+        query, context_out, fold_scale = _unfold_grouped_query(index, query, context.output[0])
+        scale = key_scale * query_scale * fold_scale * _scores_scale(index, score.output[0])
         matches.append(AttentionMatch(
             layer=layer, past_key=pasts["key"], past_value=pasts["value"], present_key=present["key"],
             present_value=present["value"], key_heads=heads["key"], value_heads=heads["value"], query_heads=query,
-            context=context.output[0], scale=scale, kv_heads=int(shape[1]), head_size=int(shape[3])))
+            context=context_out, scale=scale, kv_heads=int(shape[1]), head_size=int(shape[3])))
     return matches
 
 
@@ -203,10 +223,12 @@ def query_heads_count(model: onnx.ModelProto, matches: list[AttentionMatch], fee
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     values = session.run([m.query_heads for m in matches], feeds)
     counts = {}
+    steps = feeds["input_ids"].shape[1] if "input_ids" in feeds else None
     for m, value in zip(matches, values):
-        if value.ndim != 4 or value.shape[3] != m.head_size or value.shape[1] % m.kv_heads:
-            raise RewriteError(f"layer {m.layer}: query heads {value.shape}: expected [N, heads, S, {m.head_size}] "
-                               f"with heads a multiple of {m.kv_heads}")
+        if (value.ndim != 4 or value.shape[3] != m.head_size or value.shape[1] % m.kv_heads
+                or (steps is not None and value.shape[2] != steps)):
+            raise RewriteError(f"layer {m.layer}: query heads {value.shape}: expected [N, heads, {steps or 'S'}, "
+                               f"{m.head_size}] with heads a multiple of {m.kv_heads}")
         counts[m.layer] = int(value.shape[1])
     return counts
 

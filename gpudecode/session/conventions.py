@@ -123,7 +123,7 @@ def load_step_model_spec(session, *, io_map=None, state_patterns=(), utterance_p
         results.append(result)
         if result.passed:
             chosen = replace(spec, history_alignment=alignment)
-            hint = prepare_hint(chosen)
+            hint = prepare_hint(chosen, genai=hints is not None)
             if hint is not None:  # (shown once per model: the warning filter's default)
                 warnings.warn(hint, stacklevel=2)
             return chosen

@@ -31,6 +31,15 @@ EOS masked while ``input_ids.shape[-1] < min_length``), ``min_new_tokens`` does 
 
 Made with: torch 2.13.0+cpu, transformers 5.24.0, onnxruntime 1.32.0, onnx 1.23.2 (also in
 ``versions`` of expected.json).
+
+``--family llama`` makes ``tests/fixtures/peers/llama-torch/`` instead: a random-initialised
+``LlamaForCausalLM`` (fixed seed; 1 layer, hidden 32, 4 heads, 2 key-value heads: grouped query
+attention; MLP 40, vocabulary 48, 24 positions; ``attn_implementation="sdpa"``) through the same
+``export`` (step + prefill; checked against the model's own logits of ``LLAMA_CHECK_SEQUENCE``). Its
+attention is what ``torch.onnx`` makes of ``scaled_dot_product_attention(..., enable_gqa=True)``:
+the query heads reshaped to [N, key-value heads, groups·S, head size] against the unrepeated keys,
+the context reshaped back (no ``expected.json``: ``gpudecode prepare``'s tests check its rewrite
+against this export itself). Made with the same versions as above.
 """
 
 from __future__ import annotations
@@ -192,16 +201,16 @@ def versions() -> dict:
             "python": sys.version.split()[0]}
 
 
-def check_export(reference, directory: Path) -> None:
-    """The exported prefill + step models reproduce ``reference`` (the logits of
-    ``CHECK_SEQUENCE`` by the model before its export) within 1e-4: prefill over the first 3
+def check_export(reference, directory: Path, sequence: list[int] | None = None) -> None:
+    """The exported prefill + step models reproduce ``reference`` (the logits of ``sequence``, by
+    default ``CHECK_SEQUENCE``, by the model before its export) within 1e-4: prefill over the first 3
     tokens, then one step per token."""
     import numpy as np
     import onnxruntime as ort
 
     prefill = ort.InferenceSession(str(directory / "decoder_model.onnx"))
     step = ort.InferenceSession(str(directory / "decoder_with_past_model.onnx"))
-    tokens = np.asarray([CHECK_SEQUENCE], np.int64)
+    tokens = np.asarray([sequence or CHECK_SEQUENCE], np.int64)
     names = [o.name for o in prefill.get_outputs()]
     out = prefill.run(None, {"input_ids": tokens[:, :3], "attention_mask": np.ones((1, 3), np.int64),
                              "position_ids": np.arange(3)[None]})
@@ -222,9 +231,48 @@ def check_export(reference, directory: Path) -> None:
 CHECK_SEQUENCE = [5, 17, 33, 61, 7, 44, 90, 3]
 
 
-def main() -> None:
+#: the Llama fixture (``--family llama``): folder, shape, and the sequence its export must reproduce
+LLAMA_OUT = OUT.parent / "llama-torch"
+LLAMA_VOCAB, LLAMA_LAYERS, LLAMA_HEADS, LLAMA_KV_HEADS = 48, 1, 4, 2
+LLAMA_HIDDEN, LLAMA_INNER, LLAMA_POSITIONS = 32, 40, 24
+LLAMA_CHECK_SEQUENCE = [5, 17, 33, 41, 7, 44, 30, 3]
+
+
+def llama_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=LLAMA_HIDDEN, intermediate_size=LLAMA_INNER,
+                         num_hidden_layers=LLAMA_LAYERS, num_attention_heads=LLAMA_HEADS,
+                         num_key_value_heads=LLAMA_KV_HEADS, max_position_embeddings=LLAMA_POSITIONS,
+                         initializer_range=INIT_RANGE, bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+
+
+def main_llama() -> None:
     import torch
 
+    LLAMA_OUT.mkdir(parents=True, exist_ok=True)
+    lm = llama_model()
+    with torch.no_grad():
+        reference = lm(torch.tensor([LLAMA_CHECK_SEQUENCE])).logits[0].numpy()
+    export(lm, LLAMA_OUT)
+    check_export(reference, LLAMA_OUT, LLAMA_CHECK_SEQUENCE)
+    print(f"wrote {LLAMA_OUT}")
+
+
+def main() -> None:
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+    if parser.parse_args().family == "llama":
+        main_llama()
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     lm = model()
     # generate and the reference logits first: torch.onnx.export leaves the module computing

@@ -196,6 +196,7 @@ def test_genai_float16_export_is_already_fast_and_loads(tmp_path):
     assert config["model"]["decoder"]["filename"] == "fast.onnx"
     assert metadata(report.output)[PREPARED_KEY] == FORM_ALREADY_FAST
     assert metadata(report.output)[HISTORY_ALIGNMENT_KEY] == "left"
+    assert f"written: {tmp_path / 'genai_config.json'}" in report.table()
     try:
         scorer = PrefixLmScorer(model=str(tmp_path), vocab_size=128, scores_kind="logits")
     except Exception as exc:  # noqa: BLE001 - a CPU provider without float16 GroupQueryAttention
@@ -235,6 +236,16 @@ def test_a_model_named_by_a_genai_config_is_left_as_it_is(tmp_path):
     (folder / "genai_config.json").write_text(json.dumps(config))
     other = prepare_model(folder / "step.onnx", tmp_path / "other" / "fast.onnx")
     assert other.form == FORM_GQA and not (tmp_path / "other" / "genai_config.json").exists()
+    assert other.genai_config is None and "genai_config.json" not in other.table()
+
+
+def test_a_genai_export_prepared_into_its_own_folder_says_its_config_names_the_export(tmp_path):
+    for name in ("model.onnx", "genai_config.json"):
+        (tmp_path / name).write_bytes((GENAI / name).read_bytes())
+    report = prepare_model(tmp_path / "model.onnx", tmp_path / "fast.onnx")
+    assert report.form == FORM_ALREADY_FAST
+    assert json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
+    assert report.genai_config.startswith(f"left naming {tmp_path / 'model.onnx'}")
 
 
 def test_the_check_finds_a_wrong_rewrite():

@@ -52,6 +52,8 @@ class PrepareReport:
     check: CheckReport | None = None
     #: why ONNX Runtime's generic fusions were skipped (None: they ran)
     fusion_note: str | None = None
+    #: a GenAI export's config: where it was written, or why not (None: not a GenAI export)
+    genai_config: str | None = None
 
     @property
     def fused(self) -> bool:
@@ -71,6 +73,8 @@ class PrepareReport:
                 ("other fusions", self.fusion_note or ", ".join(f"{op} ×{n}" for op, n in sorted(self.fused_ops.items()))
                  or "none"),
                 ("precision", "float16, logits float32" if self.float16 else "as exported")]
+        if self.genai_config is not None:
+            rows.append(("genai_config.json", self.genai_config))
         return rows + (self.check.rows() if self.check is not None else [])
 
     def table(self) -> str:
@@ -94,12 +98,12 @@ def prepare_model(source, output, *, float16: bool = False, attention: str = "au
     output.parent.mkdir(parents=True, exist_ok=True)
     genai_config = _genai_config(source)
     detection = detect_family(model, genai=genai_config is not None)
-    reason, layers, fused_ops, fusion_note = None, 0, {}, None
+    reason, layers, fused_ops, fusion_note, config_note = None, 0, {}, None, None
     if detection.family == "fast":
         form = FORM_ALREADY_FAST
         prepared = model
         if genai_config is not None:
-            _copy_genai_config(genai_config, output)
+            config_note = _copy_genai_config(genai_config, output)
     else:
         fused, fused_ops, fusion_note = _generic_fusions(model, detection)
         prepared, reason, layers = _fuse_attention(fused, attention, detection)
@@ -109,7 +113,7 @@ def prepare_model(source, output, *, float16: bool = False, attention: str = "au
     _annotate(prepared, form)
     onnx.save(prepared, str(output))
     report = PrepareReport(str(source), str(output), detection.family, form, layers, reason, fused_ops, float16,
-                           fusion_note=fusion_note)
+                           fusion_note=fusion_note, genai_config=config_note)
     if check:
         prefill = prefill_model if prefill_model is not None else _default_prefill(source, model)
         result = check_prepared(str(source), str(output), prefill=None if prefill is None else str(prefill),
@@ -191,13 +195,17 @@ def _genai_config(source: Path) -> Path | None:
     return config if filename == source.name else None
 
 
-def _copy_genai_config(config: Path, output: Path) -> None:
-    """A GenAI export's ``genai_config.json`` next to the output, naming the output's file."""
+def _copy_genai_config(config: Path, output: Path) -> str:
+    """A GenAI export's ``genai_config.json`` next to the output, naming the output's file; where
+    it went (or, in the export's own folder, why its config was left naming the export)."""
     target = output.parent / CONFIG_NAME
     data = json.loads(config.read_text())
     data["model"]["decoder"]["filename"] = output.name
-    if target.resolve() != config.resolve():  # (the same folder: the config already describes the model)
-        target.write_text(json.dumps(data, indent=4))
+    if target.resolve() == config.resolve():  # the export's own config is not rewritten
+        return (f"left naming {config.parent / json.loads(config.read_text())['model']['decoder']['filename']} "
+                f"(the output is in the export's folder: write it to another folder to load it as a GenAI folder)")
+    target.write_text(json.dumps(data, indent=4))
+    return f"written: {target}"
 
 
 def _default_prefill(source: Path, model: onnx.ModelProto) -> Path | None:

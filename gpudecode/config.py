@@ -95,6 +95,7 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 # a count where true/false would be a mistake (YAML reads "yes" as true): no bools, no floats
 StrictPositiveInt = Annotated[int, Field(gt=0, strict=True)]
+StrictNonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 
 
 def _not_bool(value: Any) -> Any:
@@ -176,6 +177,10 @@ class RuntimeConfig(_Section):
     cudnn_conv_algo_search: Literal[defaults.CUDNN_CONV_ALGO_SEARCHES] = (
         defaults.CUDNN_CONV_ALGO_SEARCH)
     dump_inputs: ConfigPath | None = None  # folder for .npz dumps of every model call's inputs
+    #: batches read (and through the front end) ahead by a background thread; 0: read in the loop
+    prefetch_batches: StrictNonNegativeInt = defaults.PREFETCH_BATCHES
+    #: results queued for the writer thread (written and flushed there); 0: written in the loop
+    writer_queue: StrictNonNegativeInt = defaults.WRITER_QUEUE
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @model_validator(mode="after")

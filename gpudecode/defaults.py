@@ -23,6 +23,8 @@ CUDNN_CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 # HEURISTIC, not ONNX Runtime's EXHAUSTIVE: decoding sees many shapes, and an exhaustive search
 # per new shape costs more than it saves.
 CUDNN_CONV_ALGO_SEARCH = "HEURISTIC"
+PREFETCH_BATCHES = 2  # batches read (and through the front end) ahead in a thread; 0: no thread
+WRITER_QUEUE = 256  # results queued for the writer thread; 0: written in the decoding loop
 
 # --- models: front end (log-mel features from audio) ---------------------------------------
 SAMPLE_RATE_HZ = 16000

@@ -30,7 +30,11 @@ class RunTimings:
     ``reading_s``: reading the features (without the front end); ``front_end_s``: the front end of
     audio input; ``encoder_s``: the encoder and the batch's inputs; ``search_s``: the search;
     ``writing_s``: writing and flushing the results. On CUDA these are host times: GPU work that
-    one part queues and the next waits for is counted where it is waited for."""
+    one part queues and the next waits for is counted where it is waited for. Reading and the front
+    end run in a background thread with ``runtime.prefetch_batches``, writing with
+    ``runtime.writer_queue``: the decoding loop then waits only ``input_wait_s`` for its batches and
+    ``output_wait_s`` for the writer (a full queue, and the last results at the end); without those
+    threads the waits are the parts themselves."""
 
     started_at: float = 0.0  # the run began (imports done)
     decoding_at: float = 0.0  # the decoding loop began (sessions created, the source open)
@@ -41,6 +45,8 @@ class RunTimings:
     encoder_s: float = 0.0
     search_s: float = 0.0
     writing_s: float = 0.0
+    input_wait_s: float = 0.0  # the decoding loop waited for its next batch
+    output_wait_s: float = 0.0  # the decoding loop waited for results to be written (or queued)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,6 +18,8 @@ from gpudecode import __version__, backend, defaults
 from gpudecode.config import Config, ConfigError, dump_resolved
 from gpudecode.decoder import Decoder
 from gpudecode.io import ResultWriter, UtteranceResult, read_done_ids, score_wer
+from gpudecode.io.prefetch import prefetched
+from gpudecode.io.writer_thread import WriterThread
 from gpudecode.io.identity import archive_number, identity_differences, read_identity, run_identity, write_identity
 from gpudecode.io.wer import validate_references
 from gpudecode.job import (OutOfMemory, RunSummary, RunTimings, decode_fitting, open_utterances, timed_batches,
@@ -90,6 +92,58 @@ def _record_run(config: Config, output: Path, identity: dict, *, resuming: bool,
     write_identity(output, identity)
 
 
+def _decode_all(decoder: Decoder, source, writer: ResultWriter, config: Config, summary: RunSummary, *,
+                exclude: set[str], progress, total: int, start: float) -> None:
+    """Decode the batches of ``source`` (less ``exclude``) and write their results in order.
+
+    Batches are read ``runtime.prefetch_batches`` ahead by a thread and results written by another
+    (``runtime.writer_queue``); an utterance counts in ``summary`` once its lines are flushed
+    (``progress`` counts those handed to the writer). On an error or an interrupt every result
+    handed over before it is written, then the error goes on (an error of the writer itself, such
+    as a full disk, first: the run would have stopped there).
+    """
+    timings, on_bad_input = summary.timings, config.io.on_bad_input
+
+    def write(item) -> None:
+        utterance, nbest = item
+        written = time.perf_counter()
+        writer.write(UtteranceResult(id=utterance.id, nbest=nbest))
+        timings.writing_s += time.perf_counter() - written
+        if timings.first_result_at is None:
+            timings.first_result_at = time.time()
+        summary.frames += utterance.num_frames
+        summary.decoded += 1
+
+    batches = prefetched(timed_batches(source.batches(config.search.batch_size, exclude=exclude), timings),
+                         config.runtime.prefetch_batches, name="gpudecode-reader")
+    queue_depth = config.runtime.writer_queue
+    output = WriterThread(write, queue_depth) if queue_depth else None
+    put = write if output is None else output.put
+    handed, handed_frames = 0, 0  # results handed to the writer (what progress counts)
+    try:
+        while True:
+            waited = time.perf_counter()
+            batch = next(batches, None)
+            timings.input_wait_s += time.perf_counter() - waited
+            if batch is None:
+                break
+            for item in decode_fitting(decoder, batch, summary, on_bad_input):
+                waited = time.perf_counter()
+                put(item)
+                timings.output_wait_s += time.perf_counter() - waited
+                handed, handed_frames = handed + 1, handed_frames + item[0].num_frames
+            if progress:
+                summary.seconds = time.perf_counter() - start
+                audio = handed_frames * summary.frame_shift_s
+                progress(handed, total, summary.seconds / audio if audio else None)
+    finally:
+        batches.close()  # stops the reader thread before the source closes
+        if output is not None:
+            waited = time.perf_counter()
+            output.close()  # every queued result written (or the writer's error raised)
+            timings.output_wait_s += time.perf_counter() - waited
+
+
 def run_decode(config: Config, *, resume: bool = False, force: bool = False,
                progress: Callable[[int, int], None] | None = None,
                on_status: Callable[[Mapping], None] | None = None) -> RunSummary:
@@ -146,18 +200,8 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
             total = len([u for u in source.ids() if u not in done])
             if progress:
                 progress(0, total)
-            for batch in timed_batches(source.batches(config.search.batch_size, exclude=done), timings):
-                for utterance, nbest in decode_fitting(decoder, batch, summary, io.on_bad_input):
-                    written = time.perf_counter()
-                    writer.write(UtteranceResult(id=utterance.id, nbest=nbest))
-                    timings.writing_s += time.perf_counter() - written
-                    if timings.first_result_at is None:
-                        timings.first_result_at = time.time()
-                    summary.frames += utterance.num_frames
-                    summary.decoded += 1
-                if progress:
-                    summary.seconds = time.perf_counter() - start
-                    progress(summary.decoded, total, summary.real_time_factor)
+            _decode_all(decoder, source, writer, config, summary, exclude=done, progress=progress,
+                        total=total, start=start)
             summary.skipped = [str(error) for error in source.skipped] + summary.skipped
     finally:
         summary.seconds = time.perf_counter() - start

@@ -5,7 +5,8 @@ Each device's run is ``python -m gpudecode decode CONFIG -o runtime.device=DEV``
 file (the hidden ``--timings`` option). From them and the parent's clock: utterances/s and RTFx
 (audio seconds ÷ steady decode seconds, start-up excluded), time to first result (process start →
 the first result written and flushed), total wall time, and the breakdown — start-up (imports,
-sessions), reading, front end, encoder, search, writing, other (the rest: the run's tail, exit) —
+sessions), reading, front end, encoder, search, writing (reading, the front end and writing as the
+decoding loop waited for them: they may run in threads beside it), other (the rest: the run's tail, exit) —
 plus GPU utilisation sampled with ``nvidia-smi`` on CUDA.
 
 ``repeat`` N decodes the corpus N times under distinct ids (``<id>-r1`` .. ``<id>-rN``): a Kaldi
@@ -176,8 +177,14 @@ def _row(config: str, device: str, run: dict, spawned: float, ended: float, gpu_
     startup = t["decoding_at"] - spawned
     steady = t["finished_at"] - t["decoding_at"]
     audio = run["frames"] * run["frame_shift_s"]
-    parts = {"start-up": startup, "reading": t["reading_s"], "front end": t["front_end_s"],
-             "encoder": t["encoder_s"], "search": t["search_s"], "writing": t["writing_s"]}
+    # reading, the front end and writing may run in threads beside the decoding loop: the wall holds
+    # only the loop's waits for them (the input wait shared between reading and the front end in
+    # proportion to their work; their own seconds are in the run's timings)
+    work_in = t["reading_s"] + t["front_end_s"]
+    wait_in = t.get("input_wait_s", work_in)
+    share = wait_in / work_in if work_in > 0 else 0.0
+    parts = {"start-up": startup, "reading": t["reading_s"] * share, "front end": t["front_end_s"] * share,
+             "encoder": t["encoder_s"], "search": t["search_s"], "writing": t.get("output_wait_s", t["writing_s"])}
     parts["other"] = total - sum(parts.values())
     first = None if t["first_result_at"] is None else t["first_result_at"] - spawned
     return {"config": str(config), "device": device, "utterances": run["decoded"], "audio_s": audio,

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from gpudecode import backend, defaults
 from gpudecode.sizes import next_power_of_two
+
+if TYPE_CHECKING:  # onnx (protobuf) is imported only where a model proto is read
+    import onnx
 
 CONTROL_FLOW_OPS = ("If", "Loop", "Scan")
 SKIP_GRAPH = "-1"

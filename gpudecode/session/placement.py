@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import onnx
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # onnx (protobuf) is imported only when a CUDA session's placement is checked
+    import onnx
 
 _MEMCPY = ("MemcpyToHost", "MemcpyFromHost")
-_FLOAT_TYPES = {
-    onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE
-}
 # Outputs of these depend only on shapes, never on tensor contents.
 _SHAPE_OPS = ("Shape", "Size")
 
@@ -18,10 +18,15 @@ def data_copies(optimised: onnx.ModelProto) -> list[str]:
     Copies whose input is computed from shapes and integer inputs only (small shape subgraphs
     placed on the CPU) are normal and not reported. Returns one description per offending node.
     """
+    import onnx
+
+    float_types = {
+        onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE
+    }
     graph = optimised.graph
     producer = {out: node for node in graph.node for out in node.output}
-    float_sources = {v.name for v in graph.input if v.type.tensor_type.elem_type in _FLOAT_TYPES}
-    float_sources |= {t.name for t in graph.initializer if t.data_type in _FLOAT_TYPES}
+    float_sources = {v.name for v in graph.input if v.type.tensor_type.elem_type in float_types}
+    float_sources |= {t.name for t in graph.initializer if t.data_type in float_types}
 
     def carries_data(tensor: str) -> bool:
         seen, todo = set(), [tensor]

@@ -14,9 +14,9 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
 from gpudecode import backend
 from gpudecode.session.cuda_libs import preload_cuda_libraries, provider_failure
@@ -24,6 +24,9 @@ from gpudecode.session.graphs import SKIP_GRAPH, capture_blocker, host_copy_bloc
 from gpudecode.session.options import SessionOptions
 from gpudecode.session.placement import data_copies
 from gpudecode.session.tensors import ModelTensors, from_ort_session
+
+if TYPE_CHECKING:  # onnx (protobuf) is imported only where a model proto is read
+    import onnx
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,8 @@ class OnnxSession:
             raise SessionError(provider_failure(self.ort, self.source, active,
                                                 preload_report=getattr(self, "_preload_report", "")))
         if optimised_path and Path(optimised_path).stat().st_size:
+            import onnx
+
             optimised = onnx.load(optimised_path, load_external_data=False)
             copies = data_copies(optimised)
             if copies:
@@ -276,6 +281,8 @@ def create_inference_session(factory, model, sess_options, providers: Sequence, 
 
 
 def _load_proto(model) -> onnx.ModelProto:
+    import onnx
+
     if isinstance(model, bytes):
         return onnx.load_from_string(model)
     return onnx.load(str(model), load_external_data=False)

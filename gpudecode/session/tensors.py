@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
+
+if TYPE_CHECKING:  # onnx (protobuf) is imported only where a model proto is read
+    import onnx
 
 Dim = int | str | None  # static size, symbolic name, or unknown
 
@@ -79,6 +82,8 @@ def from_ort_session(session, source: str) -> ModelTensors:
 
 
 def _proto_info(value_info: onnx.ValueInfoProto) -> TensorInfo:
+    import onnx
+
     tensor_type = value_info.type.tensor_type
     dims: list[Dim] = []
     for d in tensor_type.shape.dim:

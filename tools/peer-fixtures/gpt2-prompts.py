@@ -60,56 +60,13 @@ def generate(lm, prompt: list[int]) -> dict:
 
 
 def export(lm, directory: Path) -> None:
-    import torch
-    from transformers import DynamicCache
+    """The prefill and step exports of ``lm``: ``tools/peer-fixtures/gpt2.py``'s ``export``."""
+    import importlib.util
 
-    past_names = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
-    present_names = [f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
-
-    def presents(cache):
-        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-    class WithPast(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids, attention_mask, position_ids, *past):
-            cache = DynamicCache()
-            for i in range(LAYERS):
-                cache.update(past[2 * i], past[2 * i + 1], i)
-            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True)
-            return (out.logits, *presents(out.past_key_values))
-
-    class NoPast(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, input_ids, attention_mask, position_ids):
-            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=True)
-            return (out.logits, *presents(out.past_key_values))
-
-    head = EMBD // HEADS
-    past = [torch.randn(2, HEADS, 3, head) for _ in past_names]
-    dynamic = {"input_ids": {0: "batch"}, "attention_mask": {0: "batch", 1: "total"}, "position_ids": {0: "batch"},
-               "logits": {0: "batch"}, **{n: {0: "batch", 2: "past"} for n in past_names},
-               **{n: {0: "batch", 2: "total"} for n in present_names}}
-    torch.onnx.export(WithPast(), (torch.tensor([[5], [6]]), torch.ones(2, 4, dtype=torch.int64),
-                                   torch.tensor([[3], [3]]), *past),
-                      directory / "decoder_with_past_model.onnx", dynamo=False, opset_version=17,
-                      input_names=["input_ids", "attention_mask", "position_ids", *past_names],
-                      output_names=["logits", *present_names], dynamic_axes=dynamic)
-    dynamic = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-               "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"},
-               **{n: {0: "batch", 2: "sequence"} for n in present_names}}
-    torch.onnx.export(NoPast(), (torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]]),
-                                 torch.tensor([[0, 1, 2], [0, 1, 2]])),
-                      directory / "decoder_model.onnx", dynamo=False, opset_version=17,
-                      input_names=["input_ids", "attention_mask", "position_ids"],
-                      output_names=["logits", *present_names], dynamic_axes=dynamic)
+    spec = importlib.util.spec_from_file_location("gpt2_fixture", Path(__file__).with_name("gpt2.py"))
+    gpt2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt2)
+    gpt2.export(lm, directory)
     lm.eval()  # the export may leave the module in training mode (dropout)
 
 

@@ -18,7 +18,7 @@ from gpudecode import defaults
 from gpudecode.backend import DEFAULT_HOST_WAIT, HostClock, HostWait, to_host, wait_for
 from gpudecode.scorers.base import LaneLayout
 from gpudecode.scorers.combine import checked_scores, combine_scores
-from gpudecode.search import label_step
+from gpudecode.search import label_step, label_sync_cpu
 from gpudecode.search.nonfinite import group_maxima
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.prune import NEG_INF, length_normaliser, normalised, prune
@@ -261,8 +261,13 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     if score_max is not None:  # on the device; read back with the search's results
         score_max = xp.maximum(score_max, group_maxima(log_probs, ~beam.ended, layout.num_groups, xp))
     if options.finished != "in-beam":
-        beam, parents, labels = select_separate(beam, _combined(terms), log_probs, deadline, step, layout, options,
-                                                stats)
+        if label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
+            fields, finished, parents, labels = label_sync_cpu.select_separate(
+                beam, _combined(terms), log_probs, deadline, step, layout, options)
+            beam = Beam(**fields, finished=Finished(**finished))
+        else:
+            beam, parents, labels = select_separate(beam, _combined(terms), log_probs, deadline, step, layout,
+                                                    options, stats)
     else:
         norm = candidate_normaliser(beam, options, xp)
         if in_kernel:

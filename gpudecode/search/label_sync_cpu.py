@@ -1,0 +1,99 @@
+"""The selection of a label-synchronous step with separate finished lists as one compiled CPU call
+(numba).
+
+:func:`gpudecode.search.beam.select_separate` (``finished="separate"`` / ``"separate-genai"``) runs a
+step's selection — candidates, the best ``2 × beam_size`` by score, the open lanes, the finished
+lists' merge and the stop tests — as ~150 numpy operations; on a small model their fixed cost is
+most of a step. Here one compiled function does it utterance by utterance: the same candidates in
+the same float32 arithmetic, the same deterministic top-k (equal keys to the lower lane, then the
+lower label, old list entries first; NaN ranks as -inf), and length normalisers read from a table
+that numpy computes as the array version does, so the beams and lists are the same (the tests
+compare them with the array version, which stays the oracle).
+
+numba is optional (the ``cpu-jit`` extra): without it, with ``SearchTuning.compiled_cpu_loops``
+off, or with a top-k observer (``SearchStats.on_top_k``), the search runs the array version.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from gpudecode.search.ctc_cpu import available
+from gpudecode.search.prune import length_normaliser
+from gpudecode.sizes import next_power_of_two
+
+#: ``LabelSyncOptions.early_stopping`` as the compiled step takes it
+EARLY_STOPPING_CODES = {False: 0, True: 1, "never": 2}
+
+
+def use_compiled(xp, tuning, stats) -> bool:
+    """Whether a separate-lists step's selection runs compiled: numpy, numba importable,
+    ``SearchTuning.compiled_cpu_loops`` on and no top-k observer."""
+    return (xp is np and tuning.compiled_cpu_loops and (stats is None or stats.on_top_k is None)
+            and available())
+
+
+@functools.lru_cache(maxsize=16)
+def _normalisers(length_norm_scale: float, size: int) -> np.ndarray:
+    """[size] float32: the length normaliser of every counted length 0 .. size - 1, computed by
+    :func:`length_normaliser` (read-only)."""
+    table = length_normaliser(np.arange(size, dtype=np.int64), length_norm_scale, np)
+    table.setflags(write=False)
+    return table
+
+
+def _early_stopping(value) -> int:
+    for mode, code in EARLY_STOPPING_CODES.items():
+        if value is mode or (isinstance(mode, str) and value == mode):
+            return code
+    raise ValueError(f"early_stopping: expected True, False or 'never', got {value!r}")
+
+
+def select_separate(beam, combined, log_probs, deadline, step: int, layout, options) -> tuple[dict, dict, object, object]:
+    """:func:`gpudecode.search.beam.select_separate` on numpy arrays, compiled: the fields of the
+    same new ``Beam`` and of its ``Finished`` lists (dicts of arrays), parents [N] and labels [N]."""
+    from gpudecode.search.label_sync_cpu_jit import select_separate as run
+
+    finished = beam.finished
+    beam_size, num_lanes = layout.beam_size, layout.num_lanes
+    num_groups = num_lanes // beam_size
+    num_scorers = len(log_probs)
+    genai = options.finished == "separate-genai"
+    extra = 2 * beam_size if genai else beam_size
+    combined = np.ascontiguousarray(combined, dtype=np.float32)
+    stacked = (np.ascontiguousarray(log_probs[0], dtype=np.float32)[None] if num_scorers == 1 else
+               np.ascontiguousarray(np.stack([np.asarray(lp, dtype=np.float32) for lp in log_probs])))
+    early = _early_stopping(options.early_stopping)
+    never_norm = early == 2 and options.length_norm_scale > 0
+    prompts = finished.prompt_lengths
+    use_norm = options.length_norm_scale != 0
+    norm = np.ones(1, np.float32)
+    if use_norm:  # counted lengths stay below this bound
+        bound = int(prompts.max(initial=0)) + int(beam.lengths.max(initial=0)) + 2
+        if never_norm:
+            bound += max(int(deadline.max(initial=0)) - step, 0)
+        norm = _normalisers(float(options.length_norm_scale), next_power_of_two(max(bound, 64)))
+    scores, ended = np.empty(num_lanes, np.float32), np.empty(num_lanes, np.bool_)
+    scorer_scores = np.empty((num_scorers, num_lanes), np.float32)
+    lengths = np.empty(num_lanes, np.int64)
+    parents, labels = np.empty(num_lanes, np.int64), np.empty(num_lanes, np.int64)
+    new = dict(ranks=np.empty(num_lanes, np.float32), scores=np.empty(num_lanes, np.float32),
+               scorer_scores=np.empty((num_scorers, num_lanes), np.float32),
+               lengths=np.empty(num_lanes, np.int64), steps=np.empty(num_lanes, np.int64),
+               lanes=np.empty(num_lanes, np.int64), labels=np.empty(num_lanes, np.int64),
+               prompt_lengths=prompts, hopeful=np.empty(num_groups, np.bool_),
+               done=np.empty(num_groups, np.bool_), picked=np.empty((num_groups, beam_size), np.int64),
+               candidate_lanes=np.empty(num_groups * extra, np.int64),
+               candidate_labels=np.empty(num_groups * extra, np.int64))
+    run(beam.scores, beam.ended, beam.lengths, beam.scorer_scores, combined, stacked,
+        np.asarray(deadline, dtype=np.int64), int(step),
+        finished.ranks, finished.scores, finished.scorer_scores, finished.lengths, finished.steps,
+        finished.lanes, finished.labels, prompts, finished.hopeful, finished.done,
+        int(beam_size), int(options.sentence_end), int(options.min_length), genai,
+        options.length_counts == "prompt-and-labels", norm, use_norm, early, never_norm,
+        scores, scorer_scores, lengths, ended, parents, labels,
+        new["ranks"], new["scores"], new["scorer_scores"], new["lengths"], new["steps"], new["lanes"], new["labels"],
+        new["hopeful"], new["done"], new["picked"], new["candidate_lanes"], new["candidate_labels"])
+    return dict(scores=scores, scorer_scores=scorer_scores, lengths=lengths, ended=ended), new, parents, labels

@@ -1,0 +1,219 @@
+"""The numba-compiled body of :mod:`gpudecode.search.label_sync_cpu` (imported only where numba is):
+one step of the label-synchronous search with separate finished lists, utterance by utterance."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+NEG_INF = np.float32(-np.inf)
+
+
+@njit(cache=True, inline="always")
+def _key(x):
+    """The top-k key of ``x``: NaN ranks as -inf (-0.0 equals +0.0 as compared)."""
+    return NEG_INF if x != x else x
+
+
+@njit(cache=True, inline="always")
+def _insert(keys, columns, count, k, key, column):
+    """Adds (``key``, ``column``) to the list ``keys``/``columns`` of ``count`` entries kept best
+    first (equal keys in column order: columns arrive ascending), at most ``k``; returns the count."""
+    if count == k:
+        if not key > keys[k - 1]:
+            return count
+        position = k - 1
+    else:
+        position = count
+        count += 1
+    while position > 0 and key > keys[position - 1]:
+        keys[position] = keys[position - 1]
+        columns[position] = columns[position - 1]
+        position -= 1
+    keys[position] = key
+    columns[position] = column
+    return count
+
+
+@njit(cache=True, inline="always")
+def _top_k(values, width, k, keys, out):
+    """``out[:k]``: the columns of the ``k`` best of ``values[:width]`` (``top_k_indices``'s order)."""
+    count = 0
+    for c in range(width):
+        count = _insert(keys, out, count, k, _key(values[c]), c)
+
+
+@njit(cache=True, inline="always")
+def _rank(score, length, norm, use_norm):
+    """``score / normaliser(length)`` (``norm``: the normalisers by counted length), or the score."""
+    if use_norm:
+        return np.float32(score / norm[length])
+    return score
+
+
+@njit(cache=True)
+def select_separate(scores, ended, lengths, scorer_scores, combined, log_probs, deadline, step,
+                    fin_ranks, fin_scores, fin_scorer, fin_lengths, fin_steps, fin_lanes, fin_labels,
+                    prompts, hopeful, done, beam_size, sentence_end, min_length, genai, prompt_counts,
+                    norm, use_norm, early_stopping, never_norm,
+                    out_scores, out_scorer, out_lengths, out_ended, parents, labels,
+                    new_ranks, new_scores, new_scorer, new_lengths, new_steps, new_lanes, new_labels,
+                    new_hopeful, new_done, picked, cand_lanes, cand_labels):
+    """``beam.select_separate`` on numpy arrays, group by group, writing the ``out_*`` (the new
+    beam), ``parents``/``labels`` and the ``new_*`` (the new finished lists). ``early_stopping``:
+    0 False, 1 True, 2 "never"; ``never_norm``: "never" with a length penalty."""
+    num_scorers, num_lanes, vocab = log_probs.shape
+    num_groups = num_lanes // beam_size
+    width = beam_size * vocab
+    size = min(2 * beam_size, width)
+    extra = 2 * beam_size if genai else beam_size  # the step's candidates for the lists
+    keys = np.empty(size, np.float32)
+    chosen = np.empty(size, np.int64)
+    score = np.empty(size, np.float32)
+    parent = np.empty(size, np.int64)
+    label = np.empty(size, np.int64)
+    ending = np.empty(size, np.bool_)
+    open_score = np.empty(size, np.float32)
+    kept = np.empty(beam_size, np.int64)
+    raw = np.empty(beam_size, np.float32)  # the open lanes' scores before -inf for the dead
+    open_labels = np.empty(beam_size, np.int64)
+    alive = np.empty(beam_size, np.bool_)
+    merged = np.empty(beam_size + extra, np.float32)
+    merged_keys = np.empty(beam_size + extra, np.float32)
+    best = np.empty(beam_size, np.int64)
+    m_scores = np.empty(beam_size + extra, np.float32)
+    m_scorer = np.empty((num_scorers, beam_size + extra), np.float32)
+    m_lengths = np.empty(beam_size + extra, np.int64)
+    m_steps = np.empty(beam_size + extra, np.int64)
+    m_lanes = np.empty(beam_size + extra, np.int64)
+    m_labels = np.empty(beam_size + extra, np.int64)
+    for g in range(num_groups):
+        first = g * beam_size
+        # the best 2B candidates by score (lane-major, then label; NaN as -inf)
+        count = 0
+        for b in range(beam_size):
+            n = first + b
+            is_open = not ended[n]
+            short = is_open and min_length > 0 and lengths[n] < min_length
+            for v in range(vocab):
+                if is_open:
+                    x = np.float32(scores[n] + combined[n, v])
+                    if short and v == sentence_end:
+                        x = NEG_INF
+                elif v == 0:
+                    x = scores[n]
+                else:
+                    x = NEG_INF
+                column = b * vocab + v
+                key = _key(x)
+                if count == size and not key > keys[size - 1]:
+                    continue
+                count = _insert(keys, chosen, count, size, key, column)
+        for k in range(size):
+            b, v = chosen[k] // vocab, chosen[k] % vocab
+            n = first + b
+            is_open = not ended[n]
+            if is_open:
+                x = np.float32(scores[n] + combined[n, v])
+                if min_length > 0 and lengths[n] < min_length and v == sentence_end:
+                    x = NEG_INF
+            elif v == 0:
+                x = scores[n]
+            else:
+                x = NEG_INF
+            score[k], parent[k], label[k] = x, n, v
+            ends = v == sentence_end or (not genai and deadline[n] <= step)
+            ending[k] = x > NEG_INF and is_open and ends
+            open_score[k] = NEG_INF if ending[k] else x
+        # the open lanes: the best B candidates that do not end
+        _top_k(open_score, size, beam_size, keys, kept)
+        for j in range(beam_size):
+            n = first + j
+            s = open_score[kept[j]]
+            p = parent[kept[j]]
+            raw[j] = s
+            alive[j] = s > NEG_INF
+            open_labels[j] = label[kept[j]]
+            lab = open_labels[j] if alive[j] and not ended[p] else -1
+            parents[n], labels[n] = p, lab
+            emitted = lab >= 0
+            for i in range(num_scorers):
+                add = log_probs[i, p, lab] if emitted else np.float32(0)
+                out_scorer[i, n] = np.float32(scorer_scores[i, p] + add)
+            out_lengths[n] = lengths[p] + (1 if emitted else 0)
+            out_scores[n] = s if alive[j] else NEG_INF
+        # the old entries, then the ending candidates among the best B, then (GenAI) the open lanes
+        for c in range(beam_size):
+            e = first + c
+            merged[c] = fin_ranks[e]
+            m_scores[c], m_lengths[c], m_steps[c] = fin_scores[e], fin_lengths[e], fin_steps[e]
+            m_lanes[c], m_labels[c] = fin_lanes[e], fin_labels[e]
+            for i in range(num_scorers):
+                m_scorer[i, c] = fin_scorer[i, e]
+        listed = hopeful[g] and not done[g]
+        for k in range(beam_size):
+            c = beam_size + k
+            p, lab = parent[k], label[k]
+            length = lengths[p] + 1
+            counted = prompts[g] + length - (1 if lab == sentence_end else 0) if prompt_counts else length
+            r = _rank(score[k], counted, norm, use_norm)
+            merged[c] = r if ending[k] and listed else NEG_INF
+            m_scores[c], m_lengths[c], m_steps[c], m_lanes[c], m_labels[c] = score[k], length, step, p, lab
+            safe = lab if lab > 0 else 0
+            for i in range(num_scorers):
+                m_scorer[i, c] = np.float32(scorer_scores[i, p] + log_probs[i, p, safe])
+        at_limit = deadline[first] <= step
+        hope, finish = hopeful[g], done[g]
+        if genai:  # the stop test before the open lanes join at the limit
+            _top_k(merged, 2 * beam_size, beam_size, keys, best)
+            full = True
+            low = merged[best[0]]
+            for j in range(beam_size):
+                value = merged[best[j]]
+                full = full and value > NEG_INF
+                low = value if value < low else low
+            length = lengths[parent[0]]
+            before = prompts[g] + length if prompt_counts else length
+            improvable = low < _rank(score[0], before, norm, use_norm)
+            stops = full and (not improvable if early_stopping == 0 else True) and not done[g]
+            finish = done[g] or stops or at_limit
+            joins = at_limit and not done[g] and not stops
+            for j in range(beam_size):
+                n, c = first + j, 2 * beam_size + j
+                counted = prompts[g] + out_lengths[n] if prompt_counts else out_lengths[n]
+                r = _rank(raw[j], counted, norm, use_norm)
+                merged[c] = r if alive[j] and joins else NEG_INF
+                m_scores[c], m_lengths[c], m_steps[c] = raw[j], out_lengths[n], step
+                m_lanes[c], m_labels[c] = parents[n], open_labels[j]
+                for i in range(num_scorers):
+                    m_scorer[i, c] = out_scorer[i, n]
+        _top_k(merged, beam_size + extra, beam_size, keys, best)
+        for j in range(beam_size):
+            e, c = first + j, best[j]
+            picked[g, j] = c
+            new_ranks[e], new_scores[e], new_lengths[e] = merged[c], m_scores[c], m_lengths[c]
+            new_steps[e], new_lanes[e], new_labels[e] = m_steps[c], m_lanes[c], m_labels[c]
+            for i in range(num_scorers):
+                new_scorer[i, e] = m_scorer[i, c]
+        for c in range(extra):
+            cand_lanes[g * extra + c] = m_lanes[beam_size + c]
+            cand_labels[g * extra + c] = m_labels[beam_size + c]
+        if not genai:  # the stop test after the step, on the best open lane
+            full = True
+            low = new_ranks[first]
+            for j in range(beam_size):
+                value = new_ranks[first + j]
+                full = full and value > NEG_INF
+                low = value if value < low else low
+            length = out_lengths[first]
+            if never_norm:
+                length = length + deadline[first] - step
+            counted = prompts[g] + length if prompt_counts else length
+            best_open = _rank(raw[0], counted, norm, use_norm)
+            hope = hopeful[g] and (not full or best_open > low)
+            finish = done[g] or not hope or at_limit
+            if early_stopping == 1:
+                finish = finish or full
+        new_hopeful[g], new_done[g] = hope, finish
+        for j in range(beam_size):
+            out_ended[first + j] = finish or not alive[j]

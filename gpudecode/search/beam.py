@@ -19,7 +19,7 @@ from gpudecode.backend import DEFAULT_HOST_WAIT, HostClock, HostWait, to_host, w
 from gpudecode.scorers.base import LaneLayout
 from gpudecode.scorers.combine import checked_scores, combine_scores
 from gpudecode.search import label_step, label_sync_cpu
-from gpudecode.search.nonfinite import group_maxima
+from gpudecode.search.nonfinite import folded_group_maxima
 from gpudecode.search.options import coerce_ints, option_error
 from gpudecode.search.prune import NEG_INF, length_normaliser, normalised, prune
 from gpudecode.search.results import Hypothesis, label_lists, nbest_lists
@@ -259,7 +259,7 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats)
     score_max = beam.score_max
     if score_max is not None:  # on the device; read back with the search's results
-        score_max = xp.maximum(score_max, group_maxima(log_probs, ~beam.ended, layout.num_groups, xp))
+        score_max = folded_group_maxima(score_max, log_probs, layout.num_groups, xp, dead=beam.ended)
     if options.finished != "in-beam":
         if label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
             fields, finished, parents, labels = label_sync_cpu.select_separate(

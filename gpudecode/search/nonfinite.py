@@ -1,7 +1,7 @@
 """Non-finite scores: a scorer that gives NaN or +inf is caught and its utterances named.
 
 Every search keeps, on its device, the largest score each scorer gave each utterance's live
-hypotheses (:func:`row_maxima`, :func:`group_maxima`): a maximum is NaN when any score was NaN
+hypotheses (:func:`folded_group_maxima`, one launch per step on CuPy): a maximum is NaN when any score was NaN
 (``max`` propagates NaN), +inf when one was +inf, and -inf stays what it is — a legitimate
 "impossible" score (a pruned or masked label). The maxima come to the host with the search's
 final transfer (no synchronisation of their own); :func:`check_finite` then raises
@@ -18,6 +18,8 @@ import numpy as np
 from gpudecode.io.errors import InputError
 
 _NEG_INF = np.float32(-np.inf)
+#: score arrays one launch of ``kernels/score_maxima.cu`` folds in (scores0 .. scores3), and its threads
+_KERNEL_ARRAYS, _KERNEL_THREADS = 4, 256
 #: Utterance ids a message names before "and N more".
 _NAMED = 10
 
@@ -55,6 +57,36 @@ def group_maxima(score_arrays, live, num_groups: int, xp):
     group, the largest score of its ``live`` lanes (:func:`row_maxima`)."""
     rows = xp.stack([row_maxima(scores, live, xp) for scores in score_arrays])
     return rows.reshape(len(score_arrays), num_groups, -1).max(axis=2)
+
+
+def folded_group_maxima(previous, score_arrays, num_groups: int, xp, *, live=None, dead=None):
+    """[S, G] float32: ``previous`` (the maxima so far) folded with :func:`group_maxima` of this
+    step's ``score_arrays``; lanes are live where ``live`` [N] bool is true, or where ``dead`` [N]
+    bool is false (both None: every lane). On CuPy one launch (``kernels/score_maxima.cu``) for up
+    to four arrays; else the array version."""
+    if xp is not np and 1 <= len(score_arrays) <= _KERNEL_ARRAYS:
+        return _folded_on_device(xp, previous, score_arrays, num_groups, live, dead)
+    if live is None and dead is not None:
+        live = ~dead
+    return xp.maximum(previous, group_maxima(score_arrays, live, num_groups, xp))
+
+
+def _folded_on_device(cupy, previous, score_arrays, num_groups: int, live, dead):
+    from gpudecode.kernels import load_module
+
+    arrays = [cupy.ascontiguousarray(a, dtype=None if a.dtype == np.float16 else np.float32) for a in score_arrays]
+    num_lanes, vocab_size = arrays[0].shape
+    half = np.int32(sum(1 << s for s, a in enumerate(arrays) if a.dtype == np.float16))
+    skip = live if live is not None else dead
+    skip = np.uint64(0) if skip is None else cupy.ascontiguousarray(skip, dtype=bool).view(np.uint8)
+    previous = cupy.ascontiguousarray(previous, dtype=np.float32)
+    out = cupy.empty_like(previous)
+    pointers = arrays + [arrays[0]] * (_KERNEL_ARRAYS - len(arrays))
+    kernel = load_module("score_maxima", (), arrays[0].device.id).get_function("group_maxima")
+    kernel((num_groups, len(arrays)), (_KERNEL_THREADS,), (
+        *pointers, half, np.int32(len(arrays)), np.int64(num_lanes // num_groups), np.int64(vocab_size),
+        skip, np.int32(live is not None), previous, out))
+    return out
 
 
 def initial_maxima(num_scorers: int, num_groups: int, xp):

@@ -65,7 +65,7 @@ from gpudecode.search.options import (
     option_error,
 )
 from gpudecode.scorers.transducer import PredictionNetwork
-from gpudecode.search.nonfinite import check_scores, group_maxima, initial_maxima, row_maxima
+from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -362,7 +362,7 @@ class _TransducerSearch:
         if self.rescore:
             self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
         # every lane's joint row is a real hypothesis's (dead lanes hold copies): checked in frame
-        self.joint_max = xp.maximum(self.joint_max, row_maxima(logp, self.in_frame, xp))
+        self.joint_max = folded_group_maxima(self.joint_max[None], [logp], logp.shape[0], xp, live=self.in_frame)[0]
 
         beam = self.layout.beam_size
         fused = self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, len(self.entries), beam)
@@ -542,7 +542,7 @@ class _TransducerSearch:
         for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
             log_probs = checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
                                        num_lanes, int(entry.scorer.vocab_size), xp)
-            self.lm_max[s] = xp.maximum(self.lm_max[s], group_maxima([log_probs], live, self.layout.num_groups, xp)[0])
+            self.lm_max[s] = folded_group_maxima(self.lm_max[s][None], [log_probs], self.layout.num_groups, xp, live=live)[0]
             if self.cache_enabled and self.cache[s] is not None:
                 self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
             else:  # kept until the next rescore, or across it with the cache

@@ -9,7 +9,7 @@ prefill: ``tools/peer-fixtures/gpt2.py``'s ``export``); the Llama also by GenAI'
 (``tools/peer-fixtures/genai.py``'s ``export``) where ``onnxruntime_genai`` imports.
 
 Cells: every model × beam × prompt count (GenAI's export at ``genai_prompts`` ≤ 32, the most its
-search takes). Every side decodes the same prompts (``prompt_length`` random tokens, no sentence-end)
+search takes; on CUDA only in float16, as its float32 CUDA export does not load). Every side decodes the same prompts (``prompt_length`` random tokens, no sentence-end)
 for exactly ``new_tokens`` labels (sentence-end masked by ``min_length`` / ``min_new_tokens`` on every
 side), length penalty 0, one best sequence. Sides: ``hf_generate`` (torch, the cell's float type,
 ``attn_implementation="sdpa"``, its default cache), ``hf_generate_compiled`` (static cache and
@@ -47,6 +47,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE_SCRIPTS = ROOT / "tools" / "peer-fixtures"
 #: the most prompts GenAI's search takes in one generator
 GENAI_MAX_PROMPTS = 32
+#: why a float32 run on CUDA has no GenAI cells (seen with onnxruntime-genai 0.18's builder)
+GENAI_NO_FLOAT32_CUDA = ("no GenAI cells at float32 on CUDA: GenAI's builder writes a float32 CUDA export that "
+                         "neither ONNX Runtime nor GenAI loads (graph output present.0.key does not exist); "
+                         "the float16 run (--dtype float16) has them")
 #: initializer_range = INIT_SCALE / sqrt(width) (0.3 at width 64, the peer fixtures' value)
 INIT_SCALE = 2.4
 #: sentence-end (masked on every side) and the padding label
@@ -559,6 +563,9 @@ def _run_genai(layers: int, width: int, options: PeerBenchOptions, all_prompts: 
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         results["notes"].append("onnxruntime_genai is not installed: no GenAI cells")
+        return
+    if options.device == "cuda" and options.dtype == "float32":
+        results["notes"].append(GENAI_NO_FLOAT32_CUDA)
         return
     genai = fixture_script("genai")
     name = f"llama-{layers}x{width}x{options.vocab}"

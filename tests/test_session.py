@@ -69,6 +69,42 @@ def test_bad_options_are_rejected():
         SessionOptions(cudnn_conv_algo_search="FAST")
 
 
+NEW_STEP_SHAPES = [((5, 3, 7, 4), 2), ((4, 7, 6), 1), ((3, 2, 5, 1), 2), ((6, 9), 1)]
+
+
+def _new_steps_match_take_along_axis(xp):
+    from gpudecode.session.hf import new_step_states
+
+    rng = np.random.default_rng(0)
+    for shape, axis in NEW_STEP_SHAPES:
+        present = rng.standard_normal(shape).astype(np.float32)
+        lengths = rng.integers(0, shape[axis], shape[0])
+        along = [1] * len(shape)
+        along[0] = shape[0]
+        want = np.take_along_axis(present, lengths.reshape(along), axis=axis)
+        cache = {}
+        for shift in (0, 1):  # the second output of the shape reuses the first's positions
+            got = new_step_states(xp.asarray(present + shift), xp.asarray(lengths), axis, "left", index_cache=cache)
+            np.testing.assert_array_equal(got.get() if hasattr(got, "get") else got, want + shift)
+        assert len(cache) == 1
+        wide = np.repeat(present, 2, axis=-1)  # every other column: a non-contiguous view, the general way
+        view = xp.asarray(wide)[..., ::2]
+        assert not view.flags.c_contiguous
+        got = new_step_states(view, xp.asarray(lengths), axis, "left")
+        np.testing.assert_array_equal(got.get() if hasattr(got, "get") else got, want)
+
+
+def test_left_aligned_new_steps_are_each_rows_own_position():
+    """A present output's new step at each row's length: one take of cached flat positions equals
+    ``take_along_axis`` (the oracle), for keys / values / other ranks and a non-contiguous output."""
+    _new_steps_match_take_along_axis(np)
+
+
+@pytest.mark.gpu
+def test_left_aligned_new_steps_on_cuda():
+    _new_steps_match_take_along_axis(pytest.importorskip("cupy"))
+
+
 def test_hf_attention_inputs_from_prefix_lengths():
     mask, positions = hf_attention_inputs(np.array([0, 2, 3], np.int32), past_time=3)
     np.testing.assert_array_equal(mask, [[0, 0, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]])

@@ -38,10 +38,14 @@ def hf_length_inputs(prefix_length, past_time: int, num_new: int = 1):
     return seqlens, np.array(past_time + num_new, dtype=np.int32)
 
 
-def new_step_states(present, prefix_length, time_axis: int, alignment: str):
+def new_step_states(present, prefix_length, time_axis: int, alignment: str, *, index_cache: dict | None = None):
     """The new step's states [.., 1, ..] of a state output holding the whole history plus the new
     step: at the last time position (``right``) or at each row's own length (``left``: the row's
-    history first); an output of one time step is returned as it is. Batch axis 0."""
+    history first); an output of one time step is returned as it is. Batch axis 0.
+
+    ``left`` on a C-contiguous output is one ``take`` of the new step's flat positions; those are
+    computed once per output shape and kept in ``index_cache`` (a dict, for the outputs of one call:
+    every layer's keys and values share one index)."""
     if present.shape[time_axis] == 1:
         return present
     if alignment != "left":
@@ -49,10 +53,37 @@ def new_step_states(present, prefix_length, time_axis: int, alignment: str):
         index[time_axis] = slice(-1, None)
         return present[tuple(index)]
     xp = get_array_module(present)
-    shape = [1] * present.ndim
-    shape[0] = present.shape[0]
-    index = xp.asarray(prefix_length).astype(xp.int64).reshape(shape)
-    return xp.take_along_axis(present, index, axis=time_axis)
+    if not present.flags.c_contiguous:
+        shape = [1] * present.ndim
+        shape[0] = present.shape[0]
+        index = xp.asarray(prefix_length).astype(xp.int64).reshape(shape)
+        return xp.take_along_axis(present, index, axis=time_axis)
+    key = (tuple(present.shape), time_axis)
+    flat = None if index_cache is None else index_cache.get(key)
+    if flat is None:
+        flat = _new_step_positions(xp, present.shape, prefix_length, time_axis)
+        if index_cache is not None:
+            index_cache[key] = flat
+    return present.reshape(-1).take(flat)
+
+
+def _new_step_positions(xp, shape, prefix_length, time_axis: int):
+    """Flat positions [.., 1, ..] (int64) in a C-contiguous array of ``shape`` of each row's
+    element at time ``prefix_length[row]`` (batch axis 0)."""
+    strides = np.cumprod((1, *shape[:0:-1]))[::-1]  # element strides of a C-contiguous array
+    out_shape = [*shape]
+    out_shape[time_axis] = 1
+    rows = xp.asarray(prefix_length).astype(xp.int64)[: shape[0]]
+    along = [1] * len(shape)
+    along[0] = shape[0]
+    flat = (rows * int(strides[time_axis])).reshape(along)
+    for axis, size in enumerate(shape):
+        if axis == time_axis or size == 1:
+            continue
+        along = [1] * len(shape)
+        along[axis] = size
+        flat = flat + (xp.arange(size, dtype=xp.int64) * int(strides[axis])).reshape(along)
+    return xp.ascontiguousarray(xp.broadcast_to(flat, out_shape))
 
 
 def hf_encoder_attention_mask(sizes, time_size: int):

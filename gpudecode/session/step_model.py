@@ -370,7 +370,9 @@ class StepModelRunner:
         if spec.convention == "rasr" or spec.history_alignment != "left":
             return states
         by_output = {v.output_name: v for v in spec.state_variables}
-        return {name: new_step_states(array, prefix_lengths[:array.shape[0]], by_output[name].time_axis, "left")
+        positions: dict = {}  # one index for every output of a shape
+        return {name: new_step_states(array, prefix_lengths[:array.shape[0]], by_output[name].time_axis, "left",
+                                      index_cache=positions)
                 if name in by_output and by_output[name].time_axis is not None and name not in spec.in_place_outputs
                 else array
                 for name, array in states.items()}

@@ -27,6 +27,8 @@
 //                    log-probs (num_scorers <= 4 used; the others are never read)
 //   score [N] float32, length [N] int64, ended [N] uint8: the lanes before the step
 //   norm             [N] float32, or null for 1: the length normaliser of each lane's candidates
+//   length           [N] int64: with min_length > 0 an open lane of fewer labels offers no
+//                    sentence_end candidate (ranked -inf, as _mask_sentence_end in search/beam.py)
 //   lane_keys        [N, segments, beam] uint64: a segment's best candidates, packed (rank, column
 //                    i * V + v of the utterance; 0: none); segments = ceil(V / LABEL_SEGMENT)
 //   scorer_scores    [num_scorers, N] float32 (contiguous): each scorer's score of each lane
@@ -69,7 +71,9 @@ struct Terms {
 template <int KEPT, int TERMS>
 __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int beam,
                                          const float* __restrict__ score, const unsigned char* __restrict__ ended,
-                                         const float* __restrict__ norm, unsigned long long* __restrict__ lane_keys) {
+                                         const float* __restrict__ norm, const long long* __restrict__ length,
+                                         long long min_length, long long sentence_end,
+                                         unsigned long long* __restrict__ lane_keys) {
     __shared__ unsigned long long warp_lists[(LABEL_THREADS / 32) * LABEL_MAX_BEAM];
     __shared__ float warp_max[LABEL_THREADS / 32];
     __shared__ unsigned int chosen[LABEL_MAX_BEAM];
@@ -90,6 +94,7 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
         return;
     }
     const long long row = lane * vocab_size;
+    const long long masked_end = min_length > 0 && length[lane] < min_length ? sentence_end : -1;
     auto scan = [&](auto&& visit) {  // LANE_UNROLL labels per thread: all LANE_UNROLL * TERMS loads in flight
         float loaded[LANE_UNROLL][TERMS], values[LANE_UNROLL];
 #pragma unroll
@@ -108,7 +113,8 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
 #pragma unroll
         for (int k = 0; k < LANE_UNROLL; ++k) {
             const int v = first_label + k * LABEL_THREADS + threadIdx.x;
-            if (v < vocab_size) visit(norm != nullptr ? values[k] / lane_norm : values[k], base + v);
+            const float value = v == masked_end ? neg_inf() : values[k];
+            if (v < vocab_size) visit(norm != nullptr ? value / lane_norm : value, base + v);
         }
     };
     block_top_beam_scan<KEPT, LABEL_THREADS>(scan, beam, 0, 0.0f, warp_lists, warp_max, chosen, chosen_rank);
@@ -176,8 +182,9 @@ __device__ __forceinline__ void select_step(
 #define LABEL_LANE_TOP(KEPT, TERMS)                                                                              \
     extern "C" __global__ void __launch_bounds__(LABEL_THREADS) label_lane_top_##KEPT##_##TERMS(                \
         TERMS_PARAMS, int vocab_size, int beam, const float* score, const unsigned char* ended, const float* norm, \
-        unsigned long long* lane_keys) {                                                                         \
-        lane_top<KEPT, TERMS>(TERMS_OF_PARAMS, vocab_size, beam, score, ended, norm, lane_keys);                \
+        const long long* length, long long min_length, long long sentence_end, unsigned long long* lane_keys) {  \
+        lane_top<KEPT, TERMS>(TERMS_OF_PARAMS, vocab_size, beam, score, ended, norm, length, min_length,        \
+                              sentence_end, lane_keys);                                                          \
     }
 
 #define LABEL_STEP(KEPT)                                                                                         \

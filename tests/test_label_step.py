@@ -92,13 +92,15 @@ def both_selections(cupy, seed: int, beam: int, vocab: int, num_scorers: int, op
     (1, 50, 1, 0, 0), (3, 17, 2, 0, 0), (8, 1000, 4, 0, 0), (12, 300, 3, 0, 0), (32, 40, 2, 0, 0), (4, 2500, 2, 0, 0),
     (16, 4500, 1, 0, 0), (1, 50, 1, 1, 0), (8, 1000, 4, 2, 0), (4, 2500, 2, 1, 0),  # float16 log-probs of the first
     (8, 1000, 2, 1, 1), (4, 2500, 3, 0, 2)])  # the last scorers one row for every lane (a broadcast view)
-@pytest.mark.parametrize("length_norm_scale, threshold", [(0.0, None), (0.7, None), (0.0, 4.0), (1.0, 2.5)])
+@pytest.mark.parametrize("length_norm_scale, threshold, min_length", [
+    (0.0, None, 0), (0.7, None, 0), (0.0, 4.0, 0), (1.0, 2.5, 0), (0.0, None, 5), (0.7, 4.0, 4)])
 def test_kernel_selection_equals_the_array_version(beam, vocab, num_scorers, half_scorers, row_scorers,
-                                                   length_norm_scale, threshold):
+                                                   length_norm_scale, threshold, min_length):
+    """(``min_length``: sentence-end masked for the open lanes of fewer labels; lengths are 0 to 8.)"""
     import cupy
 
     options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm_scale,
-                               score_threshold=threshold)
+                               score_threshold=threshold, min_length=min_length)
     want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options,
                                 half_scorers=half_scorers, row_scorers=row_scorers)
     for name, expected in want.items():

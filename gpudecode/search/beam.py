@@ -253,9 +253,9 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     """
     xp = layout.xp
     vocab_size = int(entries[0].scorer.vocab_size)
-    # min_length and the finished lists run the array version of the selection (not in the kernel)
+    # the finished lists run the array version of the selection (not in the kernel)
     in_kernel = (tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
-                 and options.min_length == 0 and options.finished == "in-beam")
+                 and options.finished == "in-beam")
     log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats)
     score_max = beam.score_max
     if score_max is not None:  # on the device; read back with the search's results

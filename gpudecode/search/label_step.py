@@ -70,6 +70,7 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     scores = cupy.ascontiguousarray(beam.scores, dtype=np.float32)
     ended = cupy.ascontiguousarray(beam.ended, dtype=bool).view(np.uint8)
     scorer_scores = cupy.ascontiguousarray(beam.scorer_scores, dtype=np.float32)
+    lengths_in = cupy.ascontiguousarray(beam.lengths, dtype=np.int64)
     segments = -(-vocab_size // SEGMENT)
     lane_keys = cupy.empty((num_lanes, segments, beam_size), dtype=np.uint64)
     parents = cupy.empty(num_lanes, dtype=np.int64)
@@ -83,10 +84,11 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     module = load_module("label_step", (), log_probs[0].device.id)
     module.get_function(f"label_lane_top_{kept}_{len(terms)}")((num_lanes * segments,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), scores, ended,
-        np.uint64(0) if norm is None else cupy.ascontiguousarray(norm, dtype=np.float32), lane_keys))
+        np.uint64(0) if norm is None else cupy.ascontiguousarray(norm, dtype=np.float32), lengths_in,
+        np.int64(options.min_length), np.int64(options.sentence_end), lane_keys))
     module.get_function(f"label_select_{kept}")((layout.num_groups,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), lane_keys, scores,
-        cupy.ascontiguousarray(beam.lengths, dtype=np.int64), ended, np.int32(threshold is not None),
+        lengths_in, ended, np.int32(threshold is not None),
         np.float32(threshold or 0), np.int64(options.sentence_end), cupy.ascontiguousarray(deadline, dtype=np.int64),
         np.int64(step), np.int32(len(log_probs)), *pointers, _half_bits(log_probs), _row_bits(log_probs), scorer_scores,
         np.int64(num_lanes), parents, labels, new_scores, lengths, ended_out.view(np.uint8), scorer_out,

@@ -213,18 +213,21 @@ LABEL_STEPS += [(4, 2500, 2, 0.7, None, 0), (16, 4500, 1, 0.0, 3.0, 0)]  # V > 2
 LABEL_STEPS += [(1, 50, 1, 0.0, None, 1), (8, 300, 4, 0.7, 4.0, 2), (4, 2500, 2, 1.0, 2.5, 1)]  # float16 log-probs
 LABEL_STEPS = [(*case, 0) for case in LABEL_STEPS]
 LABEL_STEPS += [(8, 300, 2, 0.7, None, 1, 1), (4, 2500, 3, 0.0, 3.0, 0, 2), (3, 17, 1, 1.0, 2.5, 0, 1)]  # broadcast rows
+LABEL_STEPS = [(*case, 0) for case in LABEL_STEPS]
+LABEL_STEPS += [(3, 17, 2, 0.0, None, 0, 0, 5), (8, 300, 4, 0.7, 4.0, 2, 0, 4), (4, 2500, 2, 1.0, 2.5, 1, 1, 6)]  # min_length
 
 
-def run_label_step(beam, vocab, num_scorers, length_norm, threshold, half_scorers, row_scorers):
+def run_label_step(beam, vocab, num_scorers, length_norm, threshold, half_scorers, row_scorers, min_length):
     """``label_step.select_kernel`` (kernels/label_step.cu) against ``beam.select``, every
     output bit for bit, on tests/test_label_step.py's inputs (ties, -inf, ended and dead lanes)."""
     from gpudecode.search.label_sync import LabelSyncOptions
     from tests.test_label_step import both_selections
 
     name = (f"label step beam={beam} V={vocab} scorers={num_scorers} lns={length_norm} thr={threshold}"
-            + (f" float16={half_scorers}" if half_scorers else "") + (f" rows={row_scorers}" if row_scorers else ""))
+            + (f" float16={half_scorers}" if half_scorers else "") + (f" rows={row_scorers}" if row_scorers else "")
+            + (f" min_length={min_length}" if min_length else ""))
     options = LabelSyncOptions(beam_size=beam, sentence_end=2, length_norm_scale=length_norm,
-                               score_threshold=threshold)
+                               score_threshold=threshold, min_length=min_length)
     want, got = both_selections(cupy, beam * 100 + vocab, beam, vocab, num_scorers, options, half_scorers=half_scorers,
                                 row_scorers=row_scorers)
     problems = [f"{what}: {got[what].ravel()[:12].tolist()} expected {expected.ravel()[:12].tolist()}"

@@ -127,6 +127,7 @@ def extend_histories(
     append=None,
     max_history: int | None = None,
     keep_first: bool = False,
+    compiled: bool = False,
 ) -> StateHistory:
     """Histories of the children: child c = parent ``parents[c]`` + the parent row's new slots.
 
@@ -134,13 +135,16 @@ def extend_histories(
     row got fewer than S tokens); ``parents``: ``[M]`` int row indices; ``append``: optional
     ``[M]`` bool, False where a child keeps its parent's history unchanged (e.g. a blank frame).
     With ``max_history`` the result is compacted to each row's window (width at most L), which
-    merges exactly as the full history would.
+    merges exactly as the full history would. ``compiled`` (numpy): one compiled loop
+    (:mod:`gpudecode.states.compiled`).
     """
     xp = get_array_module(histories.table, new_slots, parents)
     parents = xp.asarray(parents).astype(np.int64, copy=False)
     if xp is not np:
         extended = _extend_on_device(histories, new_slots, parents, append)
         width = extended.width
+    elif compiled:
+        extended, width = _extend_compiled(histories, new_slots, parents, append)
     else:
         extended, width = _extend_on_host(histories, new_slots, parents, append)
     if max_history is None or max_history >= width:
@@ -206,6 +210,22 @@ def _extend_on_host(histories: StateHistory, new_slots, parents, append):
         pieces.append(xp.full((parent_table.shape[0], width), NO_SLOT, dtype=np.int32))
     new_table = xp.where(from_parent, pieces[0], xp.where(from_new, pieces[1], NO_SLOT)).astype(np.int32)
     return StateHistory(table=new_table, lengths=(parent_length + added).astype(np.int32)), width
+
+
+def _extend_compiled(histories: StateHistory, new_slots, parents, append):
+    """``_extend_on_host`` as one compiled loop (``host_jit.extend``)."""
+    from gpudecode.states import host_jit
+
+    table = np.ascontiguousarray(histories.table, dtype=np.int32)
+    new_slots = np.ascontiguousarray(new_slots, dtype=np.int32)
+    width = table.shape[1] + new_slots.shape[1]
+    children = np.empty((parents.shape[0], width), dtype=np.int32)
+    lengths = np.empty(parents.shape[0], dtype=np.int32)
+    has_append = append is not None
+    append = np.ascontiguousarray(append, dtype=bool) if has_append else np.ones(1, dtype=bool)
+    host_jit.extend(table, np.asarray(histories.lengths, dtype=np.int32), new_slots, parents, append, has_append,
+                    children, lengths)
+    return StateHistory(table=children, lengths=lengths), width
 
 
 def _compacted(extended: StateHistory, compact_width: int, keep_first: bool) -> StateHistory:

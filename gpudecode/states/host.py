@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gpudecode.states.compiled import copies
 from gpudecode.states.history import StateHistory, window_table
 from gpudecode.states.layout import VariableLayout
 from gpudecode.states.pool import StatePool
@@ -102,16 +103,36 @@ class HostStateCopy:
         return result
 
     # ---- split ------------------------------------------------------------------------------------
-    def split(self, sources: Sequence[np.ndarray], *, num_rows: int, source_time: int, new_slots: np.ndarray) -> None:
+    def split(self, sources: Sequence[np.ndarray], *, num_rows: int, source_time: int, new_slots: np.ndarray,
+              compiled: bool = False) -> None:
         """Copies new token p of row b (time index ``source_time - S + p``) of every source into
-        slot ``new_slots[b, p]`` (skipped where -1)."""
+        slot ``new_slots[b, p]`` (skipped where -1). ``compiled``: where a variable is stored in the
+        model's dtype, one compiled loop per chunk (:mod:`gpudecode.states.compiled`)."""
         num_new = new_slots.shape[1]
+        first = source_time - num_new
+        if compiled:
+            from gpudecode.states import host_jit
+
+            rest = []
+            for v, (layout, source) in enumerate(zip(self.layouts, sources)):
+                if layout.storage_dtype != layout.model_dtype or source.dtype != layout.model_dtype or \
+                        not copies(source.dtype):
+                    rest.append(v)
+                    continue
+                view = source.reshape(layout.pre, num_rows, layout.mid, source_time, layout.inner)
+                for c in range(self.pool.num_chunks):
+                    slab = self.pool.slabs[v][c].reshape(self.pool.slots_per_chunk, -1)
+                    host_jit.scatter_tokens(view, first, new_slots, self.pool.slots_per_chunk, c, slab)
+            if not rest:
+                return
+            layouts, sources = [self.layouts[v] for v in rest], [sources[v] for v in rest]
+        else:
+            rest, layouts = list(range(len(self.layouts))), self.layouts
         flat = new_slots.reshape(-1)
         valid = (flat >= 0) & (flat < self.pool.capacity)
         chunk, row = self.pool.slot_location(np.where(valid, flat, 0))
         selections = [(c, np.flatnonzero(valid & (chunk == c))) for c in range(self.pool.num_chunks)]
-        first = source_time - num_new
-        for v, (layout, source) in enumerate(zip(self.layouts, sources)):
+        for v, layout, source in zip(rest, layouts, sources):
             view = source.reshape(layout.pre, num_rows, layout.mid, source_time, layout.inner)
             tokens = view[:, :, :, first:, :].transpose(1, 3, 0, 2, 4).reshape(num_rows * num_new, -1)
             for c, where in selections:

@@ -26,6 +26,8 @@ import numpy as np
 from gpudecode.backend import is_device_array, on_shared_stream, to_host
 from gpudecode.sizes import next_power_of_two
 from gpudecode.spec import StateVariable
+from gpudecode.states.compiled import available as compiled_available
+from gpudecode.states.compiled import copies
 from gpudecode.states.history import (
     StateHistory,
     effective_max_history,
@@ -109,6 +111,9 @@ class StateManager:
         self._last_out = None  # (buffer ids, checked result, the buffers themselves)
         self._by_output = {v.output_name: v for v in self.state_variables}
         self._resident = None  # ResidentStates, made by the first merge_resident
+        #: a host manager's per-step bookkeeping (resident merge, extend, mark and sweep) as compiled
+        #: loops where numba imports (:mod:`gpudecode.states.compiled`); False: the numpy versions
+        self.compiled = device == "cpu" and compiled_available()
 
     # ---- resident merge (CPU) ---------------------------------------------------------------------
     @property
@@ -141,7 +146,8 @@ class StateManager:
             time_size = min(histories.width, self.max_history)
         views, kept = self._resident.merge(histories, key=key, time_size=time_size,
                                            max_history=effective_max_history(self.max_history, time_size),
-                                           keep_first=self._keep_first, max_positions=max_positions)
+                                           keep_first=self._keep_first, max_positions=max_positions,
+                                           compiled=self.compiled)
         shapes = [layout.tensor_shape(histories.num_rows, view.shape[2]) for layout, view in zip(self.layouts, views)]
         inputs = {layout.name: view.reshape(shape) for layout, view, shape in zip(self.layouts, views, shapes)}
         return MergedStates(inputs=inputs, prefix_lengths=kept, time_size=time_size)
@@ -155,13 +161,21 @@ class StateManager:
         for layout in self.layouts:
             buffer = merged.inputs[layout.name]
             view = buffer.reshape(buffer.shape[0], layout.mid, -1, layout.inner)
-            steps[layout.variable.output_name] = view[rows, :, kept].reshape(layout.tensor_shape(rows.size, 1))
+            if self.compiled and copies(view.dtype):
+                from gpudecode.states import host_jit
+
+                step = np.empty((rows.size, layout.mid, layout.inner), view.dtype)
+                host_jit.new_steps(view, kept, step)
+            else:
+                step = view[rows, :, kept]
+            steps[layout.variable.output_name] = step.reshape(layout.tensor_shape(rows.size, 1))
         return steps
 
     def written_in_place(self, new_slots, prefix_lengths, *, key=0) -> None:
         """After :meth:`merge_resident` of ``key`` and :meth:`split`: the model wrote row r's
         new step (``new_slots[r, 0]``) at position ``prefix_lengths[r]`` of its resident row."""
-        self._resident.written(key=key, new_slots=np.asarray(new_slots), kept=np.asarray(prefix_lengths))
+        self._resident.written(key=key, new_slots=np.asarray(new_slots), kept=np.asarray(prefix_lengths),
+                               compiled=self.compiled)
 
     # ---- options -> dtypes ------------------------------------------------------------------------
     def _storage_dtype(self, variable: StateVariable) -> np.dtype:
@@ -378,10 +392,11 @@ class StateManager:
             new_slots = self.pool.book_uniform(num_rows, num_new_tokens)
             self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, allocate=True)
         else:
-            new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts)
+            compiled = {"compiled": True} if self.compiled else {}  # host managers only
+            new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts, **compiled)
             if self._resident is not None:
                 self._resident.allocated(new_slots)
-            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots)
+            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, **compiled)
         return new_slots
 
     def _check_new_tokens(self, num_new_tokens: int) -> None:
@@ -424,8 +439,9 @@ class StateManager:
         """Keeps the slots inside the windows of ``histories`` and frees every other slot."""
         with self._on_device():
             for h in histories:
-                self.pool.mark(self._as_histories(h), max_history=self.max_history, keep_first=self._keep_first)
-            self.pool.sweep()
+                self.pool.mark(self._as_histories(h), max_history=self.max_history, keep_first=self._keep_first,
+                               compiled=self.compiled)
+            self.pool.sweep(compiled=self.compiled)
 
     def release_all(self) -> None:
         """Frees every slot (the pool keeps its chunks)."""
@@ -477,6 +493,7 @@ class TransformerStateManager(StateManager):
             append=append,
             max_history=self.options.max_history,
             keep_first=self._keep_first,
+            compiled=self.compiled,
         )
 
     def trimmed(self, histories: StateHistory, width: int) -> StateHistory:

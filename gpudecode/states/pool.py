@@ -219,10 +219,11 @@ class StatePool:
         self.generation += 1
 
     # ---- allocation -------------------------------------------------------------------------------
-    def allocate(self, num_rows: int, max_tokens: int, token_counts=None):
+    def allocate(self, num_rows: int, max_tokens: int, token_counts=None, *, compiled: bool = False):
         """New slots: ``[num_rows, max_tokens]`` int32, row b gets ``token_counts[b]`` (default all
         ``max_tokens``) slots, -1 beyond. ``token_counts`` may be a host or device array; with a
-        host array the bound the pool tracks is exact."""
+        host array the bound the pool tracks is exact. ``compiled`` (host pool): one compiled loop
+        (:mod:`gpudecode.states.compiled`)."""
         xp = self.xp
         if token_counts is not None and not isinstance(token_counts, np.ndarray):
             need = num_rows * max_tokens  # a device array: count the upper bound
@@ -237,7 +238,9 @@ class StatePool:
                 token_counts = xp.ascontiguousarray(xp.asarray(token_counts, dtype=np.int32))
             if num_rows == 0 or max_tokens == 0:
                 return new_slots
-            if self._cupy is None:
+            if self._cupy is None and compiled:
+                self._allocate_compiled(num_rows, max_tokens, token_counts, new_slots)
+            elif self._cupy is None:
                 self._allocate_numpy(num_rows, max_tokens, token_counts, new_slots)
             elif token_counts is None:
                 total = num_rows * max_tokens
@@ -277,6 +280,18 @@ class StatePool:
         self._live_bound += need
         self._allocated_total += need
 
+    def _allocate_compiled(self, num_rows, max_tokens, token_counts, new_slots) -> None:
+        """:meth:`_allocate_numpy` as one compiled loop (``host_jit.allocate``)."""
+        from gpudecode.states import host_jit
+
+        counts = np.full(num_rows, max_tokens, dtype=np.int32) if token_counts is None else token_counts
+        remaining, overflow = host_jit.allocate(counts, max_tokens, self.free_stack, int(self.counters[_FREE]),
+                                                self.allocated, new_slots)
+        if overflow:
+            self.counters[_OVERFLOW] = 1
+        self.counters[_FREE] = remaining
+        self.counters[_PEAK] = max(int(self.counters[_PEAK]), self.capacity - remaining)
+
     def _allocate_numpy(self, num_rows, max_tokens, token_counts, new_slots) -> None:
         counts = (
             np.full(num_rows, max_tokens, dtype=np.int64)
@@ -299,13 +314,20 @@ class StatePool:
         self.counters[_PEAK] = max(int(self.counters[_PEAK]), self.capacity - remaining)
 
     # ---- reference marking ------------------------------------------------------------------------
-    def mark(self, histories: StateHistory, *, max_history: int | None = None, keep_first: bool = False) -> None:
-        """Marks the slots inside the windows of ``histories`` as referenced (until the next sweep)."""
+    def mark(self, histories: StateHistory, *, max_history: int | None = None, keep_first: bool = False,
+             compiled: bool = False) -> None:
+        """Marks the slots inside the windows of ``histories`` as referenced (until the next sweep).
+        ``compiled`` (host pool): one compiled loop (:mod:`gpudecode.states.compiled`)."""
         self._check_open()
         histories.validate()
         limit = effective_max_history(max_history)
         num_rows, width = histories.table.shape
         if num_rows == 0 or width == 0 or self.capacity == 0:
+            return
+        if self._cupy is None and compiled:
+            from gpudecode.states import host_jit
+
+            host_jit.mark(histories.table, histories.lengths, limit, bool(keep_first), self.marks, self.capacity)
             return
         if self._cupy is None:
             inside = window_mask(histories, limit, keep_first)
@@ -326,10 +348,17 @@ class StatePool:
                 ),
             )
 
-    def sweep(self) -> None:
-        """Frees every allocated slot that no :meth:`mark` since the last sweep referenced."""
+    def sweep(self, *, compiled: bool = False) -> None:
+        """Frees every allocated slot that no :meth:`mark` since the last sweep referenced.
+        ``compiled`` (host pool): one compiled loop (:mod:`gpudecode.states.compiled`)."""
         self._check_open()
         if self.capacity == 0:
+            return
+        if self._cupy is None and compiled:
+            from gpudecode.states import host_jit
+
+            self.counters[_FREE] = host_jit.sweep(self.allocated, self.marks, self.free_stack, int(self.counters[_FREE]))
+            self._live_bound = self.capacity - int(self.counters[_FREE])
             return
         if self._cupy is None:
             released = np.flatnonzero((self.allocated == 1) & (self.marks == 0)).astype(np.int32)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpudecode.sizes import next_power_of_two
+from gpudecode.states.compiled import copies
 from gpudecode.states.history import NO_SLOT, StateHistory, window_table
 from gpudecode.states.layout import VariableLayout
 from gpudecode.states.pool import StatePool
@@ -46,6 +47,8 @@ class _Rows:
                         for layout in layouts]
         self.held = np.full((rows, time), NO_SLOT, dtype=np.int32)
         self.stamps = np.zeros((rows, time), dtype=np.int64)
+        #: the compiled merge copies these buffers' rows (one dtype it takes, :mod:`gpudecode.states.compiled`)
+        self.compiled_copies = len({b.dtype for b in self.buffers}) == 1 and copies(self.buffers[0].dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -102,13 +105,13 @@ class ResidentStates:
         self._next_stamp += int(flat.size)
 
     def merge(self, histories: StateHistory, *, key, time_size: int, max_history: int, keep_first: bool,
-              max_positions: int | None = None):
+              max_positions: int | None = None, compiled: bool = False):
         """The rows ``[:N]`` of the resident buffers of ``key`` holding each history's window
         left-aligned, C >= ``time_size`` + 1 (room for the new step), and the kept lengths [N].
-        ``max_positions``: C never exceeds it (the model's context) unless ``time_size`` + 1 does."""
+        ``max_positions``: C never exceeds it (the model's context) unless ``time_size`` + 1 does.
+        ``compiled``: the matching and copies as compiled loops (:mod:`gpudecode.states.compiled`)."""
         self._grow_slot_tables()
         num_rows = histories.num_rows
-        slots, kept = window_table(histories, time_size, max_history, keep_first, left=True)
         rows = self._rows.get(key)
         capacity = next_power_of_two(max(time_size + 1, MIN_POSITIONS))  # regrown rarely, never per step
         if max_positions is not None:
@@ -116,6 +119,9 @@ class ResidentStates:
         rows = _Rows(self.layouts, num_rows, capacity) if rows is None else \
             rows.grown(self.layouts, num_rows, capacity)
         self._rows[key] = rows
+        if compiled:
+            return self._merge_compiled(histories, rows, time_size, max_history, keep_first)
+        slots, kept = window_table(histories, time_size, max_history, keep_first, left=True)
         index = np.arange(num_rows)
         valid = np.arange(time_size)[None, :] < kept[:, None]
         stamps = np.where(valid, self._stamp[np.clip(slots, 0, None)], 0)
@@ -142,11 +148,45 @@ class ResidentStates:
         self._owner[last[has]] = index[has]
         return [buffer[:num_rows] for buffer in rows.buffers], kept
 
-    def written(self, *, key, new_slots: np.ndarray, kept: np.ndarray) -> None:
+    def _merge_compiled(self, histories: StateHistory, rows: _Rows, time_size: int, max_history: int,
+                        keep_first: bool):
+        """:meth:`merge` after the rows are sized, as compiled loops (``host_jit``)."""
+        from gpudecode.states import host_jit
+
+        num_rows = histories.num_rows
+        slots = np.empty((num_rows, time_size), np.int32)
+        stamps = np.empty((num_rows, time_size), np.int64)
+        kept = np.empty(num_rows, np.int32)
+        source = np.empty(num_rows, np.int64)
+        host_jit.resident_match(histories.table, histories.lengths, time_size, max_history, keep_first, self._stamp,
+                                self._owner, rows.held, rows.stamps, slots, stamps, kept, source)
+        index = np.arange(num_rows)
+        moved = np.flatnonzero((source >= 0) & (source != index))
+        fetch = np.flatnonzero((kept > 0) & (source < 0))
+        if moved.size and rows.compiled_copies:
+            host_jit.copy_rows(tuple(rows.buffers), moved, source[moved], kept)
+        elif moved.size:
+            for buffer in rows.buffers:  # the right side is a copy: sources overwritten here are read first
+                buffer[moved, :, :time_size] = buffer[source[moved], :, :time_size]
+        if fetch.size:
+            for buffer, tokens in zip(rows.buffers, self._gather(slots[fetch])):
+                buffer[fetch, :, :time_size] = tokens
+        self.rows_moved += int(moved.size)
+        self.rows_fetched += int(fetch.size)
+        host_jit.resident_commit(slots, stamps, kept, rows.held, rows.stamps, self._owner)
+        return [buffer[:num_rows] for buffer in rows.buffers], kept
+
+    def written(self, *, key, new_slots: np.ndarray, kept: np.ndarray, compiled: bool = False) -> None:
         """The model wrote row r's new step (slot ``new_slots[r, 0]``) at position ``kept[r]`` of
-        the resident rows of ``key``."""
+        the resident rows of ``key``. ``compiled``: one compiled loop."""
         self._grow_slot_tables()
         rows = self._rows[key]
+        if compiled:
+            from gpudecode.states import host_jit
+
+            host_jit.written(np.ascontiguousarray(new_slots[:, 0]), np.asarray(kept, dtype=np.int32), self._stamp,
+                             rows.held, rows.stamps, self._owner)
+            return
         slot = new_slots[:, 0]
         index = np.flatnonzero((slot >= 0) & (kept < rows.shape[1]))
         where, slot = kept[index], slot[index]

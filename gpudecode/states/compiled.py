@@ -1,0 +1,31 @@
+"""Whether the host state managers run their per-step bookkeeping compiled (numba, the ``cpu-jit``
+extra): the resident merge's matching and row copies (:mod:`gpudecode.states.resident`), the
+histories' extension (:func:`gpudecode.states.history.extend_histories`), the pool's allocation,
+mark and sweep (:class:`gpudecode.states.pool.StatePool`) and the split's copies into the pool
+(:class:`gpudecode.states.host.HostStateCopy`), each a loop over rows in
+:mod:`gpudecode.states.host_jit` doing what the numpy version does (which stays the oracle: the
+tests compare them). Without numba, or with ``StateManager.compiled`` False, the numpy versions run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import numpy as np
+
+
+@functools.cache
+def available() -> bool:
+    """Whether numba is installed (found, not imported: a manager that never steps on the host
+    never imports it)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+#: the state dtypes the compiled copies take (numba has no float16 or bfloat16 arrays)
+COPIED_DTYPES = frozenset(map(np.dtype, (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64)))
+
+
+def copies(dtype) -> bool:
+    """Whether the compiled loops copy states of ``dtype`` (else the numpy versions do)."""
+    return np.dtype(dtype) in COPIED_DTYPES

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -73,7 +74,15 @@ class CtcPrefixOptions:
     - ``beam_size``: prefixes kept per utterance;
     - ``blank``: the blank label index;
     - ``score_threshold``: drop candidates whose score is worse than the utterance's best
-      candidate by more than this (None: off);
+      candidate by more than this (kept: score >= best - threshold; None: off). pyctcdecode's
+      ``beam_prune_logp`` is its negative, with the same comparison, also after merging and
+      before the top beam, but on each ending (blank / label) of a prefix, where a candidate here
+      is a prefix with both endings summed;
+    - ``token_min_logp``: per-frame label pruning, pyctcdecode's rule (its ``token_min_logp``,
+      default -5 there): at each frame only the labels whose log-prob is >= this, and the frame's
+      best label (the first maximum), take part — blank, repeat and extension alike; every other
+      label counts as log-prob -inf (:func:`prune_labels`). Scores then sum only the kept paths.
+      None (default): off. Must be <= 0. Applied before ``blank_skip_threshold_logp``;
     - ``blank_skip_threshold_logp``: a frame whose blank log-prob exceeds this is treated as a pure
       blank frame (no label, no loop: only the blank transition; no scoring, no pruning); None:
       off. Must be <= 0 (log 0.999 ≈ -0.001);
@@ -94,6 +103,7 @@ class CtcPrefixOptions:
     beam_size: int
     blank: int = 0
     score_threshold: float | None = None
+    token_min_logp: float | None = None
     blank_skip_threshold_logp: float | None = None
     sentence_end: int | None = None
     max_cached_score_vectors: int = defaults.MAX_CACHED_SCORE_VECTORS
@@ -106,10 +116,30 @@ class CtcPrefixOptions:
         if self.blank_skip_threshold_logp is not None and not (
                 math.isfinite(self.blank_skip_threshold_logp) and self.blank_skip_threshold_logp <= 0):
             raise option_error(self, "blank_skip_threshold_logp", "None or a log-probability <= 0")
+        if self.token_min_logp is not None:
+            value = self.token_min_logp
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                    math.isfinite(value) and value <= 0):
+                raise option_error(self, "token_min_logp", "None or a finite log-probability <= 0 "
+                                   "(pyctcdecode's default: -5)")
+            object.__setattr__(self, "token_min_logp", float(value))
 
     @property
     def num_best(self) -> int:
         return self.beam_size if self.nbest is None else self.nbest
+
+
+def prune_labels(log_probs, token_min_logp: float, xp: ModuleType = np):
+    """``log_probs`` [..., V] with pyctcdecode's per-frame label pruning: each entry below
+    ``token_min_logp`` (compared in float32) that is not its row's best label (``argmax``, the first
+    maximum) set to -inf. A NaN is dropped unless it is the argmax (numpy's argmax takes the first
+    NaN), so a NaN row keeps one NaN and the search's non-finite check still sees it."""
+    vocab_size = log_probs.shape[-1]
+    best = log_probs.argmax(axis=-1)[..., None]
+    keep = (log_probs >= np.float32(token_min_logp)) | (xp.arange(vocab_size) == best)
+    pruned = log_probs.copy()
+    xp.copyto(pruned, _NEG_INF, where=~keep)
+    return pruned
 
 
 def _check_log_probs(log_probs, lengths, xp, read) -> tuple[object, np.ndarray]:
@@ -240,12 +270,19 @@ class _PrefixSearch:
         xp, layout, options = self.xp, self.layout, self.options
         num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
         vocab_size, blank = self.log_probs.shape[2], options.blank
+        fused = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(xp, len(self.entries), beam)  # one launch
+        compiled = not fused and ctc_cpu.use_loop(xp, len(self.entries), self.tuning)  # one compiled call
+        self.lengths_dev = xp.asarray(self.lengths)
+        # per utterance the largest frame log-prob (NaN or +inf: non-finite scores), before pruning
+        self.input_max = _frame_maxima(self.log_probs, self.lengths_dev, xp)
+        # label pruning: the compiled loop prunes each frame itself; the others search pruned log-probs
+        self.prune_in_loop = compiled and options.token_min_logp is not None
+        if options.token_min_logp is not None and not compiled:
+            self.log_probs = prune_labels(self.log_probs, options.token_min_logp, xp)
         frame_kinds = self._frame_kinds()  # host [T]: 0 idle, 1 blank only, 2 full
         num_full = int((frame_kinds == 2).sum())
 
         groups = np.arange(num_utts, dtype=np.int64)
-        fused = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(xp, len(self.entries), beam)  # one launch
-        compiled = not fused and ctc_cpu.use_loop(xp, len(self.entries), self.tuning)  # one compiled call
         blank_logp = np.full(num_lanes, _NEG_INF, dtype=np.float32)
         blank_logp[::beam] = 0  # each utterance starts from one lane: the empty prefix
         self.blank_logp = xp.asarray(blank_logp)
@@ -260,11 +297,8 @@ class _PrefixSearch:
         self.node_frames: list[int] = []  # per full frame k: its frame index t
         self.unresolved = xp.zeros((), dtype=bool)
         self.lm_scores = xp.zeros((len(self.entries), num_lanes), dtype=np.float32)
-        self.lengths_dev = xp.asarray(self.lengths)
         self.ids = list(utterances.ids)
-        # per utterance the largest frame log-prob and scorer score (NaN or +inf: non-finite scores)
-        self.input_max = _frame_maxima(self.log_probs, self.lengths_dev, xp)
-        self.lm_max = initial_maxima(len(self.entries), num_utts, xp)
+        self.lm_max = initial_maxima(len(self.entries), num_utts, xp)  # per utterance the largest scorer score
         if fused or compiled:
             loop = functools.partial(ctc_frame.search_kernel, prefilter=self.tuning.ctc_prefilter) if fused \
                 else functools.partial(ctc_cpu.search_frames, threads=self.tuning.cpu_threads)
@@ -320,7 +354,10 @@ class _PrefixSearch:
         if threshold is None:
             full = active.any(axis=0)
             return np.where(full, 2, 0).astype(np.int8)
-        (skip,) = self.read(lp[:, :, self.options.blank] > np.float32(threshold))
+        blank_column = lp[:, :, self.options.blank]
+        if self.prune_in_loop:  # the blank as the loop will see it
+            blank_column = prune_labels(lp, self.options.token_min_logp, xp)[:, :, self.options.blank]
+        (skip,) = self.read(blank_column > np.float32(threshold))
         self.skip = xp.asarray(skip)
         full = (active & ~skip).any(axis=0)
         return np.where(full, 2, np.where(active.any(axis=0), 1, 0)).astype(np.int8)

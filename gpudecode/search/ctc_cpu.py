@@ -4,7 +4,8 @@
 one utterance per call, or small beams, their fixed cost dominates. Without label scorers the
 utterances never interact, so here one compiled function loops over the utterances (spread over
 threads with ``SearchTuning.cpu_threads``), and per utterance over its frames and lanes — candidates, recombination with the collision check (label
-paths walked to the end), score threshold, the deterministic top-k (equal ranks to the lower lane,
+paths walked to the end), label pruning (``token_min_logp``, applied to each frame's log-probs as
+``ctc.prune_labels`` does), score threshold, the deterministic top-k (equal ranks to the lower lane,
 then the lower label; NaN ranks as -inf) and the new lanes — as ``kernels/ctc_frame.cu`` does on
 CUDA and ``gpudecode.testing.search_reference.full_frame_reference`` in Python. The float32
 arithmetic is the array version's (``logaddexp`` as numpy computes it), so the n-best lists are
@@ -63,13 +64,14 @@ def search_frames(log_probs, lengths, skip, frame_kinds: np.ndarray, state: tupl
     kinds = np.ascontiguousarray(frame_kinds, dtype=np.int8)
     has_skip = skip is not None
     skip = np.ascontiguousarray(skip, dtype=np.bool_) if has_skip else np.zeros((1, 1), np.bool_)
-    threshold = options.score_threshold
+    threshold, token_min = options.score_threshold, options.token_min_logp
     previous = numba.get_num_threads()
     if threads > 1:
         numba.set_num_threads(threads)
     try:
         frames(log_probs, np.ascontiguousarray(lengths, dtype=np.int64), skip, has_skip, kinds, int(beam_size),
-               int(options.blank), threshold is not None, np.float32(threshold or 0), np.int64(HASH_MULTIPLIER),
+               int(options.blank), threshold is not None, np.float32(threshold or 0), token_min is not None,
+               np.float32(token_min or 0), np.int64(HASH_MULTIPLIER),
                np.int64(options.hash_modulus), blank_logp, label_logp, last, length, hsh, prev_hash, node,
                node_parent, node_label)
     finally:

@@ -79,8 +79,9 @@ def best_columns(ranks, width, beam, order, order_rank):
 
 
 @njit(cache=True)
-def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
-               modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
+def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
+               token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent,
+               node_label):
     """Every frame of utterance ``u``: its lanes' state and its lanes' emission nodes (node
     ``1 + k · N + lane`` of the k-th full frame), updated in place; no other utterance's."""
     num_utts, num_frames, vocab = log_probs.shape
@@ -120,11 +121,21 @@ def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_th
         k += 1
         active = t < lengths[u]
         keep = active and not (has_skip and skip[u, t])
+        top = -1  # label pruning: the frame's best label (numpy's argmax: the first NaN, else the first maximum)
+        if active and use_token_min:
+            top = 0
+            for v in range(1, vocab):
+                best = log_probs[u, t, top]
+                if best == best and (log_probs[u, t, v] > best or log_probs[u, t, v] != log_probs[u, t, v]):
+                    top = v
         for v in range(vocab):
+            value = log_probs[u, t, v]
+            if top >= 0 and v != top and not value >= token_min:
+                value = NEG_INF
             if keep:
-                x[v] = log_probs[u, t, v]
+                x[v] = value
             elif v == blank:
-                x[v] = log_probs[u, t, blank] if active else np.float32(0)
+                x[v] = value if active else np.float32(0)
             else:
                 x[v] = NEG_INF
         for i in range(beam):
@@ -202,20 +213,22 @@ def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_th
 
 
 @njit(cache=True)
-def frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
-           modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
+def frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min, token_min,
+           multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
     """Every frame of the prefix search (``ctc_cpu.search_frames``), utterance after utterance, the
     lane state updated in place."""
     for u in range(log_probs.shape[0]):
-        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
-                   modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label)
+        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
+                   token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
+                   node_parent, node_label)
 
 
 @njit(cache=True, parallel=True)
-def frames_threaded(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold,
-                    multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent,
-                    node_label):
+def frames_threaded(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
+                    token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
+                    node_parent, node_label):
     """:func:`frames` with the utterances spread over numba's threads (they share no lane and no node)."""
     for u in prange(log_probs.shape[0]):
-        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, multiplier,
-                   modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label)
+        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
+                   token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
+                   node_parent, node_label)

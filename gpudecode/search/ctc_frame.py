@@ -68,7 +68,8 @@ def search_kernel(log_probs, lengths, skip, frame_kinds: np.ndarray, state: tupl
     ``ctc_prefix_frames_<K>``: a thread block per utterance, on the current stream, no host
     synchronisation.
 
-    ``log_probs`` [U, T, V] and ``lengths`` [U] (device), ``skip`` [U, T] bool (blank-skipped
+    ``log_probs`` [U, T, V] (already label-pruned where ``options.token_min_logp`` is set:
+    ``ctc.prune_labels``) and ``lengths`` [U] (device), ``skip`` [U, T] bool (blank-skipped
     frames; None: none), ``frame_kinds`` the host [T] int8 of ``_frame_kinds``; ``state``: the
     lane arrays in :data:`LANE_STATE` order; ``node_parent`` and ``node_label`` (one node per lane
     and full frame, after node 0) are written in place; ``options``: the ``CtcPrefixOptions``.

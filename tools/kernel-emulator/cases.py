@@ -113,6 +113,11 @@ EXTRA = [  # not in the brief: the other kernel paths and list lengths
     ("large", dict(beam_size=20, score_threshold=6.0), 3),   # beam > 16: no prefilter, KEPT 32, row in shared
     ("huge", dict(beam_size=6, score_threshold=6.0), 4),     # V = 12,000 with the prefilter
     ("huge", dict(beam_size=17), 4),                         # V = 12,000, full scan: row read from global memory
+    # label pruning (token_min_logp: the CuPy path searches the pruned log-probs, -inf for most labels)
+    ("large", dict(beam_size=8, token_min_logp=-5.0, score_threshold=10.0), 3),  # pyctcdecode's defaults, prefilter
+    ("small", dict(beam_size=4, token_min_logp=-1.5), 0, 1.5),                   # pruned blanks, prefilter
+    ("small", dict(beam_size=6, token_min_logp=-1.0, blank_skip_threshold_logp=-2.0), 3, 6.0),  # full scan, skips
+    ("wide", dict(beam_size=8, token_min_logp=-5.0), 6),                         # V = 1000, lists of few labels
 ]
 TIES = [  # (options, inputs): the kernel with the prefilter must equal the kernel without it bit for bit
     *[(case, ("test",)) for case in PREFILTER_CASES],
@@ -302,8 +307,8 @@ def reference_full_scans(log_probs, lengths, options):
         search_reference.full_frame_reference(search, t, exact_, num_top=num_top)
 
     ctc_module._PrefixSearch._full_frame = reference
-    try:
-        ctc_prefix_search(log_probs, lengths, options)
+    try:  # the array version (where numba imports, the compiled loop would run instead)
+        ctc_prefix_search(log_probs, lengths, options, tuning=SearchTuning(compiled_cpu_loops=False))
     finally:
         ctc_module._PrefixSearch._full_frame = original
     return max((getattr(s, "full_scans", 0) for s in searches), default=0)

@@ -11,12 +11,14 @@ NO_SLOT = -1
 
 @njit(cache=True)
 def resident_match(table, lengths, time_size, max_history, keep_first, stamp, owner, held, stamps,
-                   slots, row_stamps, kept, source):
+                   slots, row_stamps, kept, source, moved, fetch):
     """``ResidentStates.merge`` up to the copies: each row's left-aligned window ``slots`` [N, T]
     with their stamps ``row_stamps`` and ``kept`` [N]; ``source`` [N]: the row holding the history
     (-1: none holds it, gather it from the pool when it is not empty), read from ``held`` / ``stamps``
-    before any row changes."""
+    before any row changes. Returns how many rows copy another row's history (listed first in
+    ``moved``) and how many gather theirs from the pool (first in ``fetch``)."""
     num_rows, width = table.shape
+    num_moved = num_fetch = 0
     for n in range(num_rows):
         length = min(max(lengths[n], 0), width)
         keep = min(length, max_history)
@@ -40,6 +42,24 @@ def resident_match(table, lengths, time_size, max_history, keep_first, stamp, ow
                         break
                 if same:
                     source[n] = candidate
+            if source[n] < 0:
+                fetch[num_fetch] = n
+                num_fetch += 1
+            elif source[n] != n:
+                moved[num_moved] = n
+                num_moved += 1
+    return num_moved, num_fetch
+
+
+@njit(cache=True)
+def stamped(slots, stamp, next_stamp):
+    """``ResidentStates.allocated``: the slots (>= 0) of ``slots`` get stamps from ``next_stamp`` on,
+    in order; returns the next unused stamp."""
+    for slot in slots:
+        if slot >= 0:
+            stamp[slot] = next_stamp
+            next_stamp += 1
+    return next_stamp
 
 
 @njit(cache=True)

@@ -135,10 +135,10 @@ class StateManager:
         until the next merge of ``key``; ``time_size`` of the result is T, not C
         (:mod:`gpudecode.states.resident`). ``max_positions``: C stays within it where T + 1 does
         (a model's context)."""
-        if not self.resident_supported:
-            raise ValueError(f"state_manager {self.options.type!r}: these states cannot stay resident")
         histories = self._as_histories(histories)
         if self._resident is None:
+            if not self.resident_supported:
+                raise ValueError(f"state_manager {self.options.type!r}: these states cannot stay resident")
             from gpudecode.states.resident import ResidentStates
 
             self._resident = ResidentStates(self.layouts, self.pool, self._copy.gather)
@@ -395,7 +395,7 @@ class StateManager:
             compiled = {"compiled": True} if self.compiled else {}  # host managers only
             new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts, **compiled)
             if self._resident is not None:
-                self._resident.allocated(new_slots)
+                self._resident.allocated(new_slots, compiled=self.compiled)
             self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, **compiled)
         return new_slots
 

@@ -95,10 +95,16 @@ class ResidentStates:
         if self._owner.size < capacity:
             self._owner = np.concatenate([self._owner, np.full(capacity - self._owner.size, -1, np.int32)])
 
-    def allocated(self, new_slots: np.ndarray) -> None:
+    def allocated(self, new_slots: np.ndarray, compiled: bool = False) -> None:
         """Stamps the slots just handed out (any row still holding a slot's old state stops
-        matching it)."""
+        matching it). ``compiled``: one compiled loop."""
         self._grow_slot_tables()
+        if compiled:
+            from gpudecode.states import host_jit
+
+            self._next_stamp = host_jit.stamped(np.ascontiguousarray(new_slots).reshape(-1), self._stamp,
+                                                self._next_stamp)
+            return
         flat = new_slots.reshape(-1)
         flat = flat[flat >= 0]
         self._stamp[flat] = self._next_stamp + np.arange(flat.size, dtype=np.int64)
@@ -157,12 +163,11 @@ class ResidentStates:
         slots = np.empty((num_rows, time_size), np.int32)
         stamps = np.empty((num_rows, time_size), np.int64)
         kept = np.empty(num_rows, np.int32)
-        source = np.empty(num_rows, np.int64)
-        host_jit.resident_match(histories.table, histories.lengths, time_size, max_history, keep_first, self._stamp,
-                                self._owner, rows.held, rows.stamps, slots, stamps, kept, source)
-        index = np.arange(num_rows)
-        moved = np.flatnonzero((source >= 0) & (source != index))
-        fetch = np.flatnonzero((kept > 0) & (source < 0))
+        source, moved, fetch = (np.empty(num_rows, np.int64) for _ in range(3))
+        num_moved, num_fetch = host_jit.resident_match(
+            histories.table, histories.lengths, time_size, max_history, keep_first, self._stamp, self._owner,
+            rows.held, rows.stamps, slots, stamps, kept, source, moved, fetch)
+        moved, fetch = moved[:num_moved], fetch[:num_fetch]
         if moved.size and rows.compiled_copies:
             host_jit.copy_rows(tuple(rows.buffers), moved, source[moved], kept)
         elif moved.size:

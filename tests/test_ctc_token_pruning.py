@@ -199,6 +199,22 @@ def test_pyctcdecodes_default_pruning_gives_its_best_transcripts():
     assert any(cell["differing_when_made"]["unpruned"] for cell in document["cells"])
 
 
+def test_cpu_bench_has_rows_with_pyctcdecodes_pruning(tmp_path):
+    """``bench cpu``'s CTC part: per cell the unpruned toolkit and, under "pruned", the toolkit with
+    pyctcdecode's default pruning as options, each compared to the same pyctcdecode run (where it imports)."""
+    from gpudecode.bench.cpu import CTC_PRUNING, format_table, run_cpu_bench
+
+    results = run_cpu_bench(num_utts=2, num_frames=10, vocab_size=6, beams=(2,), ctc_inputs=("peaky",),
+                            parts=("ctc",), cores=1, output_dir=tmp_path)
+    assert CTC_PRUNING["pyctcdecode"] == {"token_min_logp": -5.0, "score_threshold": 10.0}
+    (cell,) = results["ctc"]["cells"]
+    pruned = cell["pruned"]
+    assert pruned["gpudecode_pruning"] == "pyctcdecode" and pruned["gpudecode_batched_frames_per_s"] > 0
+    if results["ctc"]["pyctcdecode"] is not None:
+        assert pruned["pyctcdecode_s"] == cell["pyctcdecode_s"] and 0 <= pruned["best_equal"] <= 2
+    assert "| peaky | 2 | none |" in format_table(results) and "| peaky | 2 | pyctcdecode |" in format_table(results)
+
+
 # --- GPU: the CuPy paths (the fused kernel and the array version) search the pruned log-probs -------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [

@@ -4,8 +4,9 @@ Measured in one run (each peer part only where the peer imports; otherwise a not
 - CTC prefix beam search (no LM) against pyctcdecode's ``decode_beams`` (its default pruning,
   ``beam_prune_logp`` and ``token_min_logp``): peaky random log-probs (``random_log_probs``), frames/s
   of the toolkit with all utterances in one call and one utterance per call, of pyctcdecode one
-  utterance per call (its batched ``decode_beams_batch`` needs a process pool); best transcripts
-  equal on how many utterances, and where they differ, which has the higher exact CTC
+  utterance per call (its batched ``decode_beams_batch`` needs a process pool); the toolkit unpruned
+  (its default) and with pyctcdecode's default pruning as its options (:data:`CTC_PRUNING`); best
+  transcripts equal on how many utterances, and where they differ, which has the higher exact CTC
   log-likelihood (:func:`ctc_log_likelihood`, the forward algorithm);
 - LM decoding of ONNX Runtime GenAI's own export (``tests/fixtures/peers/genai``) against GenAI's
   CPU greedy and beam search, one generator per prompt (its left-padded batch gives other tokens):
@@ -116,8 +117,28 @@ CTC_INPUTS = {"peaky": "gpudecode.bench.cpu.peaky_log_probs (seed 0)",
               "flat": "gpudecode.bench.ctc.random_log_probs (seed 0, sharpness 4, blank bias 8)"}
 
 
+#: The toolkit's pruning rows: none (its default), and pyctcdecode's default pruning as its options
+#: (``token_min_logp`` -5; ``beam_prune_logp`` -10 as ``score_threshold`` 10)
+CTC_PRUNING = {"none": {}, "pyctcdecode": {"token_min_logp": -5.0, "score_threshold": 10.0}}
+
+
+def _compare_best(ours, theirs, log_probs) -> dict:
+    """Best transcripts equal on how many utterances; where they differ, whose exact CTC
+    log-likelihood is higher."""
+    differ = []
+    for u, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            mine, peer_ll = ctc_log_likelihood(log_probs[u], a), ctc_log_likelihood(log_probs[u], b)
+            differ.append({"utterance": u, "gpudecode_log_likelihood": mine, "pyctcdecode_log_likelihood": peer_ll,
+                           "higher": "gpudecode" if mine > peer_ll else ("pyctcdecode" if peer_ll > mine else "equal")})
+    return {"best_equal": len(ours) - len(differ), "differing": differ}
+
+
 def _ctc_part(*, num_utts: int, num_frames: int, vocab_size: int, beams, repeats: int, inputs,
               cores: int = 1) -> dict:
+    """Per (inputs, beam) one cell: the toolkit unpruned (its default) against pyctcdecode, and in
+    ``cell["pruned"]`` the toolkit with pyctcdecode's default pruning (:data:`CTC_PRUNING`) against
+    the same pyctcdecode run."""
     from gpudecode.bench.ctc import random_log_probs
     from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
     from gpudecode.search.tuning import SearchTuning
@@ -125,7 +146,7 @@ def _ctc_part(*, num_utts: int, num_frames: int, vocab_size: int, beams, repeats
     lengths = np.full(num_utts, num_frames, dtype=np.int64)
     total = num_utts * num_frames
     part = {"utterances": num_utts, "frames": num_frames, "classes": vocab_size,
-            "inputs": {name: CTC_INPUTS[name] for name in inputs}, "cells": []}
+            "inputs": {name: CTC_INPUTS[name] for name in inputs}, "gpudecode_pruning": CTC_PRUNING, "cells": []}
     try:
         import pyctcdecode  # noqa: F401
 
@@ -160,46 +181,51 @@ def _ctc_part(*, num_utts: int, num_frames: int, vocab_size: int, beams, repeats
             pool = multiprocessing.get_context("fork").Pool(cores)  # before any thread starts
             part["all_cores"]["pyctcdecode"] = f"decode_beams_batch with a pool of {cores} processes"
     threaded = SearchTuning(cpu_threads=cores)
-    cases = [(name, beam) for name in inputs for beam in beams]
-    for name, beam in cases:
-        log_probs = peaky_log_probs(num_utts, num_frames, vocab_size) if name == "peaky" else \
-            random_log_probs(np, num_utts, num_frames, vocab_size)
-        options = CtcPrefixOptions(beam_size=beam, sentence_end=None, nbest=1)
+
+    def toolkit(log_probs, options) -> dict:
+        """The toolkit's figures of one cell (and its best transcripts under "best")."""
         for tuning in (SearchTuning(), threaded):  # warm-up (and the compiled loops' first compilation)
             ctc_prefix_search(log_probs[:, :8], np.full(num_utts, 8), options, tuning=tuning)
         batched_s, nbest = _fastest_wall(lambda: ctc_prefix_search(log_probs, lengths, options), repeats)
         single_s, _ = _fastest_wall(lambda: [ctc_prefix_search(log_probs[u:u + 1], lengths[u:u + 1], options)
                                              for u in range(num_utts)], repeats)
-        ours = [hyps[0].labels for hyps in nbest]
-        cell = {"inputs": name, "beam": beam, "gpudecode_batched_s": batched_s, "gpudecode_batched_frames_per_s": total / batched_s,
-                "gpudecode_per_utterance_s": single_s, "gpudecode_per_utterance_frames_per_s": total / single_s}
+        row = {"gpudecode_batched_s": batched_s, "gpudecode_batched_frames_per_s": total / batched_s,
+               "gpudecode_per_utterance_s": single_s, "gpudecode_per_utterance_frames_per_s": total / single_s,
+               "best": [hyps[0].labels for hyps in nbest]}
+        if cores > 1:
+            threaded_s, _ = _fastest_wall(lambda: ctc_prefix_search(log_probs, lengths, options, tuning=threaded),
+                                          repeats)
+            row.update({"gpudecode_threaded_s": threaded_s, "gpudecode_threaded_frames_per_s": total / threaded_s})
+        return row
+
+    cases = [(name, beam) for name in inputs for beam in beams]
+    for name, beam in cases:
+        log_probs = peaky_log_probs(num_utts, num_frames, vocab_size) if name == "peaky" else \
+            random_log_probs(np, num_utts, num_frames, vocab_size)
+        rows = {pruning: toolkit(log_probs, CtcPrefixOptions(beam_size=beam, sentence_end=None, nbest=1, **settings))
+                for pruning, settings in CTC_PRUNING.items()}
+        peer_row = {}
         if decoder is not None:
             def peer():
                 return [decoder.decode_beams(log_probs[u], beam_width=beam)[0][0] for u in range(num_utts)]
 
             peer_s, texts = _fastest_wall(peer, repeats)
             theirs = [[index[c] for c in text] for text in texts]
-            differ = []
-            for u, (a, b) in enumerate(zip(ours, theirs)):
-                if a != b:
-                    mine, peer_ll = ctc_log_likelihood(log_probs[u], a), ctc_log_likelihood(log_probs[u], b)
-                    differ.append({"utterance": u, "gpudecode_log_likelihood": mine,
-                                   "pyctcdecode_log_likelihood": peer_ll,
-                                   "higher": "gpudecode" if mine > peer_ll else
-                                   ("pyctcdecode" if peer_ll > mine else "equal")})
-            cell.update({"pyctcdecode_s": peer_s, "pyctcdecode_frames_per_s": total / peer_s,
-                         "batched_over_pyctcdecode": peer_s / batched_s,
-                         "per_utterance_over_pyctcdecode": peer_s / single_s,
-                         "best_equal": num_utts - len(differ), "differing": differ})
-        if cores > 1:
-            threaded_s, _ = _fastest_wall(lambda: ctc_prefix_search(log_probs, lengths, options, tuning=threaded),
-                                          repeats)
-            cell.update({"gpudecode_threaded_s": threaded_s, "gpudecode_threaded_frames_per_s": total / threaded_s})
+            peer_row = {"pyctcdecode_s": peer_s, "pyctcdecode_frames_per_s": total / peer_s}
             if pool is not None:
                 pool_s, _ = _fastest_wall(lambda: decoder.decode_beams_batch(pool, list(log_probs), beam_width=beam),
                                           repeats)
-                cell.update({"pyctcdecode_pool_s": pool_s, "pyctcdecode_pool_frames_per_s": total / pool_s,
-                             "threaded_over_pyctcdecode_pool": pool_s / threaded_s})
+                peer_row.update({"pyctcdecode_pool_s": pool_s, "pyctcdecode_pool_frames_per_s": total / pool_s})
+            for row in rows.values():
+                row.update(peer_row, batched_over_pyctcdecode=peer_s / row["gpudecode_batched_s"],
+                           per_utterance_over_pyctcdecode=peer_s / row["gpudecode_per_utterance_s"],
+                           **_compare_best(row["best"], theirs, log_probs))
+                if pool is not None:
+                    row["threaded_over_pyctcdecode_pool"] = pool_s / row["gpudecode_threaded_s"]
+        for row in rows.values():
+            del row["best"]
+        cell = {"inputs": name, "beam": beam, **rows["none"],
+                "pruned": {"gpudecode_pruning": "pyctcdecode", **rows["pyctcdecode"]}}
         part["cells"].append(cell)
     if pool is not None:
         pool.close()
@@ -432,29 +458,37 @@ def format_table(results: dict) -> str:
     lines = []
     ctc = results.get("ctc")
     if ctc:
-        lines += ["| CTC inputs | beam | gpudecode batched frames/s | gpudecode 1/call frames/s | pyctcdecode frames/s | "
-                  "batched ÷ pyctcdecode | 1/call ÷ pyctcdecode | best equal | differing: higher likelihood |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+        def ctc_rows(c):  # the unpruned row, then (where measured) the one with pyctcdecode's pruning
+            return [("none", c)] + ([("pyctcdecode", c["pruned"])] if "pruned" in c else [])
+
+        lines += ["| CTC inputs | beam | gpudecode pruning | gpudecode batched frames/s | gpudecode 1/call frames/s | "
+                  "pyctcdecode frames/s | batched ÷ pyctcdecode | 1/call ÷ pyctcdecode | best equal | "
+                  "differing: higher likelihood |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
         for c in ctc["cells"]:
-            if "pyctcdecode_frames_per_s" in c:
-                counts = {who: sum(d["higher"] == who for d in c["differing"])
-                          for who in ("gpudecode", "pyctcdecode", "equal")}
-                higher = ", ".join(f"{who} {n}" for who, n in counts.items() if n) or "—"
-                peer = (f"{c['pyctcdecode_frames_per_s']:,.0f} | {c['batched_over_pyctcdecode']:.2f} | "
-                        f"{c['per_utterance_over_pyctcdecode']:.2f} | {c['best_equal']} / {ctc['utterances']} | {higher}")
-            else:
-                peer = "— | — | — | — | —"
-            lines.append(f"| {c['inputs']} | {c['beam']} | {c['gpudecode_batched_frames_per_s']:,.0f} | "
-                         f"{c['gpudecode_per_utterance_frames_per_s']:,.0f} | {peer} |")
+            for pruning, r in ctc_rows(c):
+                if "pyctcdecode_frames_per_s" in r:
+                    counts = {who: sum(d["higher"] == who for d in r["differing"])
+                              for who in ("gpudecode", "pyctcdecode", "equal")}
+                    higher = ", ".join(f"{who} {n}" for who, n in counts.items() if n) or "—"
+                    peer = (f"{r['pyctcdecode_frames_per_s']:,.0f} | {r['batched_over_pyctcdecode']:.2f} | "
+                            f"{r['per_utterance_over_pyctcdecode']:.2f} | {r['best_equal']} / {ctc['utterances']} | "
+                            f"{higher}")
+                else:
+                    peer = "— | — | — | — | —"
+                lines.append(f"| {c['inputs']} | {c['beam']} | {pruning} | {r['gpudecode_batched_frames_per_s']:,.0f} | "
+                             f"{r['gpudecode_per_utterance_frames_per_s']:,.0f} | {peer} |")
         lines.append("")
         if ctc.get("all_cores"):
             cores = ctc["all_cores"]["cores"]
-            lines += [f"| CTC inputs | beam | gpudecode {cores} threads frames/s | pyctcdecode pool of {cores} frames/s | "
-                      "gpudecode ÷ pyctcdecode |", "|---|---:|---:|---:|---:|"]
+            lines += [f"| CTC inputs | beam | gpudecode pruning | gpudecode {cores} threads frames/s | "
+                      f"pyctcdecode pool of {cores} frames/s | gpudecode ÷ pyctcdecode |", "|---|---:|---|---:|---:|---:|"]
             for c in ctc["cells"]:
-                pool = (f"{c['pyctcdecode_pool_frames_per_s']:,.0f} | {c['threaded_over_pyctcdecode_pool']:.2f}"
-                        if "pyctcdecode_pool_s" in c else "— | —")
-                lines.append(f"| {c['inputs']} | {c['beam']} | {c['gpudecode_threaded_frames_per_s']:,.0f} | {pool} |")
+                for pruning, r in ctc_rows(c):
+                    pool = (f"{r['pyctcdecode_pool_frames_per_s']:,.0f} | {r['threaded_over_pyctcdecode_pool']:.2f}"
+                            if "pyctcdecode_pool_s" in r else "— | —")
+                    lines.append(f"| {c['inputs']} | {c['beam']} | {pruning} | "
+                                 f"{r['gpudecode_threaded_frames_per_s']:,.0f} | {pool} |")
             lines.append("")
     for part, peer, key in (("genai", "GenAI", "genai"), ("gpt2", "transformers", "transformers")):
         section = results.get(part)

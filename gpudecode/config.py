@@ -144,7 +144,7 @@ class CudaGraphsConfig(_Section):
     """``runtime.cuda_graphs``: capture each decoder step in CUDA graphs, one per shape bucket
     (``true``/``false``, or these keys). See ``gpudecode.session.graphs.GraphOptions``."""
 
-    enabled: bool = defaults.CUDA_GRAPHS
+    enabled: bool | Literal["auto"] = defaults.CUDA_GRAPHS
     time_step: PositiveInt = defaults.GRAPH_TIME_STEP
     min_rows: PositiveInt = defaults.GRAPH_MIN_ROWS
     shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
@@ -153,15 +153,18 @@ class CudaGraphsConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _from_bool(cls, data: Any) -> Any:
-        return {"enabled": data} if isinstance(data, bool) else data
+        return {"enabled": data} if isinstance(data, bool) or data == "auto" else data
 
-    def to_options(self, enabled: bool | None = None):
-        """The typed options a scorer takes; ``enabled`` overrides (a scorer's own switch)."""
+    def to_options(self, enabled: bool | None = None, *, device: str = defaults.DEVICE):
+        """The typed options a scorer takes; ``enabled`` overrides (a scorer's own switch);
+        ``"auto"`` is on for ``device`` cuda."""
         from gpudecode.session.graphs import GraphOptions
 
         values = self.model_dump()
         if enabled is not None:
             values["enabled"] = enabled
+        if values["enabled"] == "auto":
+            values["enabled"] = device == "cuda"
         return GraphOptions(**values)
 
 
@@ -185,7 +188,7 @@ class RuntimeConfig(_Section):
 
     @model_validator(mode="after")
     def _check_engine(self) -> RuntimeConfig:
-        if self.cuda_graphs.enabled and self.device != "cuda":
+        if self.cuda_graphs.enabled is True and self.device != "cuda":
             raise _KeyedError(["cuda_graphs", "enabled"], "CUDA graphs need runtime.device cuda")
         if self.engine.type == "ray" and self.device == "cuda" and self.engine.gpus_per_worker == 0:
             raise _KeyedError(["engine", "gpus_per_worker"], "runtime.device is cuda, so each Ray "
@@ -430,7 +433,7 @@ class SearchConfig(_Section):
     length_norm_scale: Annotated[float, Field(ge=0)] = defaults.LENGTH_NORM_SCALE
     max_labels_per_input: PositiveFloat = defaults.MAX_LABELS_PER_INPUT
     max_labels: PositiveInt = defaults.MAX_LABELS
-    batch_size: PositiveInt = defaults.SEARCH_BATCH_SIZE
+    batch_size: PositiveInt | None = None  # None: by device (defaults.SEARCH_BATCH_SIZE, _CUDA)
     max_active_utterances: PositiveInt | None = defaults.MAX_ACTIVE_UTTERANCES
     admission_order: Literal[defaults.ADMISSION_ORDERS] = defaults.ADMISSION_ORDER
     max_cached_score_vectors: NonNegativeInt = defaults.MAX_CACHED_SCORE_VECTORS
@@ -522,6 +525,14 @@ class Config(_Section):
             if scorer.cuda_graphs and self.runtime.device != "cuda":
                 raise _KeyedError(["scorers", i, "cuda_graphs"], "CUDA graphs need runtime.device cuda")
         return self
+
+    @property
+    def batch_size(self) -> int:
+        """Utterances per search call: ``search.batch_size``, or where unset the device's default
+        (``defaults.SEARCH_BATCH_SIZE`` on the CPU, ``SEARCH_BATCH_SIZE_CUDA`` on CUDA)."""
+        if self.search.batch_size is not None:
+            return self.search.batch_size
+        return defaults.SEARCH_BATCH_SIZE_CUDA if self.runtime.device == "cuda" else defaults.SEARCH_BATCH_SIZE
 
 
 # --- errors: pydantic's error list -> one ConfigError naming key paths ---------------------

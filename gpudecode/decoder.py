@@ -136,7 +136,7 @@ class Decoder:
 
     def _graphs(self, scorer):
         """The CUDA-graph options of one scorer: the runtime's, switched by the scorer's own key."""
-        return self.config.runtime.cuda_graphs.to_options(scorer.cuda_graphs)
+        return self.config.runtime.cuda_graphs.to_options(scorer.cuda_graphs, device=self.config.runtime.device)
 
     def _build_named(self, index: int, scorer: ScorerConfig):
         """:meth:`_build_scorer`; a model that does not fit is a ``ModelError`` naming the scorer."""
@@ -358,7 +358,7 @@ class Decoder:
         ``features`` (a model without an encoder) the prompts are the utterances, each continued
         up to ``search.max_labels`` labels.
 
-        Utterances are decoded in batches of ``search.batch_size``, longest first.
+        Utterances are decoded in batches of ``search.batch_size`` (unset: the device's default), longest first.
         """
         if features is None and prompts is None:
             raise ValueError("nothing to decode: give features, or prompts for a model without an encoder")
@@ -377,7 +377,7 @@ class Decoder:
         else:
             order = sorted(keys, key=lambda k: -len(prompts[k]))
         results = {}
-        size = self.config.search.batch_size
+        size = self.config.batch_size
         for start in range(0, len(order), size):
             ids = order[start:start + size]
             batch_features = None if features is None else [np.asarray(features[i], np.float32) for i in ids]

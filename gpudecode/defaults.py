@@ -12,7 +12,7 @@ DEVICES = ("cpu", "cuda")
 DEVICE = "cpu"
 DEVICE_ID = 0
 TF32 = False  # TF32 off by default: CUDA results equal the CPU's only with TF32 off
-CUDA_GRAPHS = False
+CUDA_GRAPHS = "auto"  # "auto": on with runtime.device cuda (off, with a warning naming why, where a model cannot be captured)
 GRAPH_TIME_STEP = 32  # history buckets: powers of two up to this, then multiples of it
 GRAPH_MIN_ROWS = 8  # the smallest row bucket
 GRAPH_SHARED_BUFFERS = True  # one buffer per tensor name across buckets (SGLang's trick)
@@ -73,7 +73,10 @@ SCORE_THRESHOLD: float | None = None  # None: no threshold pruning
 LENGTH_NORM_SCALE = 1.0  # ranking by score / length**scale; 0 turns it off
 MAX_LABELS_PER_INPUT = 1.0  # labels per encoder frame (label-synchronous search)
 MAX_LABELS = 1024  # absolute cap per utterance
-SEARCH_BATCH_SIZE = 16  # utterances read and handed to one search call
+# utterances read and handed to one search call (search.batch_size unset): on the CPU, and on CUDA,
+# where a search step costs about as much for 256 utterances as for 16 (a step out of memory is split)
+SEARCH_BATCH_SIZE = 16
+SEARCH_BATCH_SIZE_CUDA = 256
 # Continuous batching: lane groups in flight within one search call (None: all of the batch at once,
 # static batching); finished utterances' groups are refilled from the batch in this order.
 MAX_ACTIVE_UTTERANCES = None

@@ -46,6 +46,16 @@ def test_example_config_decodes_and_matches_the_python_api(tmp_path):
         np.testing.assert_allclose([h.score for h in nbest], [h["score"] for h in by_id[utt]["nbest"]], atol=1e-6)
 
 
+def test_the_batch_size_changes_no_result(tmp_path):
+    """One utterance per search call and the device's default batch give the same n-best lists."""
+    got = {}
+    for name, overrides in (("default", []), ("one", ["-o", "search.batch_size=1"])):
+        result = decode(EXAMPLE, "--output", tmp_path / name, *overrides)
+        assert result.exit_code == 0, result.output
+        got[name] = {u: r["nbest"] for u, r in records(tmp_path / name)[0].items()}
+    assert got["default"] == got["one"] and len(got["one"]) == 3
+
+
 def test_the_python_api_threads_tuning_and_stats_into_the_search():
     """``search.tuning`` and a stats object reach the search: the same n-best with the stop test
     read late (on numpy too), its step loop measured and its reads counted."""

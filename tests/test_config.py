@@ -308,3 +308,31 @@ def test_state_manager_config_converts_to_typed_options():
                               "state_manager": {"type": "transformer-cpu", "max_history": 0}}]})
     options = config.scorers[0].state_manager.to_options()
     assert (options.type, options.max_history) == ("transformer-cpu", 0)
+
+
+def test_batch_size_defaults_by_device_and_an_explicit_one_wins():
+    assert validate_config(MINIMAL, "/cfg").batch_size == defaults.SEARCH_BATCH_SIZE == 16
+    cuda = apply_overrides(MINIMAL, ["runtime.device=cuda"])
+    assert validate_config(cuda, "/cfg").batch_size == defaults.SEARCH_BATCH_SIZE_CUDA == 256
+    assert validate_config(apply_overrides(cuda, ["search.batch_size=7"]), "/cfg").batch_size == 7
+    assert "search.batch_size" in _error(MINIMAL, ["search.batch_size=0"])
+
+
+def test_cuda_graphs_auto_is_on_with_cuda_only_and_true_needs_cuda():
+    config = validate_config(MINIMAL, "/cfg")
+    assert config.runtime.cuda_graphs.enabled == defaults.CUDA_GRAPHS == "auto"
+    graphs = config.runtime.cuda_graphs
+    assert graphs.to_options(device="cuda").enabled is True and graphs.to_options(device="cpu").enabled is False
+    assert graphs.to_options(False, device="cuda").enabled is False  # a scorer's own switch wins
+    for value in ("true", "false", "auto"):
+        on_cuda = validate_config(apply_overrides(MINIMAL, ["runtime.device=cuda", f"runtime.cuda_graphs={value}"]),
+                                  "/cfg").runtime.cuda_graphs.to_options(device="cuda").enabled
+        assert on_cuda is (value != "false")
+    assert "CUDA graphs need runtime.device cuda" in _error(MINIMAL, ["runtime.cuda_graphs=true"])
+    assert validate_config(apply_overrides(MINIMAL, ["runtime.cuda_graphs=auto"]), "/cfg")  # auto on the CPU: off
+
+
+def test_shipped_configs_carry_no_batch_size():
+    """Batching is a performance key: the bundled configs leave it to the device's default."""
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        assert load_config(path).search.batch_size is None, path.name

@@ -10,8 +10,10 @@ log ψ(g)``, so a terminated hypothesis has accumulated exactly ``log P(g | x)``
 Per lane the context keeps the forward variables of its prefix over all frames: ``r_label`` and
 ``r_blank`` [T + 1, N] (alignments of frames 0..t that spell g and end in its last label / in
 blank; row 0 is "before frame 0"), ``ψ(g)`` and the last label. Scoring K candidate labels runs
-the recursion over the frames for all N × K (lane, label) pairs at once — a Python loop over
-frames only — and keeps the candidates' forward variables, so ``extend`` is a gather.
+the recursion over the frames for all N × K (lane, label) pairs at once and keeps the candidates'
+forward variables, so ``extend`` is a gather. On numpy (the oracle) this is a Python loop over
+frames of array operations; on CuPy ``score_candidates`` and ``extend`` are one launch each of
+``kernels/ctc_prefix_score.cu`` (a thread per pair runs the frames), with no host synchronisation.
 
 Per-utterance input: frame log-probs ``UtteranceBatch.inputs["log-probs"]`` [U, T, V] with
 their sizes (``UtteranceBatch.size_of``), written once per lane group at ``admit`` (a
@@ -32,6 +34,7 @@ from gpudecode.scorers.registry import register_scorer
 from gpudecode.sizes import next_power_of_two
 
 _NEG_INF = np.float32(-np.inf)
+_THREADS = 128  # PREFIX_THREADS of kernels/ctc_prefix_score.cu
 
 
 @dataclass
@@ -146,6 +149,8 @@ class CtcPrefixScorer(LabelScorer):
     def _forward(self, ctx: CtcPrefixContext, labels):
         """Forward variables [T+1, N, K] and log ψ [N, K] of every (lane, label) extension."""
         xp = self.layout.xp
+        if xp is not np:
+            return self._forward_kernel(ctx, labels)
         num_frames = self._log_probs.shape[0]
         valid, blank = self._frames()
         safe = xp.where(labels == self.blank, 0, labels)
@@ -169,10 +174,52 @@ class CtcPrefixScorer(LabelScorer):
         prefix = xp.where(labels == self.blank, _NEG_INF, prefix)
         return r_label, r_blank, prefix
 
+    def _forward_kernel(self, ctx: CtcPrefixContext, labels):
+        """:meth:`_forward` as one launch of ``ctc_prefix_forward`` (CuPy)."""
+        cupy = self.layout.xp
+        labels = cupy.ascontiguousarray(labels, dtype=np.int64)
+        num_lanes, num_candidates = labels.shape
+        assert num_lanes == ctx.r_label.shape[1] == self.layout.num_lanes, "ctc-prefix: candidates of other lanes"
+        r_label = cupy.empty((self._log_probs.shape[0] + 1, num_lanes, num_candidates), dtype=np.float32)
+        r_blank = cupy.empty_like(r_label)
+        prefix = cupy.empty((num_lanes, num_candidates), dtype=np.float32)
+        self._launch("ctc_prefix_forward", num_lanes * num_candidates, (
+            *self._frame_args(), *self._context_args(ctx, prefix=False), labels, *self._shape_args(num_lanes),
+            np.int64(num_candidates), np.int64(self.blank), np.int64(self.sentence_end), r_label, r_blank, prefix))
+        return r_label, r_blank, prefix
+
+    def _frame_args(self):
+        cupy = self.layout.xp
+        return (cupy.ascontiguousarray(self._log_probs, dtype=np.float32),
+                cupy.ascontiguousarray(self._sizes, dtype=np.int64),
+                cupy.ascontiguousarray(self._group, dtype=np.int64))
+
+    def _context_args(self, ctx: CtcPrefixContext, prefix: bool):
+        cupy = self.layout.xp
+        arrays = (ctx.r_label, ctx.r_blank, ctx.prefix_logp) if prefix else (ctx.r_label, ctx.r_blank)
+        return (*(cupy.ascontiguousarray(a, dtype=np.float32) for a in arrays),
+                cupy.ascontiguousarray(ctx.last, dtype=np.int64))
+
+    def _shape_args(self, num_lanes: int):
+        """(T, G, V, N) as the kernels' int64 scalars."""
+        return (np.int64(self._log_probs.shape[0]), np.int64(self._log_probs.shape[1]), np.int64(self.vocab_size),
+                np.int64(num_lanes))
+
+    def _launch(self, name: str, num_threads: int, args) -> None:
+        from gpudecode.kernels import load_module
+
+        assert self._group.shape[0] == self.layout.num_lanes, "ctc-prefix: lanes and lane groups disagree"
+        if num_threads == 0:
+            return
+        module = load_module("ctc_prefix_score", (), self._log_probs.device.id)
+        module.get_function(name)((-(-num_threads // _THREADS),), (_THREADS,), args)
+
     def extend(self, ctx: CtcPrefixContext, parents, labels) -> CtcPrefixContext:
         """Children keep the forward variables of (parent, label) from the last scoring call;
         ``labels[i] == -1`` carries the parent's context."""
         xp = self.layout.xp
+        if xp is not np:
+            return self._extend_kernel(ctx, parents, labels)
         parents = xp.asarray(parents).astype(np.int64, copy=False)
         labels = xp.asarray(labels).astype(np.int64, copy=False)
         carry = labels < 0
@@ -206,3 +253,28 @@ class CtcPrefixScorer(LabelScorer):
         return (xp.where(found[None], child[0], fresh_label[:, :, 0]),
                 xp.where(found[None], child[1], fresh_blank[:, :, 0]),
                 xp.where(found, child[2], fresh_prefix[:, 0]))
+
+    def _extend_kernel(self, ctx: CtcPrefixContext, parents, labels) -> CtcPrefixContext:
+        """:meth:`extend` as one launch of ``ctc_prefix_extend`` (CuPy): no host synchronisation."""
+        cupy = self.layout.xp
+        parents = cupy.ascontiguousarray(cupy.asarray(parents), dtype=np.int64)
+        labels = cupy.ascontiguousarray(cupy.asarray(labels), dtype=np.int64)
+        num_lanes = parents.shape[0]
+        assert num_lanes == labels.shape[0] == ctx.r_label.shape[1] == self.layout.num_lanes, \
+            "ctc-prefix: parents, labels and lanes disagree"
+        if ctx.scored is None:  # nothing scored: every label runs the recursion (never read below)
+            scored = (labels, ctx.prefix_logp, ctx.prefix_logp, ctx.prefix_logp)
+        else:
+            scored = ctx.scored
+        scored = (cupy.ascontiguousarray(scored[0], dtype=np.int64),
+                  *(cupy.ascontiguousarray(a, dtype=np.float32) for a in scored[1:]))
+        num_scored = 0 if ctx.scored is None else scored[0].shape[1]
+        out = CtcPrefixContext(r_label=cupy.empty((self._log_probs.shape[0] + 1, num_lanes), dtype=np.float32),
+                               r_blank=cupy.empty((self._log_probs.shape[0] + 1, num_lanes), dtype=np.float32),
+                               prefix_logp=cupy.empty(num_lanes, dtype=np.float32),
+                               last=cupy.empty(num_lanes, dtype=np.int64))
+        self._launch("ctc_prefix_extend", num_lanes, (
+            *self._frame_args(), *self._context_args(ctx, prefix=True), parents, labels, *scored,
+            np.int64(num_scored), *self._shape_args(num_lanes), np.int64(self.blank), np.int64(self.sentence_end),
+            out.r_label, out.r_blank, out.prefix_logp, out.last))
+        return out

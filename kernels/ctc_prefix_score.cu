@@ -12,7 +12,8 @@
 // The blank candidate reads label 0's log-probs for its (unused) forward variables, as the array
 // version does.
 //   ctc_prefix_forward  one thread per (lane n, candidate k): the forward variables and ψ of every
-//                       candidate (score_candidates)
+//                       candidate, and the score log ψ(g + c) − log ψ(g) (-inf where ψ(g) is not
+//                       finite) (score_candidates)
 //   ctc_prefix_extend   one thread per new lane n: the context of (parent, label) — the parent's
 //                       own (label -1: carried), the scored candidate's (the first k whose label
 //                       matches), else the recursion run for that label (extend)
@@ -27,6 +28,7 @@
 //   labels        [N, K] int64: the candidates, in [0, V)
 //   out_label, out_blank  [T + 1, N, K] float32 (forward) / [T + 1, N] (extend)
 //   out_prefix    [N, K] float32 (forward) / [N] (extend);  out_last [N] int64 (extend)
+//   out_score     [N, K] float32 (forward): the candidates' scores
 //   parents       [N] int64, new_labels [N] int64 (-1: carry the parent's context)
 //   scored_labels [N, K] int64, scored_label / scored_blank [T + 1, N, K], scored_prefix [N, K]:
 //                 the last forward launch's labels and outputs; with num_scored 0 they are not read
@@ -76,16 +78,20 @@ __device__ __forceinline__ float forward_one(const float* __restrict__ log_probs
 
 extern "C" __global__ void ctc_prefix_forward(
     const float* __restrict__ log_probs, const long long* __restrict__ sizes, const long long* __restrict__ group,
-    const float* __restrict__ ctx_label, const float* __restrict__ ctx_blank, const long long* __restrict__ ctx_last,
-    const long long* __restrict__ labels, long long num_frames, long long num_groups, long long vocab_size,
-    long long num_lanes, long long num_candidates, long long blank, long long sentence_end,
-    float* __restrict__ out_label, float* __restrict__ out_blank, float* __restrict__ out_prefix) {
+    const float* __restrict__ ctx_label, const float* __restrict__ ctx_blank, const float* __restrict__ ctx_prefix,
+    const long long* __restrict__ ctx_last, const long long* __restrict__ labels, long long num_frames,
+    long long num_groups, long long vocab_size, long long num_lanes, long long num_candidates, long long blank,
+    long long sentence_end, float* __restrict__ out_label, float* __restrict__ out_blank,
+    float* __restrict__ out_prefix, float* __restrict__ out_score) {
     const long long pair = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (pair >= num_lanes * num_candidates) return;
     const long long lane = pair / num_candidates, g = group[lane];
-    out_prefix[pair] = forward_one(log_probs, num_frames, sizes[g], g, num_groups, vocab_size, ctx_label, ctx_blank,
-                                   lane, num_lanes, ctx_last[lane], labels[pair], blank, sentence_end, out_label,
-                                   out_blank, pair, num_lanes * num_candidates);
+    const float psi = forward_one(log_probs, num_frames, sizes[g], g, num_groups, vocab_size, ctx_label, ctx_blank,
+                                  lane, num_lanes, ctx_last[lane], labels[pair], blank, sentence_end, out_label,
+                                  out_blank, pair, num_lanes * num_candidates);
+    const float base = ctx_prefix[lane];
+    out_prefix[pair] = psi;
+    out_score[pair] = fabsf(base) < __int_as_float(0x7f800000) ? psi - base : neg_inf();  // ψ(g) = 0: impossible
 }
 
 extern "C" __global__ void ctc_prefix_extend(

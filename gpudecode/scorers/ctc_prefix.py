@@ -140,6 +140,10 @@ class CtcPrefixScorer(LabelScorer):
         """[N, K] float32: ``log ψ(g + c) − log ψ(g)`` for the labels ``candidate_labels`` [N, K]."""
         xp = self.layout.xp
         labels = xp.asarray(candidate_labels).astype(np.int64, copy=False)
+        if xp is not np:  # the scores come with the forward variables, from the same launch
+            *forward, scores = self._forward_kernel(ctx, labels)
+            ctx.scored = (labels, *forward)
+            return scores
         r_label, r_blank, prefix_logp = self._forward(ctx, labels)
         ctx.scored = (labels, r_label, r_blank, prefix_logp)
         possible = xp.isfinite(ctx.prefix_logp)  # ψ(g) = 0: every extension is impossible too
@@ -150,7 +154,7 @@ class CtcPrefixScorer(LabelScorer):
         """Forward variables [T+1, N, K] and log ψ [N, K] of every (lane, label) extension."""
         xp = self.layout.xp
         if xp is not np:
-            return self._forward_kernel(ctx, labels)
+            return self._forward_kernel(ctx, labels)[:3]
         num_frames = self._log_probs.shape[0]
         valid, blank = self._frames()
         safe = xp.where(labels == self.blank, 0, labels)
@@ -175,7 +179,8 @@ class CtcPrefixScorer(LabelScorer):
         return r_label, r_blank, prefix
 
     def _forward_kernel(self, ctx: CtcPrefixContext, labels):
-        """:meth:`_forward` as one launch of ``ctc_prefix_forward`` (CuPy)."""
+        """:meth:`_forward`'s three arrays and :meth:`score_candidates`' scores [N, K], from one launch
+        of ``ctc_prefix_forward`` (CuPy)."""
         cupy = self.layout.xp
         labels = cupy.ascontiguousarray(labels, dtype=np.int64)
         num_lanes, num_candidates = labels.shape
@@ -183,10 +188,12 @@ class CtcPrefixScorer(LabelScorer):
         r_label = cupy.empty((self._log_probs.shape[0] + 1, num_lanes, num_candidates), dtype=np.float32)
         r_blank = cupy.empty_like(r_label)
         prefix = cupy.empty((num_lanes, num_candidates), dtype=np.float32)
+        scores = cupy.empty_like(prefix)
         self._launch("ctc_prefix_forward", num_lanes * num_candidates, (
-            *self._frame_args(), *self._context_args(ctx, prefix=False), labels, *self._shape_args(num_lanes),
-            np.int64(num_candidates), np.int64(self.blank), np.int64(self.sentence_end), r_label, r_blank, prefix))
-        return r_label, r_blank, prefix
+            *self._frame_args(), *self._context_args(ctx), labels, *self._shape_args(num_lanes),
+            np.int64(num_candidates), np.int64(self.blank), np.int64(self.sentence_end), r_label, r_blank, prefix,
+            scores))
+        return r_label, r_blank, prefix, scores
 
     def _frame_args(self):
         cupy = self.layout.xp
@@ -194,10 +201,9 @@ class CtcPrefixScorer(LabelScorer):
                 cupy.ascontiguousarray(self._sizes, dtype=np.int64),
                 cupy.ascontiguousarray(self._group, dtype=np.int64))
 
-    def _context_args(self, ctx: CtcPrefixContext, prefix: bool):
+    def _context_args(self, ctx: CtcPrefixContext):
         cupy = self.layout.xp
-        arrays = (ctx.r_label, ctx.r_blank, ctx.prefix_logp) if prefix else (ctx.r_label, ctx.r_blank)
-        return (*(cupy.ascontiguousarray(a, dtype=np.float32) for a in arrays),
+        return (*(cupy.ascontiguousarray(a, dtype=np.float32) for a in (ctx.r_label, ctx.r_blank, ctx.prefix_logp)),
                 cupy.ascontiguousarray(ctx.last, dtype=np.int64))
 
     def _shape_args(self, num_lanes: int):
@@ -274,7 +280,7 @@ class CtcPrefixScorer(LabelScorer):
                                prefix_logp=cupy.empty(num_lanes, dtype=np.float32),
                                last=cupy.empty(num_lanes, dtype=np.int64))
         self._launch("ctc_prefix_extend", num_lanes, (
-            *self._frame_args(), *self._context_args(ctx, prefix=True), parents, labels, *scored,
+            *self._frame_args(), *self._context_args(ctx), parents, labels, *scored,
             np.int64(num_scored), *self._shape_args(num_lanes), np.int64(self.blank), np.int64(self.sentence_end),
             out.r_label, out.r_blank, out.prefix_logp, out.last))
         return out

@@ -93,6 +93,7 @@ ConfigFolder = Annotated[str, BeforeValidator(_non_empty_path), AfterValidator(_
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+NonPositiveFloat = Annotated[float, Field(le=0, allow_inf_nan=False)]
 # a count where true/false would be a mistake (YAML reads "yes" as true): no bools, no floats
 StrictPositiveInt = Annotated[int, Field(gt=0, strict=True)]
 StrictNonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
@@ -430,6 +431,8 @@ class SearchConfig(_Section):
     beam_size: PositiveInt = defaults.BEAM_SIZE
     nbest: PositiveInt | None = defaults.NBEST
     score_threshold: PositiveFloat | None = defaults.SCORE_THRESHOLD
+    #: ctc-prefix: per frame only labels of at least this log-prob (and the frame's best) take part
+    token_min_logp: NonPositiveFloat | None = None
     length_norm_scale: Annotated[float, Field(ge=0)] = defaults.LENGTH_NORM_SCALE
     max_labels_per_input: PositiveFloat = defaults.MAX_LABELS_PER_INPUT
     max_labels: PositiveInt = defaults.MAX_LABELS

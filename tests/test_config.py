@@ -336,3 +336,15 @@ def test_shipped_configs_carry_no_batch_size():
     """Batching is a performance key: the bundled configs leave it to the device's default."""
     for path in sorted((REPO / "configs").glob("*.yaml")):
         assert load_config(path).search.batch_size is None, path.name
+
+
+def test_token_min_logp_reaches_the_ctc_prefix_options():
+    from gpudecode.search.builtin import _ctc_prefix_options
+    from gpudecode.search.registry import SearchSetup
+
+    config = validate_config(apply_overrides(MINIMAL, ["search.type=ctc-prefix", "search.token_min_logp=-5"]), "/cfg")
+    assert config.search.token_min_logp == -5.0
+    assert "search.token_min_logp" in _error(MINIMAL, ["search.token_min_logp=1"])
+    assert validate_config(MINIMAL, "/cfg").search.token_min_logp is None
+    options = _ctc_prefix_options(SearchSetup(config=config.search, blank=0))
+    assert options.token_min_logp == -5.0 and options.score_threshold is None

@@ -38,6 +38,7 @@ def _ctc_prefix_options(setup: SearchSetup) -> CtcPrefixOptions:
         beam_size=search.beam_size, blank=setup.blank, score_threshold=search.score_threshold,
         sentence_end=setup.sentence_end if setup.scorers else None,
         max_cached_score_vectors=search.max_cached_score_vectors, nbest=search.nbest,
+        token_min_logp=search.token_min_logp,
     )
 
 

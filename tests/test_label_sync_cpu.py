@@ -1,8 +1,10 @@
-"""The compiled selection of the separate finished lists (``gpudecode.search.label_sync_cpu``,
-numba) against the array version it replaces (``beam.select_separate``), which stays the oracle:
-every array of a step equal bit for bit on random states with ties, NaN, ±inf and ±0 among the
-scores, and the same n-best lists (labels, scores, lengths) on the peer-semantics cases of
-``test_search_finished_modes.py``, statically and with continuous batching.
+"""The compiled selections of the label-synchronous step (``gpudecode.search.label_sync_cpu``,
+numba) against the array versions they replace (``beam.select_separate`` for the separate finished
+lists, ``beam.select`` in the beam), which stay the oracle: every array of a step equal bit for bit
+on random states with ties, NaN, ±inf and ±0 among the scores, and the same n-best lists (labels,
+scores, lengths) on the peer-semantics cases of ``test_search_finished_modes.py`` and on in-beam
+searches with length normalisation, thresholds and ``min_length``, statically and with continuous
+batching.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 from gpudecode.scorers.base import LaneLayout
 from gpudecode.search import LabelSyncOptions, label_sync_search
 from gpudecode.search import label_sync_cpu
-from gpudecode.search.beam import Beam, Finished, select_separate
+from gpudecode.search.beam import Beam, Finished, candidate_normaliser, select, select_separate
 from gpudecode.search.tuning import SearchTuning
 from tests.test_search_finished_modes import BEAM, EOS, LIMITS, SETTINGS, V, table_batch
 from tests.test_search_label_sync import TrigramTableScorer, random_tables
@@ -170,3 +172,61 @@ def test_the_array_version_runs_where_the_compiled_one_may_not():
     with calls_of(select_separate) as calls:
         label_sync_search([("lm", TrigramTableScorer(V), 1.0)], table_batch(tables), options, tuning=ARRAYS)
     assert calls
+
+
+IN_BEAM = [
+    dict(length_norm_scale=0.0),
+    dict(length_norm_scale=1.0),
+    dict(length_norm_scale=0.7, score_threshold=2.0),
+    dict(length_norm_scale=1.0, min_length=2, score_threshold=0.5),
+]
+
+
+def _bits_equal(got, want, where: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, where
+    if want.dtype.kind == "f":
+        assert ((np.isnan(want) & np.isnan(got)) | (want.view(np.int32) == got.view(np.int32))).all(), \
+            f"{where}: {got} != {want}"
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=where)
+
+
+@pytest.mark.parametrize("settings", IN_BEAM, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("beam_size", [1, 3, 4])
+@pytest.mark.parametrize("special", [False, True], ids=["ties", "nan-inf-zero"])
+def test_compiled_in_beam_step_equals_the_array_step(settings, beam_size, special):
+    """``finished="in-beam"``: the new beam, parents and labels bit for bit over 30 random states."""
+    options = LabelSyncOptions(beam_size=beam_size, sentence_end=EOS % 7, max_labels_per_input=1.0, **settings)
+    for seed in range(30):
+        beam, combined, log_probs, deadline, step, layout = random_step(seed, options, special=special)
+        beam = dataclasses.replace(beam, finished=None)
+        with np.errstate(invalid="ignore"):  # -inf + inf among the candidates
+            expected = select(beam, combined, log_probs, candidate_normaliser(beam, options, np), deadline <= step,
+                              layout, options)
+        fields, parents, labels = label_sync_cpu.select_in_beam(beam, combined, log_probs, deadline, step, layout,
+                                                                options)
+        _bits_equal(parents, expected[1], f"seed {seed}: parents")
+        _bits_equal(labels, expected[2], f"seed {seed}: labels")
+        for name, value in fields.items():
+            _bits_equal(value, getattr(expected[0], name), f"seed {seed}: {name}")
+
+
+@pytest.mark.parametrize("continuous", [None, 2], ids=["static", "continuous"])
+@pytest.mark.parametrize("settings", IN_BEAM, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_compiled_in_beam_search_equals_the_array_search(beam_size, settings, continuous):
+    tables = random_tables(3, len(LIMITS), V, EOS, eos_bias=0.5)
+    options = LabelSyncOptions(beam_size=beam_size, sentence_end=EOS, max_labels_per_input=1.0, **settings)
+
+    def search(tuning):
+        return label_sync_search([("lm", TrigramTableScorer(V), 1.0), ("twice", TrigramTableScorer(V), 0.5)],
+                                 table_batch(tables), options, max_active_utterances=continuous, tuning=tuning)
+
+    with calls_of(select) as calls:
+        expected = search(ARRAYS)
+    assert calls, "the array version did not run"
+    with calls_of(select) as calls:
+        got = search(COMPILED)
+    assert not calls, "the compiled selection did not run"
+    assert _nbest(got) == _nbest(expected)

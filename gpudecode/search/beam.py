@@ -268,6 +268,10 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
         else:
             beam, parents, labels = select_separate(beam, _combined(terms), log_probs, deadline, step, layout,
                                                     options, stats)
+    elif not in_kernel and label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
+        fields, parents, labels = label_sync_cpu.select_in_beam(beam, _combined(terms), log_probs, deadline, step,
+                                                                layout, options)
+        beam = Beam(**fields)
     else:
         norm = candidate_normaliser(beam, options, xp)
         if in_kernel:

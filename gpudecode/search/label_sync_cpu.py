@@ -1,17 +1,18 @@
-"""The selection of a label-synchronous step with separate finished lists as one compiled CPU call
-(numba).
+"""The selection of a label-synchronous step as one compiled CPU call (numba): with separate
+finished lists, and in the beam.
 
 :func:`gpudecode.search.beam.select_separate` (``finished="separate"`` / ``"separate-genai"``) runs a
 step's selection — candidates, the best ``2 × beam_size`` by score, the open lanes, the finished
-lists' merge and the stop tests — as ~150 numpy operations; on a small model their fixed cost is
-most of a step. Here one compiled function does it utterance by utterance: the same candidates in
-the same float32 arithmetic, the same deterministic top-k (equal keys to the lower lane, then the
-lower label, old list entries first; NaN ranks as -inf), and length normalisers read from a table
-that numpy computes as the array version does, so the beams and lists are the same (the tests
-compare them with the array version, which stays the oracle).
+lists' merge and the stop tests — as ~150 numpy operations, :func:`gpudecode.search.beam.select`
+(``"in-beam"``) as ~30; on a small model their fixed cost is much of a step. Here one compiled
+function does it utterance by utterance: the same candidates in the same float32 arithmetic, the
+same deterministic top-k (equal keys to the lower lane, then the lower label, old list entries
+first; NaN ranks as -inf), the same threshold, and length normalisers read from a table that numpy
+computes as the array version does, so the beams and lists are the same (the tests compare them
+with the array versions, which stay the oracle).
 
 numba is optional (the ``cpu-jit`` extra): without it, with ``SearchTuning.compiled_cpu_loops``
-off, or with a top-k observer (``SearchStats.on_top_k``), the search runs the array version.
+off, or with a top-k observer (``SearchStats.on_top_k``), the search runs the array versions.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def _normalisers(length_norm_scale: float, size: int) -> np.ndarray:
     return table
 
 
+def _stacked(log_probs) -> np.ndarray:
+    """[S, N, V] float32: the scorers' log-probs (a view for one scorer)."""
+    if len(log_probs) == 1:
+        return np.ascontiguousarray(log_probs[0], dtype=np.float32)[None]
+    return np.ascontiguousarray(np.stack([np.asarray(lp, dtype=np.float32) for lp in log_probs]))
+
+
 def _early_stopping(value) -> int:
     for mode, code in EARLY_STOPPING_CODES.items():
         if value is mode or (isinstance(mode, str) and value == mode):
@@ -63,8 +71,7 @@ def select_separate(beam, combined, log_probs, deadline, step: int, layout, opti
     genai = options.finished == "separate-genai"
     extra = 2 * beam_size if genai else beam_size
     combined = np.ascontiguousarray(combined, dtype=np.float32)
-    stacked = (np.ascontiguousarray(log_probs[0], dtype=np.float32)[None] if num_scorers == 1 else
-               np.ascontiguousarray(np.stack([np.asarray(lp, dtype=np.float32) for lp in log_probs])))
+    stacked = _stacked(log_probs)
     early = _early_stopping(options.early_stopping)
     never_norm = early == 2 and options.length_norm_scale > 0
     prompts = finished.prompt_lengths
@@ -97,3 +104,28 @@ def select_separate(beam, combined, log_probs, deadline, step: int, layout, opti
         new["ranks"], new["scores"], new["scorer_scores"], new["lengths"], new["steps"], new["lanes"], new["labels"],
         new["hopeful"], new["done"], new["picked"], new["candidate_lanes"], new["candidate_labels"])
     return dict(scores=scores, scorer_scores=scorer_scores, lengths=lengths, ended=ended), new, parents, labels
+
+
+def select_in_beam(beam, combined, log_probs, deadline, step: int, layout, options) -> tuple[dict, object, object]:
+    """:func:`gpudecode.search.beam.select` (``finished="in-beam"``, its candidates normalised by
+    :func:`gpudecode.search.beam.candidate_normaliser`) on numpy arrays, compiled: the fields of the
+    same new ``Beam`` (a dict of arrays), parents [N] and labels [N]."""
+    from gpudecode.search.label_sync_cpu_jit import select_in_beam as run
+
+    num_lanes, num_scorers = layout.num_lanes, len(log_probs)
+    combined = np.ascontiguousarray(combined, dtype=np.float32)
+    stacked = _stacked(log_probs)
+    use_norm = options.length_norm_scale != 0
+    norm = _normalisers(float(options.length_norm_scale),
+                        next_power_of_two(max(int(beam.lengths.max(initial=0)) + 2, 64))) if use_norm else \
+        np.ones(1, np.float32)
+    threshold = options.score_threshold
+    scores, ended = np.empty(num_lanes, np.float32), np.empty(num_lanes, np.bool_)
+    scorer_scores = np.empty((num_scorers, num_lanes), np.float32)
+    lengths = np.empty(num_lanes, np.int64)
+    parents, labels = np.empty(num_lanes, np.int64), np.empty(num_lanes, np.int64)
+    run(beam.scores, beam.ended, beam.lengths, beam.scorer_scores, combined, stacked,
+        np.asarray(deadline, dtype=np.int64), int(step), int(layout.beam_size), int(options.sentence_end),
+        int(options.min_length), norm, use_norm, threshold is not None, np.float32(threshold or 0),
+        scores, scorer_scores, lengths, ended, parents, labels)
+    return dict(scores=scores, scorer_scores=scorer_scores, lengths=lengths, ended=ended), parents, labels

@@ -217,3 +217,73 @@ def select_separate(scores, ended, lengths, scorer_scores, combined, log_probs, 
         new_hopeful[g], new_done[g] = hope, finish
         for j in range(beam_size):
             out_ended[first + j] = finish or not alive[j]
+
+
+@njit(cache=True)
+def select_in_beam(scores, ended, lengths, scorer_scores, combined, log_probs, deadline, step, beam_size,
+                   sentence_end, min_length, norm, use_norm, has_threshold, threshold,
+                   out_scores, out_scorer, out_lengths, out_ended, parents, labels):
+    """``beam.select`` (``finished="in-beam"``) on numpy arrays, group by group: candidates ranked by
+    ``score / norm[length + open]``, the threshold below the group's best (a NaN rank drops all), the
+    best ``beam_size`` (equal ranks to the lower lane, then label; NaN as -inf), the new lanes."""
+    num_scorers, num_lanes, vocab = log_probs.shape
+    num_groups = num_lanes // beam_size
+    width = beam_size * vocab
+    ranks = np.empty(width, np.float32)
+    keys = np.empty(beam_size, np.float32)
+    chosen = np.empty(beam_size, np.int64)
+    for g in range(num_groups):
+        first = g * beam_size
+        best = NEG_INF
+        nan = False
+        for b in range(beam_size):
+            n = first + b
+            is_open = not ended[n]
+            short = is_open and min_length > 0 and lengths[n] < min_length
+            divisor = norm[lengths[n] + (1 if is_open else 0)]
+            for v in range(vocab):
+                if is_open:
+                    x = np.float32(scores[n] + combined[n, v])
+                    if short and v == sentence_end:
+                        x = NEG_INF
+                elif v == 0:
+                    x = scores[n]
+                else:
+                    x = NEG_INF
+                r = np.float32(x / divisor) if use_norm else x
+                ranks[b * vocab + v] = r
+                if r != r:
+                    nan = True
+                elif r > best:
+                    best = r
+        if has_threshold:
+            floor = np.float32(best - threshold)
+            for c in range(width):
+                if nan or not ranks[c] >= floor:
+                    ranks[c] = NEG_INF
+        _top_k(ranks, width, beam_size, keys, chosen)
+        for j in range(beam_size):
+            n = first + j
+            column = chosen[j]
+            p, v = first + column // vocab, column % vocab
+            alive = ranks[column] > NEG_INF
+            lab = v if alive and not ended[p] else -1
+            parents[n], labels[n] = p, lab
+            emitted = lab >= 0
+            if alive:
+                if not ended[p]:
+                    x = np.float32(scores[p] + combined[p, v])
+                    if min_length > 0 and lengths[p] < min_length and v == sentence_end:
+                        x = NEG_INF
+                elif v == 0:
+                    x = scores[p]
+                else:
+                    x = NEG_INF
+                out_scores[n] = x
+            else:
+                out_scores[n] = NEG_INF
+            for i in range(num_scorers):
+                add = log_probs[i, p, lab] if emitted else np.float32(0)
+                out_scorer[i, n] = np.float32(scorer_scores[i, p] + add)
+            out_lengths[n] = lengths[p] + (1 if emitted else 0)
+            out_ended[n] = ended[p] or not alive or lab == sentence_end or deadline[n] <= step

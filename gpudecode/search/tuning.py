@@ -37,8 +37,8 @@ class SearchTuning:
       scanning every label (off: the full scan);
     - ``host_wait``: how the host waits for the GPU (:class:`gpudecode.backend.HostWait`);
     - ``compiled_cpu_loops``: on numpy, run the CTC prefix search without scorers, the
-      transducer search's selection and the label-synchronous selection with separate finished
-      lists as compiled loops (numba, the ``cpu-jit`` extra: ``gpudecode.search.ctc_cpu``,
+      transducer search's selection and the label-synchronous step's selection as compiled
+      loops (numba, the ``cpu-jit`` extra: ``gpudecode.search.ctc_cpu``,
       ``gpudecode.search.transducer_cpu``, ``gpudecode.search.label_sync_cpu``) where numba
       imports (off, or without numba: the array versions);
     - ``cpu_threads``: the compiled CTC loop's threads (numba's), utterances spread over them

@@ -13,6 +13,7 @@ DEVICE = "cpu"
 DEVICE_ID = 0
 TF32 = False  # TF32 off by default: CUDA results equal the CPU's only with TF32 off
 CUDA_GRAPHS = "auto"  # "auto": on with runtime.device cuda (off, with a warning naming why, where a model cannot be captured)
+GRAPHS_ENABLED = False  # a scorer built from the Python API (GraphOptions) captures graphs only when asked
 GRAPH_TIME_STEP = 32  # history buckets: powers of two up to this, then multiples of it
 GRAPH_MIN_ROWS = 8  # the smallest row bucket
 GRAPH_SHARED_BUFFERS = True  # one buffer per tensor name across buckets (SGLang's trick)

@@ -42,7 +42,7 @@ class GraphOptions:
     (0: capture lazily on first use).
     """
 
-    enabled: bool = defaults.CUDA_GRAPHS
+    enabled: bool = defaults.GRAPHS_ENABLED
     time_step: int = defaults.GRAPH_TIME_STEP
     min_rows: int = defaults.GRAPH_MIN_ROWS
     shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS

@@ -12,7 +12,8 @@ Call order in one search::
     scorer.begin(layout)                     # once: lane layout and array module
     scorer.admit(utterances, groups)         # utterances enter lane groups (inputs written once)
     ctx = scorer.initial_context(groups)     # first hypothesis of each group; other lanes dead
-    loop:  logp = scorer.score(ctx)          # [N, V] log-probabilities
+    loop:  logp = scorer.score(ctx)          # [N, V] log-probabilities (on numpy:
+                                             #   scorer.score_lanes(ctx, open_lanes))
            ctx = scorer.extend(ctx, parents, labels)
     scorer.release(groups)                   # utterances leave
 
@@ -249,6 +250,17 @@ class LabelScorer:
         that keeps scores across calls copies them.
         """
         raise NotImplementedError
+
+    def score_lanes(self, ctx: Context, lanes):
+        """:meth:`score` where only the rows ``lanes`` ([R] int64 host array, ascending) must hold
+        scores: on numpy the label-synchronous search asks for its open lanes only (every other lane
+        is ended: terminated, dead, or of an utterance whose search is over) and reads no other row.
+
+        A scorer may compute just those rows (the model run on R rows); the other rows may hold
+        anything finite or -inf, and the contexts of those lanes must stay as they are (their
+        children only carry them, label -1). Default: :meth:`score` (every row).
+        """
+        return self.score(ctx)
 
     def extend(self, ctx: Context, parents, labels) -> Context:
         """The contexts of the next step's N lanes.

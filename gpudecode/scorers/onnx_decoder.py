@@ -74,6 +74,8 @@ class OnnxDecoderScorer(LabelScorer):
     """
 
     _uses_start_labels = True
+    _wanted = None  # during score_lanes: the lanes asked for ([R] int64 host)
+    _lane_scores = None  # [N, V] host scores of a lane subset (rows of lanes not run keep old ones)
 
     def __init__(
         self,
@@ -126,6 +128,7 @@ class OnnxDecoderScorer(LabelScorer):
     def begin(self, layout: LaneLayout) -> None:
         super().begin(layout)
         self._ctx = None  # the latest context, whose histories hold the live slots
+        self._lane_scores = None
         # host upper bound of each group's history length: the table is trimmed to their max, so
         # merges never pad to the width of groups that have left (continuous batching)
         self._group_bound = np.zeros(layout.num_groups, dtype=np.int64)
@@ -209,6 +212,9 @@ class OnnxDecoderScorer(LabelScorer):
 
         With CUDA graphs and one chunk, a view of the graphs' shared output buffer: the next
         ``score()`` overwrites it (the base class's contract)."""
+        lanes = self._subset()
+        if lanes is not None:
+            return self._score_subset(ctx, lanes)
         scores, slots = [], []
         chunks = self._chunks()
         copy = self.runner.graphs is not None and len(chunks) > 1  # else the run's own array
@@ -220,6 +226,44 @@ class OnnxDecoderScorer(LabelScorer):
         ctx.new_slots = slots[0] if len(slots) == 1 else xp.concatenate(slots)
         out_xp = self.layout.xp
         return scores[0] if len(scores) == 1 else out_xp.concatenate(scores)
+
+    def score_lanes(self, ctx: DecoderContext, lanes):
+        """:meth:`score` of the rows ``lanes`` only (the base class's contract): on the CPU the model
+        runs on those rows alone (:meth:`StepModelRunner.run_lanes`); the other lanes get no new
+        token state (their children carry them) and their rows keep what this scorer's buffer held
+        (finite). Elsewhere — CuPy, CUDA graphs, one input row per utterance, more rows than
+        ``max_batch_size`` — every row. Runs through :meth:`score` (subclasses add to it there)."""
+        self._wanted = np.asarray(lanes, dtype=np.int64)
+        try:
+            return self.score(ctx)
+        finally:
+            self._wanted = None
+
+    def _subset(self):
+        """The lanes :meth:`score_lanes` asked for, when only those rows are run (else None)."""
+        lanes, layout = self._wanted, self.layout
+        if (lanes is None or layout.xp is not np or not self.runner.runs_lane_subsets or self.lanes.grouped
+                or lanes.size == layout.num_lanes or (self.max_batch_size or lanes.size) < lanes.size):
+            return None
+        return lanes
+
+    def _score_subset(self, ctx: DecoderContext, lanes: np.ndarray):
+        """[N, V] host scores with the rows ``lanes`` computed by the model (the others as the
+        buffer held them); lanes not run get no new slot."""
+        num_lanes = self.layout.num_lanes
+        slots = np.full((num_lanes, 1), -1, dtype=np.int32)
+        out = self._lane_scores
+        if lanes.size:
+            raw, new_slots = self.runner.run_lanes(ctx.histories, ctx.next_labels, lanes, self.lanes)
+            scores = self._log_probs(raw, copy=False)
+            if out is None or out.dtype != scores.dtype:
+                out = self._lane_scores = np.zeros((num_lanes, scores.shape[1]), dtype=scores.dtype)
+            out[lanes] = scores
+            slots[lanes] = new_slots
+        elif out is None:
+            out = self._lane_scores = np.zeros((num_lanes, self.vocab_size), dtype=np.float32)
+        ctx.new_slots = slots
+        return out
 
     def _log_probs(self, raw, copy: bool):
         """``raw`` scores as [N, V] log-probabilities (``copy``: never a view of ``raw``); float16

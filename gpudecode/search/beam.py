@@ -256,7 +256,10 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     # the finished lists run the array version of the selection (not in the kernel)
     in_kernel = (tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
                  and options.finished == "in-beam")
-    log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats)
+    # on numpy only the open lanes are scored (a scorer may run its model on just those rows)
+    open_lanes = np.flatnonzero(~beam.ended) if xp is np else None
+    log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats,
+                               lanes=open_lanes)
     score_max = beam.score_max
     if score_max is not None:  # on the device; read back with the search's results
         score_max = folded_group_maxima(score_max, log_probs, layout.num_groups, xp, dead=beam.ended)
@@ -478,10 +481,12 @@ def select_separate(beam: Beam, combined, log_probs, deadline, step: int, layout
 
 
 def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vocab_size: int,
-            keep_float16: bool = False, stats: SearchStats | None = None):
+            keep_float16: bool = False, stats: SearchStats | None = None, lanes=None):
     """Each scorer's [N, V] log-probs, and the terms (array, scale) whose Σ scale · array is the
     combined score (:func:`combine_scores`). ``keep_float16``: a full scorer's float16 scores stay
     float16 (the label-step kernel reads them as they are), else every array is float32.
+    ``lanes``: [R] host int64, the only lanes whose rows the step reads (full scorers are asked
+    with :meth:`LabelScorer.score_lanes`); None: every lane (:meth:`LabelScorer.score`).
 
     Partial scorers (``scorer.partial_scoring``) score only the ``pre_beam_size`` best labels per
     lane by the full scorers; every other label gets -inf from them (and in the combination).
@@ -490,10 +495,13 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
     full = [i for i, e in enumerate(entries) if not getattr(e.scorer, "partial_scoring", False)]
     if not full:
         raise ValueError("a partial scorer (scored on pre-beam candidates) needs at least one full scorer")
+    if len(full) < len(entries):  # partial scorers pick candidates from every row
+        lanes = None
     log_probs = [None] * len(entries)
     for i in full:
-        log_probs[i] = checked_scores(entries[i], entries[i].scorer.score(contexts[i]), num_lanes, vocab_size, xp,
-                                      keep_float16=keep_float16)
+        scorer = entries[i].scorer
+        raw = scorer.score(contexts[i]) if lanes is None else scorer.score_lanes(contexts[i], lanes)
+        log_probs[i] = checked_scores(entries[i], raw, num_lanes, vocab_size, xp, keep_float16=keep_float16)
     terms = [(log_probs[i], entries[i].scale) for i in full]
     partial = [i for i in range(len(entries)) if i not in full]
     if not partial:

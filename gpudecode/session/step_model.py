@@ -168,6 +168,29 @@ class StepModelRunner:
             return self._run_plain(histories, labels[rows], rows, lanes, time_size)
         return self._run_bucketed(histories, labels[rows], rows, lanes, time_size)
 
+    @property
+    def runs_lane_subsets(self) -> bool:
+        """Whether :meth:`run_lanes` can run a subset of the lanes: a plain run on the CPU (the CPU
+        provider, numpy states, no graphs) of a model fed its histories' lengths."""
+        return (self.session.provider == "cpu" and self.states.device == "cpu" and self.graphs is None
+                and not self._by_length)
+
+    def run_lanes(self, histories: StateHistory, labels, index: np.ndarray, lanes):
+        """The model on the lanes ``index`` ([R] int64 host, ascending) of ``histories`` fed
+        ``labels[index]`` (numpy, :attr:`runs_lane_subsets`; one row per lane of the per-utterance
+        inputs): (raw scores [R, ...], new slots [R, 1]). The other lanes' states are untouched."""
+        if not self.runs_lane_subsets or lanes.group_size != 1:
+            raise AssertionError("run_lanes: a host run of a model with a per-utterance row per lane")
+        histories = StateHistory(table=histories.table[index], lengths=histories.lengths[index])
+        labels = labels[index]
+        time_size = None  # as time_sizes: the rows' longest kept history
+        if self.states.has_time_axis and index.size:
+            time_size = min(int(histories.lengths.max()), histories.width, self.states.max_history)
+        if self._resident:
+            return self._run_resident(histories, labels, slice(0, index.size), lanes, time_size, input_rows=index)
+        scores, states, _ = self._plain_step(histories, labels, slice(0, index.size), lanes, time_size, index)
+        return scores, self.states.split(states)
+
     def _run_by_length(self, histories: StateHistory, labels, rows: slice, lanes):
         """A model that takes no lengths: one plain call per history length among the rows, each
         with T = that length, so no row is padded (rows of length 0 — lanes without a history, whose
@@ -214,37 +237,44 @@ class StepModelRunner:
         scores, states, merged = self._plain_step(histories, labels, rows, lanes, time_size, input_rows)
         return scores, self.states.split(states)
 
-    def _run_resident(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None):
+    def _run_resident(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None,
+                      input_rows=None):
         """A CPU step on the resident merge (``StateManager.merge_resident``), the model writing the
-        new step in place; the first call is also run plainly and compared."""
+        new step in place; the first call is also run plainly and compared. ``input_rows``: the
+        per-utterance input rows by index (a subset of the lanes, :meth:`run_lanes`), else those of
+        ``rows``."""
         if self.spec.max_time is not None:
             time_size = self._natural_time(histories, time_size)
         context = None if self.spec.max_time is None else self.spec.max_time + 1
         try:
             merged = self.states.merge_resident(histories, key=rows.start, time_size=time_size, max_positions=context)
-            feeds = self._feeds(merged, labels, _input_rows(rows, lanes.group_size), lanes)
+            feeds = self._feeds(merged, labels, _input_rows(rows, lanes.group_size) if input_rows is None
+                                else input_rows, lanes)
             shared = {v.output_name: merged.inputs[v.input_name] for v in self.spec.state_variables}
             scores = self.session.run(feeds, [self.spec.scores_output, *shared], outputs=shared)[self.spec.scores_output]
             states = self.states.resident_new_steps(merged)  # read where written
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime refusing the shared buffer: plain runs
             # (the pool holds every state: the plain runs go on from there, whatever the buffers hold)
             return self._resident_refused(f"the run with a shared past/present buffer failed ({exc})",
-                                          histories, labels, rows, lanes, time_size)
+                                          histories, labels, rows, lanes, time_size, input_rows)
         if not self._resident_checked:
-            plain_scores, plain_states, _ = self._plain_step(histories, labels, rows, lanes, time_size, None)
+            plain_scores, plain_states, _ = self._plain_step(histories, labels, rows, lanes, time_size, input_rows)
             same = np.allclose(scores, plain_scores, rtol=1e-4, atol=1e-4) and all(
                 np.allclose(states[name], plain_states[name], rtol=1e-4, atol=1e-5) for name in plain_states)
             if not same:
                 return self._resident_refused("its outputs with a shared past/present buffer differ from a "
-                                              "plain run's", histories, labels, rows, lanes, time_size)
+                                              "plain run's", histories, labels, rows, lanes, time_size, input_rows)
             self._resident_checked = True
         new_slots = self.states.split(states)
         self.states.written_in_place(new_slots, merged.prefix_lengths, key=rows.start)
         return scores, new_slots
 
-    def _resident_refused(self, why: str, histories, labels, rows, lanes, time_size):
+    def _resident_refused(self, why: str, histories, labels, rows, lanes, time_size, input_rows=None):
         warnings.warn(f"{self.spec.source}: states merged from the pool every step on the CPU: {why}", stacklevel=3)
         self._resident = False
+        if input_rows is not None:
+            scores, states, _ = self._plain_step(histories, labels, rows, lanes, time_size, input_rows)
+            return scores, self.states.split(states)
         return self._run_plain(histories, labels, rows, lanes, time_size)
 
     def _plain_step(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None, input_rows):

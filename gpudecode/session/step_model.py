@@ -154,6 +154,11 @@ class StepModelRunner:
                           and spec.convention == "huggingface" and not spec.in_place_outputs
                           and spec.history_alignment == "left" and states.resident_supported)
         self._resident_checked = False
+        #: a resident step's scores output [rows, 1, V] when its shape is declared so (then bound)
+        scores_info = session.tensors.output(spec.scores_output)
+        shape = tuple(scores_info.shape)
+        self._scores_shape = (1, shape[2]) if len(shape) == 3 and isinstance(shape[2], int) else None
+        self._scores_dtype = scores_info.dtype
 
     # --- one step ----------------------------------------------------------------------------------
     def run(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None = None):
@@ -251,7 +256,10 @@ class StepModelRunner:
             feeds = self._feeds(merged, labels, _input_rows(rows, lanes.group_size) if input_rows is None
                                 else input_rows, lanes)
             shared = {v.output_name: merged.inputs[v.input_name] for v in self.spec.state_variables}
-            scores = self.session.run(feeds, [self.spec.scores_output, *shared], outputs=shared)[self.spec.scores_output]
+            bound = dict(shared)
+            if self._scores_shape is not None:  # the scores bound too: no output to wrap after the run
+                bound[self.spec.scores_output] = np.empty((labels.shape[0], *self._scores_shape), self._scores_dtype)
+            scores = self.session.run(feeds, [self.spec.scores_output, *shared], outputs=bound)[self.spec.scores_output]
             states = self.states.resident_new_steps(merged)  # read where written
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime refusing the shared buffer: plain runs
             # (the pool holds every state: the plain runs go on from there, whatever the buffers hold)

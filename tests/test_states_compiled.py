@@ -45,7 +45,10 @@ def _assert_same(a: dict, b: dict, where: str) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16-numpy-copies"])
 @pytest.mark.parametrize("limit,first", [(None, False), (5, False), (5, True)])
-def test_compiled_manager_steps_equal_numpy(limit, first, dtype):
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "split_resident"])
+def test_compiled_manager_steps_equal_numpy(limit, first, dtype, fused):
+    """``fused``: the compiled manager stores the new steps with ``split_resident`` (straight from
+    the resident rows into the pool), the numpy one with ``split(resident_new_steps(...))``."""
     both = [manager(limit, first, compiled, dtype) for compiled in (True, False)]
     rng = np.random.default_rng(7)
     histories = [s.initial_histories(6) for s in both]
@@ -77,7 +80,7 @@ def test_compiled_manager_steps_equal_numpy(limit, first, dtype):
             for k, name in enumerate(m.inputs):
                 m.inputs[name][np.arange(rows), :, kept] = step * 100 + np.arange(rows)[:, None, None] + k / 4 + \
                     np.arange(6, dtype=np.float32).reshape(1, 2, 3) / 64
-            slots.append(s.split(s.resident_new_steps(m)))
+            slots.append(s.split_resident(m) if fused and s.compiled else s.split(s.resident_new_steps(m)))
             s.written_in_place(slots[-1], m.prefix_lengths)
         np.testing.assert_array_equal(slots[0], slots[1], err_msg=where)
         for v in range(len(both[0].layouts)):

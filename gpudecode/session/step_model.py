@@ -260,7 +260,8 @@ class StepModelRunner:
             if self._scores_shape is not None:  # the scores bound too: no output to wrap after the run
                 bound[self.spec.scores_output] = np.empty((labels.shape[0], *self._scores_shape), self._scores_dtype)
             scores = self.session.run(feeds, [self.spec.scores_output, *shared], outputs=bound)[self.spec.scores_output]
-            states = self.states.resident_new_steps(merged)  # read where written
+            # read where written (once checked, straight into the pool: split_resident)
+            states = None if self._resident_checked else self.states.resident_new_steps(merged)
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime refusing the shared buffer: plain runs
             # (the pool holds every state: the plain runs go on from there, whatever the buffers hold)
             return self._resident_refused(f"the run with a shared past/present buffer failed ({exc})",
@@ -273,7 +274,7 @@ class StepModelRunner:
                 return self._resident_refused("its outputs with a shared past/present buffer differ from a "
                                               "plain run's", histories, labels, rows, lanes, time_size, input_rows)
             self._resident_checked = True
-        new_slots = self.states.split(states)
+        new_slots = self.states.split_resident(merged) if states is None else self.states.split(states)
         self.states.written_in_place(new_slots, merged.prefix_lengths, key=rows.start)
         return scores, new_slots
 

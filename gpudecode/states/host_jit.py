@@ -230,3 +230,25 @@ def scatter_tokens(source, first, new_slots, slots_per_chunk, chunk, slab):
                     for i in range(inner):
                         slab[row, k] = source[a, b, m, first + p, i]
                         k += 1
+
+
+@njit(cache=True)
+def scatter_resident(buffers, kept, new_slots, slots_per_chunk, chunk, slabs):
+    """``split(resident_new_steps(...))``'s copies into one chunk: the step a model wrote at
+    position ``kept[b]`` of row b of every buffer of ``buffers`` (a tuple of [N, mid, C, inner])
+    into row ``slot % slots_per_chunk`` of the same variable's ``slabs`` entry
+    ([slots_per_chunk, mid · inner]) where ``new_slots[b, 0]`` lies in ``chunk``."""
+    limit = (chunk + 1) * slots_per_chunk
+    for b in range(new_slots.shape[0]):
+        slot = new_slots[b, 0]
+        if slot < chunk * slots_per_chunk or slot >= limit:
+            continue
+        row = slot - chunk * slots_per_chunk
+        t = kept[b]
+        for v in range(len(buffers)):
+            buffer = buffers[v]
+            slab = slabs[v]
+            inner = buffer.shape[3]
+            for m in range(buffer.shape[1]):
+                for i in range(inner):
+                    slab[row, m * inner + i] = buffer[b, m, t, i]

@@ -171,6 +171,26 @@ class StateManager:
             steps[layout.variable.output_name] = step.reshape(layout.tensor_shape(rows.size, 1))
         return steps
 
+    def split_resident(self, merged: MergedStates):
+        """``split(resident_new_steps(merged))``: [N, 1] slots holding the new steps a model wrote
+        into the resident inputs of ``merged``. Compiled (one dtype the compiled loops copy): the
+        steps go from the resident rows straight into the pool, one loop per pool chunk."""
+        views = [merged.inputs[layout.name] for layout in self.layouts]
+        if not (self.compiled and len({v.dtype for v in views}) == 1 and copies(views[0].dtype)):
+            return self.split(self.resident_new_steps(merged))
+        from gpudecode.states import host_jit
+
+        kept = np.ascontiguousarray(merged.prefix_lengths)
+        num_rows = kept.shape[0]
+        new_slots = self.pool.allocate(num_rows, 1, compiled=True)
+        self._resident.allocated(new_slots, compiled=True)
+        buffers = tuple(v.reshape(num_rows, layout.mid, -1, layout.inner) for layout, v in zip(self.layouts, views))
+        per_chunk = self.pool.slots_per_chunk
+        for c in range(self.pool.num_chunks):
+            slabs = tuple(self.pool.slabs[v][c].reshape(per_chunk, -1) for v in range(len(self.layouts)))
+            host_jit.scatter_resident(buffers, kept, new_slots, per_chunk, c, slabs)
+        return new_slots
+
     def written_in_place(self, new_slots, prefix_lengths, *, key=0) -> None:
         """After :meth:`merge_resident` of ``key`` and :meth:`split`: the model wrote row r's
         new step (``new_slots[r, 0]``) at position ``prefix_lengths[r]`` of its resident row."""

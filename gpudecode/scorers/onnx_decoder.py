@@ -308,7 +308,9 @@ class OnnxDecoderScorer(LabelScorer):
 
     def _on_states(self, array):
         """``array`` where the state manager keeps its histories (host or device)."""
-        return to_host(array) if self.states.device == "cpu" else self.states.xp.asarray(array)
+        if self.states.device == "cpu":
+            return array if type(array) is np.ndarray else to_host(array)
+        return self.states.xp.asarray(array)
 
     def close(self) -> None:
         """Returns the state pool's and the graph buffers' memory."""

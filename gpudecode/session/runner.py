@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,6 +114,8 @@ class OnnxSession:
             log.warning("%s: CUDA graphs are off for this model (plain runs): %s", self.source, self.graph_blocker)
         self.tensors: ModelTensors = from_ort_session(self.session, self.source)
         self._run_options = ort.RunOptions()
+        #: a CPU run's IO binding, reused (per thread), and the names it binds (None: clear it first)
+        self._host = threading.local()
         if options.device == "cuda":
             self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
             # plain runs stay out of any graph (a session may have graphs on though capture is off)
@@ -189,7 +192,8 @@ class OnnxSession:
         if self.options.dump_inputs is not None:
             self._dump(inputs)
         if self.options.device == "cpu":
-            feeds = {k: backend.to_host(v) for k, v in inputs.items()}
+            # exact numpy arrays as they are (to_host would return them unchanged, at a cost per feed)
+            feeds = {k: v if type(v) is np.ndarray else backend.to_host(v) for k, v in inputs.items()}
             results = self._run_cpu_bound(feeds, names, outputs) if outputs else \
                 dict(zip(names, self.session.run(names, feeds)))
             if upload_outputs:
@@ -199,7 +203,7 @@ class OnnxSession:
 
     def _run_cpu_bound(self, feeds: dict, names: list[str], outputs: Mapping[str, object]) -> dict:
         """A CPU run with the numpy buffers ``outputs`` bound as those outputs (IO binding)."""
-        binding = self.session.io_binding()
+        binding = self._host_binding(tuple(feeds), tuple(names))
         for name, value in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
         for name in names:
@@ -210,11 +214,27 @@ class OnnxSession:
                 if not (isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous):
                     raise ValueError(f"{self.source}: output buffer for '{name}' must be a C-contiguous numpy array")
                 binding.bind_output(name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+        self._host.names = (tuple(feeds), tuple(names))  # every name of this call is bound afresh
         self.session.run_with_iobinding(binding)  # no run options: none are set on the CPU
         if all(name in outputs for name in names):  # every output bound: nothing to wrap
             return {name: outputs[name] for name in names}
         return {name: outputs[name] if name in outputs else value.numpy()
                 for name, value in zip(names, binding.get_outputs())}
+
+    def _host_binding(self, inputs: tuple, outputs: tuple):
+        """This thread's IO binding of CPU runs, made once (a run on a reused binding is cheaper
+        than making and freeing one per run): a call binding other names than the last starts
+        from a cleared binding, one binding the same names replaces every binding (no stale
+        buffer stays bound either way)."""
+        host = self._host
+        binding = getattr(host, "binding", None)
+        if binding is None:
+            binding = host.binding = self.session.io_binding()
+        elif host.names != (inputs, outputs):
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+        host.names = None  # until every name of this call is bound
+        return binding
 
     def _run_cuda(self, inputs: Mapping[str, object], names: list[str], outputs: dict) -> dict:
         cupy = backend.require_cupy()

@@ -236,7 +236,12 @@ class StateManager:
             table = to_device(histories.table, self.options.device_id)
             lengths = to_device(histories.lengths, self.options.device_id)
         else:
-            table, lengths = to_host(histories.table), to_host(histories.lengths)
+            table, lengths = histories.table, histories.lengths
+            if type(table) is np.ndarray and type(lengths) is np.ndarray and table.flags.c_contiguous \
+                    and lengths.flags.c_contiguous:  # already a host history: as it is
+                histories.validate()
+                return histories
+            table, lengths = to_host(table), to_host(lengths)
         histories = StateHistory(table=xp.ascontiguousarray(table), lengths=xp.ascontiguousarray(lengths))
         histories.validate()
         return histories

@@ -58,6 +58,42 @@ def _hf_feeds(names: dict, tensors, values: dict) -> dict:
     return feeds
 
 
+class HostStepFeeds:
+    """:func:`hf_step_feeds` of one new step on host prefix lengths, for a model whose per-row
+    inputs are ``attention_mask`` and/or ``position_ids`` only: the same arrays, with the input
+    names, dtypes and mask columns looked up once instead of every step."""
+
+    def __init__(self, spec: ModelSpec, tensors):
+        names = spec.hypothesis_inputs
+        self.left = spec.history_alignment == "left"
+        self.mask = (names["attention_mask"], tensors.input(names["attention_mask"]).dtype) \
+            if "attention_mask" in names else None
+        self.positions = (names["position_ids"], tensors.input(names["position_ids"]).dtype) \
+            if "position_ids" in names else None
+        self._columns = np.arange(0, dtype=np.int64)
+
+    @staticmethod
+    def applies(spec: ModelSpec) -> bool:
+        """Whether the model's per-row step inputs are ``attention_mask`` / ``position_ids`` only."""
+        extra = {"seqlens_k", "total_sequence_length", HF_BRANCH_INPUT}
+        return spec.convention == "huggingface" and not extra & set(spec.hypothesis_inputs)
+
+    def __call__(self, prefix_lengths: np.ndarray, time_size: int) -> dict:
+        prefix = prefix_lengths.astype(np.int64)
+        feeds = {}
+        if self.mask is not None:
+            if self._columns.size < time_size + 1:
+                self._columns = np.arange(2 * (time_size + 1), dtype=np.int64)
+            columns = self._columns[None, :time_size + 1]
+            mask = columns < (prefix + 1)[:, None] if self.left else columns >= (time_size - prefix)[:, None]
+            name, dtype = self.mask
+            feeds[name] = mask.astype(dtype)
+        if self.positions is not None:
+            name, dtype = self.positions
+            feeds[name] = prefix[:, None].astype(dtype)
+        return feeds
+
+
 def hf_prompt_feeds(spec: ModelSpec, tensors, sizes, width: int) -> dict:
     """The Hugging Face convention's inputs of a prompt run with empty pasts: prompts of ``sizes``
     [U] right-padded to ``width`` (each row's prompt first), by model input name in the model's
@@ -159,6 +195,9 @@ class StepModelRunner:
         shape = tuple(scores_info.shape)
         self._scores_shape = (1, shape[2]) if len(shape) == 3 and isinstance(shape[2], int) else None
         self._scores_dtype = scores_info.dtype
+        #: a host step's attention_mask / position_ids, built with lookups made once
+        self._host_feeds = HostStepFeeds(spec, session.tensors) if (
+            states.device == "cpu" and HostStepFeeds.applies(spec)) else None
 
     # --- one step ----------------------------------------------------------------------------------
     def run(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None = None):
@@ -313,6 +352,8 @@ class StepModelRunner:
                 feeds[names["token-length"]] = xp.ones(labels.shape[0], dtype=self._input_dtype("token-length"))
             if "prefix-length" in names:
                 feeds[names["prefix-length"]] = merged.prefix_lengths.astype(self._input_dtype("prefix-length"))
+        elif self._host_feeds is not None and type(merged.prefix_lengths) is np.ndarray:
+            feeds.update(self._host_feeds(merged.prefix_lengths, merged.time_size))
         else:
             feeds.update(hf_step_feeds(spec, self.session.tensors, merged.prefix_lengths, merged.time_size))
         for name, buffer in lanes.buffers.items():

@@ -252,3 +252,18 @@ def scatter_resident(buffers, kept, new_slots, slots_per_chunk, chunk, slabs):
             for m in range(buffer.shape[1]):
                 for i in range(inner):
                     slab[row, m * inner + i] = buffer[b, m, t, i]
+
+
+@njit(cache=True)
+def resident_merge(table, lengths, time_size, max_history, keep_first, stamp, owner, held, stamps, buffers,
+                   slots, row_stamps, kept, source, moved, fetch):
+    """``ResidentStates.merge`` in one call where the rows' buffers are copied here (one dtype):
+    :func:`resident_match`, the moved rows' copies (:func:`copy_rows`) and :func:`resident_commit`.
+    Returns how many rows gather their history from the pool (first in ``fetch``; the caller
+    gathers them, after this call)."""
+    num_moved, num_fetch = resident_match(table, lengths, time_size, max_history, keep_first, stamp, owner, held,
+                                          stamps, slots, row_stamps, kept, source, moved, fetch)
+    if num_moved:
+        copy_rows(buffers, moved[:num_moved], source[moved[:num_moved]], kept)
+    resident_commit(slots, row_stamps, kept, held, stamps, owner)
+    return num_moved, num_fetch

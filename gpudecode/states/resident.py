@@ -49,6 +49,14 @@ class _Rows:
         self.stamps = np.zeros((rows, time), dtype=np.int64)
         #: the compiled merge copies these buffers' rows (one dtype it takes, :mod:`gpudecode.states.compiled`)
         self.compiled_copies = len({b.dtype for b in self.buffers}) == 1 and copies(self.buffers[0].dtype)
+        self.buffer_tuple = tuple(self.buffers)
+        self._views: tuple = (-1, [])  # (rows, the buffers' first rows) of the last merge
+
+    def views(self, num_rows: int) -> list:
+        """The buffers' first ``num_rows`` rows (views, made once per row count in a row)."""
+        if self._views[0] != num_rows:
+            self._views = (num_rows, [buffer[:num_rows] for buffer in self.buffers])
+        return self._views[1]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -163,7 +171,18 @@ class ResidentStates:
         slots = np.empty((num_rows, time_size), np.int32)
         stamps = np.empty((num_rows, time_size), np.int64)
         kept = np.empty(num_rows, np.int32)
-        source, moved, fetch = (np.empty(num_rows, np.int64) for _ in range(3))
+        source, moved, fetch = np.empty((3, num_rows), np.int64)
+        if rows.compiled_copies:  # matching, copies and commit in one call; then the gathers
+            num_moved, num_fetch = host_jit.resident_merge(
+                histories.table, histories.lengths, time_size, max_history, keep_first, self._stamp, self._owner,
+                rows.held, rows.stamps, rows.buffer_tuple, slots, stamps, kept, source, moved, fetch)
+            fetch = fetch[:num_fetch]
+            if fetch.size:
+                for buffer, tokens in zip(rows.buffers, self._gather(slots[fetch])):
+                    buffer[fetch, :, :time_size] = tokens
+            self.rows_moved += int(num_moved)
+            self.rows_fetched += int(num_fetch)
+            return rows.views(num_rows), kept
         num_moved, num_fetch = host_jit.resident_match(
             histories.table, histories.lengths, time_size, max_history, keep_first, self._stamp, self._owner,
             rows.held, rows.stamps, slots, stamps, kept, source, moved, fetch)

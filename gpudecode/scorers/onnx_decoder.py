@@ -296,15 +296,11 @@ class OnnxDecoderScorer(LabelScorer):
         next_labels = xp.where(append, labels, ctx.next_labels[parents])
         if ctx.fresh is not None:  # a fresh parent's history already ends with its whole prompt
             append &= ~self._on_states(ctx.fresh)[parents]
-        histories = self._trimmed(self.states.extend(ctx.histories, ctx.new_slots, parents, append=append))
-        self.states.retain(histories)
+        self._group_bound += 1  # the tables are cut to the longest possible history (a host bound; no sync)
+        histories = self.states.extend_retained(ctx.histories, ctx.new_slots, parents, append=append,
+                                                width=int(self._group_bound.max()))
         self._ctx = DecoderContext(histories, next_labels)
         return self._ctx
-
-    def _trimmed(self, histories: StateHistory) -> StateHistory:
-        """``histories`` cut to the longest possible history (a host bound; no sync)."""
-        self._group_bound += 1
-        return self.states.trimmed(histories, int(self._group_bound.max()))
 
     def _on_states(self, array):
         """``array`` where the state manager keeps its histories (host or device)."""

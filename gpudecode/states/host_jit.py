@@ -139,7 +139,8 @@ def written(slots, kept, stamp, held, stamps, owner):
 @njit(cache=True)
 def extend(table, lengths, new_slots, parents, append, has_append, out_table, out_lengths):
     """``history._extend_on_host``: child c = row ``parents[c]``'s history, then that row's new
-    slots (the first ``count(new_slots[p] >= 0)`` of them; none where ``append[c]`` is False)."""
+    slots (the first ``count(new_slots[p] >= 0)`` of them; none where ``append[c]`` is False).
+    ``out_table`` may be narrower than the extension's width (a trimmed table: its first columns)."""
     width = table.shape[1]
     num_new = new_slots.shape[1]
     for c in range(parents.shape[0]):
@@ -151,7 +152,7 @@ def extend(table, lengths, new_slots, parents, append, has_append, out_table, ou
                 added += 1
         if has_append and not append[c]:
             added = 0
-        for t in range(width + num_new):
+        for t in range(out_table.shape[1]):
             if t < length:
                 out_table[c, t] = table[p, min(t, width - 1)]
             elif t - length < added:

@@ -455,6 +455,44 @@ class StateManager:
         is longer (a host bound; no sync)."""
         raise NotImplementedError
 
+    def extend_retained(self, histories: StateHistory, new_slots, parents, *, append=None,
+                        width: int | None = None) -> StateHistory:
+        """The children of :meth:`extend`, :meth:`trimmed` to ``width`` (None: as they are), and
+        :meth:`retain` of them alone; returns the children. A compiled host manager with a time
+        axis extends straight into the trimmed table where no ``max_history`` compacts it."""
+        children = self._extend_retained_on_host(histories, new_slots, parents, append, width)
+        if children is None:
+            children = self.extend(histories, new_slots, parents, append=append)
+            if width is not None:
+                children = self.trimmed(children, width)
+            self.retain(children)
+        return children
+
+    def _extend_retained_on_host(self, histories: StateHistory, new_slots, parents, append, width):
+        """:meth:`extend_retained` as a compiled extension, one mark and one sweep, or None where
+        that does not apply (see there)."""
+        table, lengths = histories.table, histories.lengths
+        if not (self.compiled and self.has_time_axis and all(type(a) is np.ndarray for a in (
+                table, lengths, new_slots, parents)) and (append is None or type(append) is np.ndarray)):
+            return None
+        full = table.shape[1] + new_slots.shape[1]
+        if self.options.max_history is not None and self.options.max_history < full:
+            return None  # extend compacts to the window
+        from gpudecode.states import host_jit
+
+        histories = self._as_histories(histories)
+        parents = np.ascontiguousarray(parents, dtype=np.int64)
+        out_width = full if width is None else min(full, width)
+        children = StateHistory(table=np.empty((parents.shape[0], out_width), np.int32),
+                                lengths=np.empty(parents.shape[0], np.int32))
+        has_append = append is not None
+        host_jit.extend(histories.table, histories.lengths, np.ascontiguousarray(new_slots, dtype=np.int32), parents,
+                        np.ascontiguousarray(append, dtype=bool) if has_append else np.ones(1, dtype=bool),
+                        has_append, children.table, children.lengths)
+        self.pool.mark(children, max_history=self.max_history, keep_first=self._keep_first, compiled=True)
+        self.pool.sweep(compiled=True)
+        return children
+
     def select(self, histories: StateHistory, rows) -> StateHistory:
         """The histories of ``rows`` (survivors are a gather)."""
         with self._on_device():

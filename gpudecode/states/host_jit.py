@@ -79,7 +79,7 @@ def resident_commit(slots, row_stamps, kept, held, stamps, owner):
 
 @njit(cache=True)
 def copy_rows(buffers, rows, sources, kept):
-    """For each buffer of ``buffers`` (a tuple of [R, mid, C, inner] arrays):
+    """For each buffer of ``buffers`` (a tuple of C-contiguous [R, mid, C, inner] arrays):
     ``buffer[rows[i], :, :kept[rows[i]]] = buffer[sources[i], :, :kept[rows[i]]]`` (a row's positions
     from its history's length on are never read), every source read before any row is written: a
     source that is also a destination is copied aside first."""
@@ -95,23 +95,30 @@ def copy_rows(buffers, rows, sources, kept):
             aside[sources[i]] = num_aside
             num_aside += 1
     for buffer in buffers:
+        # (C-contiguous buffers) a row's first kept positions of each mid index are one run of
+        # kept * inner values: copied as such
         mid, inner = buffer.shape[1], buffer.shape[3]
-        taken = np.empty((num_aside, mid, buffer.shape[2], inner), buffer.dtype)
+        flat = buffer.reshape(num_rows, mid, buffer.shape[2] * inner)
+        taken = np.empty((num_aside, mid, flat.shape[2]), buffer.dtype)
         for i in range(count):
             source = sources[i]
             at = aside[source]
             if at >= 0:
+                size = kept[rows[i]] * inner
                 for m in range(mid):
-                    for t in range(kept[rows[i]]):
-                        for k in range(inner):
-                            taken[at, m, t, k] = buffer[source, m, t, k]
+                    for j in range(size):
+                        taken[at, m, j] = flat[source, m, j]
         for i in range(count):
             row, source = rows[i], sources[i]
             at = aside[source]
+            size = kept[row] * inner
             for m in range(mid):
-                for t in range(kept[row]):
-                    for k in range(inner):
-                        buffer[row, m, t, k] = taken[at, m, t, k] if at >= 0 else buffer[source, m, t, k]
+                if at >= 0:
+                    for j in range(size):
+                        flat[row, m, j] = taken[at, m, j]
+                else:
+                    for j in range(size):
+                        flat[row, m, j] = flat[source, m, j]
 
 
 @njit(cache=True)

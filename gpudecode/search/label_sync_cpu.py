@@ -82,18 +82,21 @@ def select_separate(beam, combined, log_probs, deadline, step: int, layout, opti
         if never_norm:
             bound += max(int(deadline.max(initial=0)) - step, 0)
         norm = _normalisers(float(options.length_norm_scale), next_power_of_two(max(bound, 64)))
-    scores, ended = np.empty(num_lanes, np.float32), np.empty(num_lanes, np.bool_)
-    scorer_scores = np.empty((num_scorers, num_lanes), np.float32)
-    lengths = np.empty(num_lanes, np.int64)
-    parents, labels = np.empty(num_lanes, np.int64), np.empty(num_lanes, np.int64)
-    new = dict(ranks=np.empty(num_lanes, np.float32), scores=np.empty(num_lanes, np.float32),
-               scorer_scores=np.empty((num_scorers, num_lanes), np.float32),
-               lengths=np.empty(num_lanes, np.int64), steps=np.empty(num_lanes, np.int64),
-               lanes=np.empty(num_lanes, np.int64), labels=np.empty(num_lanes, np.int64),
-               prompt_lengths=prompts, hopeful=np.empty(num_groups, np.bool_),
-               done=np.empty(num_groups, np.bool_), picked=np.empty((num_groups, beam_size), np.int64),
-               candidate_lanes=np.empty(num_groups * extra, np.int64),
-               candidate_labels=np.empty(num_groups * extra, np.int64))
+    # the outputs as rows of a few blocks (one allocation per dtype)
+    floats = np.empty((3 + 2 * num_scorers, num_lanes), np.float32)
+    scores, scorer_scores = floats[0], floats[3:3 + num_scorers]
+    ints = np.empty((7, num_lanes), np.int64)
+    lengths, parents, labels = ints[0], ints[1], ints[2]
+    flags = np.empty(num_lanes + 2 * num_groups, np.bool_)
+    ended = flags[:num_lanes]
+    candidates = np.empty((2, num_groups * extra + num_groups * beam_size), np.int64)
+    new = dict(ranks=floats[1], scores=floats[2], scorer_scores=floats[3 + num_scorers:],
+               lengths=ints[3], steps=ints[4], lanes=ints[5], labels=ints[6],
+               prompt_lengths=prompts, hopeful=flags[num_lanes:num_lanes + num_groups],
+               done=flags[num_lanes + num_groups:],
+               picked=candidates[1, num_groups * extra:].reshape(num_groups, beam_size),
+               candidate_lanes=candidates[0, :num_groups * extra],
+               candidate_labels=candidates[1, :num_groups * extra])
     run(beam.scores, beam.ended, beam.lengths, beam.scorer_scores, combined, stacked,
         np.asarray(deadline, dtype=np.int64), int(step),
         finished.ranks, finished.scores, finished.scorer_scores, finished.lengths, finished.steps,

@@ -2,15 +2,18 @@
 sees only its own inputs and writes only its own buffers, whatever the calls before it bound."""
 
 import numpy as np
+import pytest
 
 from gpudecode.session import OnnxSession
 from tests.test_session import double_model
 
 
-def test_bound_runs_write_only_their_own_buffers(tmp_path):
+@pytest.mark.parametrize("raw", [True, False], ids=["runtime-binding", "python-wrapper"])
+def test_bound_runs_write_only_their_own_buffers(tmp_path, raw):
     path = tmp_path / "double.onnx"
     path.write_bytes(double_model().SerializeToString())
     session = OnnxSession(path)
+    session.host_raw_binds = raw
     rng = np.random.default_rng(3)
     earlier = []  # (buffer, what it must still hold)
     for rows in (2, 3, 3, 1, 4, 4):
@@ -35,3 +38,8 @@ def test_bound_runs_write_only_their_own_buffers(tmp_path):
     np.testing.assert_array_equal(shape, [4, 5])  # not [2, 5]
     plain = session.run({"x": x})  # and an unbound run after bound ones
     np.testing.assert_array_equal(plain["y"], 2 * x)
+    strided = np.arange(40, dtype=np.float32).reshape(4, 10)[:, ::2]  # a copy made contiguous for the run
+    y = np.empty((4, 5), np.float32)
+    np.testing.assert_array_equal(session.run({"x": strided}, ["y"], outputs={"y": y})["y"], 2 * strided)
+    if not raw:
+        assert session._host.raw is None  # bound through the wrapper

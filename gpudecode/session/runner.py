@@ -116,6 +116,10 @@ class OnnxSession:
         self._run_options = ort.RunOptions()
         #: a CPU run's IO binding, reused (per thread), and the names it binds (None: clear it first)
         self._host = threading.local()
+        #: bind a CPU run's tensors through the runtime's own binding object (where this onnxruntime
+        #: exposes it, :func:`_raw_binding`): the same bindings without the Python wrapper's per-call
+        #: device construction and capture checks; False: through the wrapper
+        self.host_raw_binds = True
         if options.device == "cuda":
             self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
             # plain runs stay out of any graph (a session may have graphs on though capture is off)
@@ -204,16 +208,25 @@ class OnnxSession:
     def _run_cpu_bound(self, feeds: dict, names: list[str], outputs: Mapping[str, object]) -> dict:
         """A CPU run with the numpy buffers ``outputs`` bound as those outputs (IO binding)."""
         binding = self._host_binding(tuple(feeds), tuple(names))
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        raw = self._host.raw
+        inputs = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
+        for name, value in inputs.items():
+            if raw is None:
+                binding.bind_cpu_input(name, value)
+            else:
+                raw[0].bind_input(name, value)
         for name in names:
             buffer = outputs.get(name)
-            if buffer is None:
+            if buffer is not None and not (isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous):
+                raise ValueError(f"{self.source}: output buffer for '{name}' must be a C-contiguous numpy array")
+            if raw is None and buffer is None:
                 binding.bind_output(name, "cpu")
-            else:
-                if not (isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous):
-                    raise ValueError(f"{self.source}: output buffer for '{name}' must be a C-contiguous numpy array")
+            elif raw is None:
                 binding.bind_output(name, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+            elif buffer is None:
+                raw[0].bind_output(name, raw[1])
+            else:
+                raw[0].bind_output(name, raw[1], buffer.dtype, list(buffer.shape), buffer.ctypes.data)
         self._host.names = (tuple(feeds), tuple(names))  # every name of this call is bound afresh
         self.session.run_with_iobinding(binding)  # no run options: none are set on the CPU
         if all(name in outputs for name in names):  # every output bound: nothing to wrap
@@ -230,6 +243,7 @@ class OnnxSession:
         binding = getattr(host, "binding", None)
         if binding is None:
             binding = host.binding = self.session.io_binding()
+            host.raw = _raw_binding(binding) if self.host_raw_binds else None
         elif host.names != (inputs, outputs):
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
@@ -272,6 +286,23 @@ class OnnxSession:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.name}-{next(self._calls):06d}.npz"
         np.savez(path, **{k: backend.to_host(v) for k, v in inputs.items()})
+
+
+def _raw_binding(binding):
+    """(the runtime's own binding object behind the ``onnxruntime.IOBinding`` ``binding``, its CPU
+    device), or None where this onnxruntime lacks them: binding through them is what the wrapper's
+    ``bind_cpu_input`` / ``bind_output`` do after making the device and checking for WebGPU graph
+    capture, which a CPU session never does. The caller keeps the bound arrays alive until the run
+    ends (the wrapper would keep the inputs)."""
+    try:
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
+
+        raw, device = binding._iobinding, OrtDevice.make("cpu", 0)._get_c_device()
+    except (AttributeError, ImportError, TypeError):
+        return None
+    if not (callable(getattr(raw, "bind_input", None)) and callable(getattr(raw, "bind_output", None))):
+        return None
+    return raw, device
 
 
 def create_inference_session(factory, model, sess_options, providers: Sequence, *, cuda_graphs: bool,

@@ -52,6 +52,17 @@ def log_softmax(xp, x):
     return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def log_softmax_in_place(x: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """:func:`log_softmax` of the C-contiguous float32 numpy ``x`` [R, V] written over ``x`` (the
+    same operations, so the same values); ``scratch``: a float32 array of at least R·V values for
+    the exponentials (else a temporary). Returns ``x``."""
+    shift = x.max(axis=-1, keepdims=True)
+    np.subtract(x, shift, out=x)
+    exps = np.exp(x) if scratch is None else np.exp(x, out=scratch[:x.size].reshape(x.shape))
+    np.subtract(x, np.log(exps.sum(axis=-1, keepdims=True)), out=x)
+    return x
+
+
 def converted_scores(xp, scores, kind: str):
     """``scores`` of ``kind`` (one of ``defaults.SCORES_KINDS``) as log-probabilities."""
     if kind == "neg-log-probs":
@@ -76,6 +87,7 @@ class OnnxDecoderScorer(LabelScorer):
     _uses_start_labels = True
     _wanted = None  # during score_lanes: the lanes asked for ([R] int64 host)
     _lane_scores = None  # [N, V] host scores of a lane subset (rows of lanes not run keep old ones)
+    _exp_scratch = None  # float32 host scratch of the in-place log-softmax
 
     def __init__(
         self,
@@ -255,7 +267,7 @@ class OnnxDecoderScorer(LabelScorer):
         out = self._lane_scores
         if lanes.size:
             raw, new_slots = self.runner.run_lanes(ctx.histories, ctx.next_labels, lanes, self.lanes)
-            scores = self._log_probs(raw, copy=False)
+            scores = self._host_log_probs(raw)
             if out is None or out.dtype != scores.dtype:
                 out = self._lane_scores = np.zeros((num_lanes, scores.shape[1]), dtype=scores.dtype)
             out[lanes] = scores
@@ -264,6 +276,18 @@ class OnnxDecoderScorer(LabelScorer):
             out = self._lane_scores = np.zeros((num_lanes, self.vocab_size), dtype=np.float32)
         ctx.new_slots = slots
         return out
+
+    def _host_log_probs(self, raw: np.ndarray):
+        """:meth:`_log_probs` of a host run's own scores ``raw`` (nobody else reads them): logits
+        in float32 get their log-softmax written over them (:func:`log_softmax_in_place`, the
+        exponentials in a scratch buffer kept between steps)."""
+        if not (self.scores_kind == "logits" and raw.dtype == np.float32 and raw.flags.c_contiguous
+                and raw.ndim >= 2 and raw.size == raw.shape[0] * raw.shape[-1]):
+            return self._log_probs(raw, copy=False)
+        scores = raw.reshape(raw.shape[0], raw.shape[-1])
+        if self._exp_scratch is None or self._exp_scratch.size < scores.size:
+            self._exp_scratch = np.empty(2 * scores.size, np.float32)
+        return log_softmax_in_place(scores, self._exp_scratch)
 
     def _log_probs(self, raw, copy: bool):
         """``raw`` scores as [N, V] log-probabilities (``copy``: never a view of ``raw``); float16

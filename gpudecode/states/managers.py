@@ -111,6 +111,7 @@ class StateManager:
         self._last_out = None  # (buffer ids, checked result, the buffers themselves)
         self._by_output = {v.output_name: v for v in self.state_variables}
         self._resident = None  # ResidentStates, made by the first merge_resident
+        self._resident_inputs: tuple = (None, {})  # (the resident views, them in the model's shapes)
         #: a host manager's per-step bookkeeping (resident merge, extend, mark and sweep) as compiled
         #: loops where numba imports (:mod:`gpudecode.states.compiled`); False: the numpy versions
         self.compiled = device == "cpu" and compiled_available()
@@ -148,9 +149,12 @@ class StateManager:
                                            max_history=effective_max_history(self.max_history, time_size),
                                            keep_first=self._keep_first, max_positions=max_positions,
                                            compiled=self.compiled)
-        shapes = [layout.tensor_shape(histories.num_rows, view.shape[2]) for layout, view in zip(self.layouts, views)]
-        inputs = {layout.name: view.reshape(shape) for layout, view, shape in zip(self.layouts, views, shapes)}
-        return MergedStates(inputs=inputs, prefix_lengths=kept, time_size=time_size)
+        cached = self._resident_inputs
+        if cached[0] is not views:  # views made anew (other rows, regrown buffers): their model shapes
+            shapes = [layout.tensor_shape(histories.num_rows, view.shape[2]) for layout, view in zip(self.layouts, views)]
+            cached = self._resident_inputs = (views, {layout.name: view.reshape(shape) for layout, view, shape
+                                                      in zip(self.layouts, views, shapes)})
+        return MergedStates(inputs=dict(cached[1]), prefix_lengths=kept, time_size=time_size)
 
     def resident_new_steps(self, merged: MergedStates) -> dict:
         """The new step a model wrote into the resident inputs of ``merged`` at each row's length,
@@ -511,6 +515,7 @@ class StateManager:
         self.pool.release_all()
         if self._resident is not None:
             self._resident.forget()
+        self._resident_inputs = (None, {})
 
     def statistics(self) -> PoolStatistics:
         return self.pool.statistics()
@@ -520,6 +525,7 @@ class StateManager:
         self.pool.close()
         self._buffers.clear()
         self._resident = None
+        self._resident_inputs = (None, {})
         self._prefix_buffer = None
 
 

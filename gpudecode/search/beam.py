@@ -266,14 +266,14 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     if options.finished != "in-beam":
         if label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
             fields, finished, parents, labels = label_sync_cpu.select_separate(
-                beam, _combined(terms), log_probs, deadline, step, layout, options)
+                beam, _combined_read_only(terms), log_probs, deadline, step, layout, options)
             beam = Beam(**fields, finished=Finished(**finished))
         else:
             beam, parents, labels = select_separate(beam, _combined(terms), log_probs, deadline, step, layout,
                                                     options, stats)
     elif not in_kernel and label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
-        fields, parents, labels = label_sync_cpu.select_in_beam(beam, _combined(terms), log_probs, deadline, step,
-                                                                layout, options)
+        fields, parents, labels = label_sync_cpu.select_in_beam(beam, _combined_read_only(terms), log_probs,
+                                                                deadline, step, layout, options)
         beam = Beam(**fields)
     else:
         norm = candidate_normaliser(beam, options, xp)
@@ -531,6 +531,14 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
 def _combined(terms):
     """Σ scale · array of ``_scores``'s terms, as one [N, V] float32 array."""
     return combine_scores([t for t, _ in terms], [scale for _, scale in terms])
+
+
+def _combined_read_only(terms):
+    """:func:`_combined` for a caller that only reads it (the compiled CPU selections): one float32
+    term of scale 1 is itself (the values its copy would hold), else the sum."""
+    if len(terms) == 1 and terms[0][1] == 1.0 and terms[0][0].dtype == np.float32:
+        return terms[0][0]
+    return _combined(terms)
 
 
 def prompt_lengths(utterances) -> np.ndarray:

@@ -28,7 +28,7 @@ def test_bound_runs_write_only_their_own_buffers(tmp_path, raw):
         np.testing.assert_array_equal(both["shape"], [rows, 5])
         for buffer, held in earlier:  # buffers bound by earlier calls are never written again
             np.testing.assert_array_equal(buffer, held)
-        earlier += [(y, y.copy()), (shape, shape.copy())]
+        earlier += [(y, y.copy()), (shape, shape.copy()), (out["shape"], out["shape"].copy())]
     # a call that binds fewer outputs than the one before does not write the other's buffer
     x = np.ones((4, 5), np.float32)
     shape = np.zeros(2, np.int64)

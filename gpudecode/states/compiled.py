@@ -29,3 +29,12 @@ COPIED_DTYPES = frozenset(map(np.dtype, (np.float32, np.float64, np.int8, np.int
 def copies(dtype) -> bool:
     """Whether the compiled loops copy states of ``dtype`` (else the numpy versions do)."""
     return np.dtype(dtype) in COPIED_DTYPES
+
+
+@functools.cache
+def compiled_loops():
+    """The compiled loops' module, :mod:`gpudecode.states.host_jit` (numba is imported by the first
+    call; later calls cost less than an import statement, once or more a step)."""
+    from gpudecode.states import host_jit
+
+    return host_jit

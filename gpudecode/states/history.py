@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpudecode.backend import get_array_module, on_shared_stream, require_cupy
+from gpudecode.states.compiled import compiled_loops
 
 NO_SLOT = -1
 UNBOUNDED = np.iinfo(np.int32).max  # max_history=None, as the kernels see it
@@ -214,8 +215,7 @@ def _extend_on_host(histories: StateHistory, new_slots, parents, append):
 
 def _extend_compiled(histories: StateHistory, new_slots, parents, append):
     """``_extend_on_host`` as one compiled loop (``host_jit.extend``)."""
-    from gpudecode.states import host_jit
-
+    host_jit = compiled_loops()
     table = np.ascontiguousarray(histories.table, dtype=np.int32)
     new_slots = np.ascontiguousarray(new_slots, dtype=np.int32)
     width = table.shape[1] + new_slots.shape[1]

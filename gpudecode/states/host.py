@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpudecode.states.compiled import copies
+from gpudecode.states.compiled import compiled_loops, copies
 from gpudecode.states.history import StateHistory, window_table
 from gpudecode.states.layout import VariableLayout
 from gpudecode.states.pool import StatePool
@@ -111,8 +111,7 @@ class HostStateCopy:
         num_new = new_slots.shape[1]
         first = source_time - num_new
         if compiled:
-            from gpudecode.states import host_jit
-
+            host_jit = compiled_loops()
             rest = []
             for v, (layout, source) in enumerate(zip(self.layouts, sources)):
                 if layout.storage_dtype != layout.model_dtype or source.dtype != layout.model_dtype or \

@@ -27,7 +27,7 @@ from gpudecode.backend import is_device_array, on_shared_stream, to_host
 from gpudecode.sizes import next_power_of_two
 from gpudecode.spec import StateVariable
 from gpudecode.states.compiled import available as compiled_available
-from gpudecode.states.compiled import copies
+from gpudecode.states.compiled import compiled_loops, copies
 from gpudecode.states.history import (
     StateHistory,
     effective_max_history,
@@ -166,8 +166,7 @@ class StateManager:
             buffer = merged.inputs[layout.name]
             view = buffer.reshape(buffer.shape[0], layout.mid, -1, layout.inner)
             if self.compiled and copies(view.dtype):
-                from gpudecode.states import host_jit
-
+                host_jit = compiled_loops()
                 step = np.empty((rows.size, layout.mid, layout.inner), view.dtype)
                 host_jit.new_steps(view, kept, step)
             else:
@@ -182,8 +181,7 @@ class StateManager:
         views = [merged.inputs[layout.name] for layout in self.layouts]
         if not (self.compiled and len({v.dtype for v in views}) == 1 and copies(views[0].dtype)):
             return self.split(self.resident_new_steps(merged))
-        from gpudecode.states import host_jit
-
+        host_jit = compiled_loops()
         kept = np.ascontiguousarray(merged.prefix_lengths)
         num_rows = kept.shape[0]
         new_slots = self.pool.allocate(num_rows, 1, compiled=True)
@@ -482,8 +480,7 @@ class StateManager:
         full = table.shape[1] + new_slots.shape[1]
         if self.options.max_history is not None and self.options.max_history < full:
             return None  # extend compacts to the window
-        from gpudecode.states import host_jit
-
+        host_jit = compiled_loops()
         histories = self._as_histories(histories)
         parents = np.ascontiguousarray(parents, dtype=np.int64)
         out_width = full if width is None else min(full, width)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpudecode.states.compiled import compiled_loops
 from gpudecode.states.history import StateHistory, effective_max_history, window_mask
 
 _FREE, _PEAK, _OVERFLOW = 0, 1, 2
@@ -224,6 +225,12 @@ class StatePool:
         ``max_tokens``) slots, -1 beyond. ``token_counts`` may be a host or device array; with a
         host array the bound the pool tracks is exact. ``compiled`` (host pool): one compiled loop
         (:mod:`gpudecode.states.compiled`)."""
+        if compiled and token_counts is None and self._cupy is None:  # a host step's case, in short
+            self._book(num_rows * max_tokens)
+            new_slots = np.empty((num_rows, max_tokens), dtype=np.int32)
+            if num_rows and max_tokens:
+                self._allocate_compiled(num_rows, max_tokens, None, new_slots)
+            return new_slots
         xp = self.xp
         if token_counts is not None and not isinstance(token_counts, np.ndarray):
             need = num_rows * max_tokens  # a device array: count the upper bound
@@ -282,8 +289,7 @@ class StatePool:
 
     def _allocate_compiled(self, num_rows, max_tokens, token_counts, new_slots) -> None:
         """:meth:`_allocate_numpy` as one compiled loop (``host_jit.allocate``)."""
-        from gpudecode.states import host_jit
-
+        host_jit = compiled_loops()
         counts = np.full(num_rows, max_tokens, dtype=np.int32) if token_counts is None else token_counts
         remaining, overflow = host_jit.allocate(counts, max_tokens, self.free_stack, int(self.counters[_FREE]),
                                                 self.allocated, new_slots)
@@ -325,8 +331,7 @@ class StatePool:
         if num_rows == 0 or width == 0 or self.capacity == 0:
             return
         if self._cupy is None and compiled:
-            from gpudecode.states import host_jit
-
+            host_jit = compiled_loops()
             host_jit.mark(histories.table, histories.lengths, limit, bool(keep_first), self.marks, self.capacity)
             return
         if self._cupy is None:
@@ -355,8 +360,7 @@ class StatePool:
         if self.capacity == 0:
             return
         if self._cupy is None and compiled:
-            from gpudecode.states import host_jit
-
+            host_jit = compiled_loops()
             self.counters[_FREE] = host_jit.sweep(self.allocated, self.marks, self.free_stack, int(self.counters[_FREE]))
             self._live_bound = self.capacity - int(self.counters[_FREE])
             return

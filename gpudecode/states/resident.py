@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpudecode.sizes import next_power_of_two
-from gpudecode.states.compiled import copies
+from gpudecode.states.compiled import compiled_loops, copies
 from gpudecode.states.history import NO_SLOT, StateHistory, window_table
 from gpudecode.states.layout import VariableLayout
 from gpudecode.states.pool import StatePool
@@ -108,8 +108,7 @@ class ResidentStates:
         matching it). ``compiled``: one compiled loop."""
         self._grow_slot_tables()
         if compiled:
-            from gpudecode.states import host_jit
-
+            host_jit = compiled_loops()
             self._next_stamp = host_jit.stamped(np.ascontiguousarray(new_slots).reshape(-1), self._stamp,
                                                 self._next_stamp)
             return
@@ -165,8 +164,7 @@ class ResidentStates:
     def _merge_compiled(self, histories: StateHistory, rows: _Rows, time_size: int, max_history: int,
                         keep_first: bool):
         """:meth:`merge` after the rows are sized, as compiled loops (``host_jit``)."""
-        from gpudecode.states import host_jit
-
+        host_jit = compiled_loops()
         num_rows = histories.num_rows
         slots = np.empty((num_rows, time_size), np.int32)
         stamps = np.empty((num_rows, time_size), np.int64)
@@ -206,8 +204,7 @@ class ResidentStates:
         self._grow_slot_tables()
         rows = self._rows[key]
         if compiled:
-            from gpudecode.states import host_jit
-
+            host_jit = compiled_loops()
             host_jit.written(np.ascontiguousarray(new_slots[:, 0]), np.asarray(kept, dtype=np.int32), self._stamp,
                              rows.held, rows.stamps, self._owner)
             return

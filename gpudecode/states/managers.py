@@ -112,6 +112,8 @@ class StateManager:
         self._by_output = {v.output_name: v for v in self.state_variables}
         self._resident = None  # ResidentStates, made by the first merge_resident
         self._resident_inputs: tuple = (None, {})  # (the resident views, them in the model's shapes)
+        #: split_resident's last (views, them as [N, mid, C, inner], pool generation, its chunks' slabs)
+        self._split_views: tuple = ([], (), -1, [])
         #: a host manager's per-step bookkeeping (resident merge, extend, mark and sweep) as compiled
         #: loops where numba imports (:mod:`gpudecode.states.compiled`); False: the numpy versions
         self.compiled = device == "cpu" and compiled_available()
@@ -186,11 +188,15 @@ class StateManager:
         num_rows = kept.shape[0]
         new_slots = self.pool.allocate(num_rows, 1, compiled=True)
         self._resident.allocated(new_slots, compiled=True)
-        buffers = tuple(v.reshape(num_rows, layout.mid, -1, layout.inner) for layout, v in zip(self.layouts, views))
-        per_chunk = self.pool.slots_per_chunk
-        for c in range(self.pool.num_chunks):
-            slabs = tuple(self.pool.slabs[v][c].reshape(per_chunk, -1) for v in range(len(self.layouts)))
-            host_jit.scatter_resident(buffers, kept, new_slots, per_chunk, c, slabs)
+        pool, (cached_views, buffers, generation, slabs) = self.pool, self._split_views
+        if len(cached_views) != len(views) or any(a is not b for a, b in zip(cached_views, views)):
+            buffers = tuple(v.reshape(num_rows, layout.mid, -1, layout.inner) for layout, v in zip(self.layouts, views))
+        if generation != pool.generation:  # the pool's chunks as the copies take them
+            slabs = [tuple(pool.slabs[v][c].reshape(pool.slots_per_chunk, -1) for v in range(len(self.layouts)))
+                     for c in range(pool.num_chunks)]
+        self._split_views = (views, buffers, pool.generation, slabs)
+        for c, chunk in enumerate(slabs):
+            host_jit.scatter_resident(buffers, kept, new_slots, pool.slots_per_chunk, c, chunk)
         return new_slots
 
     def written_in_place(self, new_slots, prefix_lengths, *, key=0) -> None:
@@ -513,6 +519,7 @@ class StateManager:
         if self._resident is not None:
             self._resident.forget()
         self._resident_inputs = (None, {})
+        self._split_views = ([], (), -1, [])
 
     def statistics(self) -> PoolStatistics:
         return self.pool.statistics()
@@ -523,6 +530,7 @@ class StateManager:
         self._buffers.clear()
         self._resident = None
         self._resident_inputs = (None, {})
+        self._split_views = ([], (), -1, [])
         self._prefix_buffer = None
 
 

@@ -266,7 +266,8 @@ class OnnxDecoderScorer(LabelScorer):
         slots = np.full((num_lanes, 1), -1, dtype=np.int32)
         out = self._lane_scores
         if lanes.size:
-            raw, new_slots = self.runner.run_lanes(ctx.histories, ctx.next_labels, lanes, self.lanes)
+            raw, new_slots, lanes = self.runner.run_lanes(ctx.histories, ctx.next_labels, lanes, self.lanes,
+                                                          any_order=True)  # rows for these lanes
             scores = self._host_log_probs(raw)
             if out is None or out.dtype != scores.dtype:
                 out = self._lane_scores = np.zeros((num_lanes, scores.shape[1]), dtype=scores.dtype)

@@ -219,10 +219,12 @@ class StepModelRunner:
         return (self.session.provider == "cpu" and self.states.device == "cpu" and self.graphs is None
                 and not self._by_length)
 
-    def run_lanes(self, histories: StateHistory, labels, index: np.ndarray, lanes):
+    def run_lanes(self, histories: StateHistory, labels, index: np.ndarray, lanes, *, any_order: bool = False):
         """The model on the lanes ``index`` ([R] int64 host, ascending) of ``histories`` fed
         ``labels[index]`` (numpy, :attr:`runs_lane_subsets`; one row per lane of the per-utterance
-        inputs): (raw scores [R, ...], new slots [R, 1]). The other lanes' states are untouched."""
+        inputs): (raw scores [R, ...], new slots [R, 1]), row i for lane ``index[i]``. The other
+        lanes' states are untouched. ``any_order``: the rows may come in another order (resident
+        states put each lane where its history already is): (scores, slots, the lane of each row)."""
         if not self.runs_lane_subsets or lanes.group_size != 1:
             raise AssertionError("run_lanes: a host run of a model with a per-utterance row per lane")
         histories = StateHistory(table=histories.table[index], lengths=histories.lengths[index])
@@ -231,9 +233,13 @@ class StepModelRunner:
         if self.states.has_time_axis and index.size:
             time_size = min(int(histories.lengths.max()), histories.width, self.states.max_history)
         if self._resident:
-            return self._run_resident(histories, labels, slice(0, index.size), lanes, time_size, input_rows=index)
+            scores, slots, order = self._run_resident(histories, labels, slice(0, index.size), lanes, time_size,
+                                                      input_rows=index, free_rows=any_order)
+            if any_order:
+                return scores, slots, index if order is None else index[order]
+            return scores, slots
         scores, states, _ = self._plain_step(histories, labels, slice(0, index.size), lanes, time_size, index)
-        return scores, self.states.split(states)
+        return (scores, self.states.split(states)) + ((index,) if any_order else ())
 
     def _run_by_length(self, histories: StateHistory, labels, rows: slice, lanes):
         """A model that takes no lengths: one plain call per history length among the rows, each
@@ -277,21 +283,27 @@ class StepModelRunner:
     def _run_plain(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None,
                    input_rows=None):
         if self._resident and input_rows is None:
-            return self._run_resident(histories, labels, rows, lanes, time_size)
+            return self._run_resident(histories, labels, rows, lanes, time_size)[:2]
         scores, states, merged = self._plain_step(histories, labels, rows, lanes, time_size, input_rows)
         return scores, self.states.split(states)
 
     def _run_resident(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None,
-                      input_rows=None):
+                      input_rows=None, free_rows: bool = False):
         """A CPU step on the resident merge (``StateManager.merge_resident``), the model writing the
         new step in place; the first call is also run plainly and compared. ``input_rows``: the
         per-utterance input rows by index (a subset of the lanes, :meth:`run_lanes`), else those of
-        ``rows``."""
+        ``rows``. ``free_rows`` (with ``input_rows``, after the first call): the merge may put the
+        histories in other rows. Returns (scores, new slots, order): row r for history ``order[r]``
+        (None: history r)."""
         if self.spec.max_time is not None:
             time_size = self._natural_time(histories, time_size)
         context = None if self.spec.max_time is None else self.spec.max_time + 1
         try:
-            merged = self.states.merge_resident(histories, key=rows.start, time_size=time_size, max_positions=context)
+            merged = self.states.merge_resident(histories, key=rows.start, time_size=time_size, max_positions=context,
+                                                free_rows=free_rows and input_rows is not None and self._resident_checked)
+            order = merged.rows_order
+            if order is not None:  # the rows hold the histories in this order
+                labels, input_rows = labels[order], input_rows[order]
             feeds = self._feeds(merged, labels, _input_rows(rows, lanes.group_size) if input_rows is None
                                 else input_rows, lanes)
             shared = {v.output_name: merged.inputs[v.input_name] for v in self.spec.state_variables}
@@ -303,19 +315,20 @@ class StepModelRunner:
             states = None if self._resident_checked else self.states.resident_new_steps(merged)
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime refusing the shared buffer: plain runs
             # (the pool holds every state: the plain runs go on from there, whatever the buffers hold)
-            return self._resident_refused(f"the run with a shared past/present buffer failed ({exc})",
-                                          histories, labels, rows, lanes, time_size, input_rows)
+            return (*self._resident_refused(f"the run with a shared past/present buffer failed ({exc})",
+                                            histories, labels, rows, lanes, time_size, input_rows), None)
         if not self._resident_checked:
             plain_scores, plain_states, _ = self._plain_step(histories, labels, rows, lanes, time_size, input_rows)
             same = np.allclose(scores, plain_scores, rtol=1e-4, atol=1e-4) and all(
                 np.allclose(states[name], plain_states[name], rtol=1e-4, atol=1e-5) for name in plain_states)
             if not same:
-                return self._resident_refused("its outputs with a shared past/present buffer differ from a "
-                                              "plain run's", histories, labels, rows, lanes, time_size, input_rows)
+                return (*self._resident_refused("its outputs with a shared past/present buffer differ from a "
+                                                "plain run's", histories, labels, rows, lanes, time_size,
+                                                input_rows), None)
             self._resident_checked = True
         new_slots = self.states.split_resident(merged) if states is None else self.states.split(states)
         self.states.written_in_place(new_slots, merged.prefix_lengths, key=rows.start)
-        return scores, new_slots
+        return scores, new_slots, order
 
     def _resident_refused(self, why: str, histories, labels, rows, lanes, time_size, input_rows=None):
         warnings.warn(f"{self.spec.source}: states merged from the pool every step on the CPU: {why}", stacklevel=3)

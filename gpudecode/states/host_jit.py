@@ -275,3 +275,56 @@ def resident_merge(table, lengths, time_size, max_history, keep_first, stamp, ow
         copy_rows(buffers, moved[:num_moved], source[moved[:num_moved]], kept)
     resident_commit(slots, row_stamps, kept, held, stamps, owner)
     return num_moved, num_fetch
+
+
+@njit(cache=True)
+def resident_merge_free(table, lengths, time_size, max_history, keep_first, stamp, owner, held, stamps, buffers,
+                        slots, row_stamps, kept, source, moved, fetch, row_of, order, kept_rows):
+    """:func:`resident_merge` with the rows assigned freely: history n goes to ``row_of[n]`` (row r
+    holds history ``order[r]``, ``kept_rows[r]`` its kept length), the row already holding it where
+    that row is among the first N and no earlier history took it, else a row no history holds (so
+    only histories sharing a row, or held beyond the first N rows, are copied; a row copied into
+    is never a copy's source). Returns how many histories gather theirs from the pool (first in
+    ``fetch``, history indices; the caller gathers them into their rows ``row_of``)."""
+    resident_match(table, lengths, time_size, max_history, keep_first, stamp, owner, held, stamps, slots,
+                   row_stamps, kept, source, moved, fetch)
+    num_rows = source.shape[0]
+    taken = np.zeros(num_rows, np.bool_)
+    for n in range(num_rows):
+        row_of[n] = -1
+        c = source[n]
+        if c >= 0 and c < num_rows and not taken[c]:
+            row_of[n] = c
+            taken[c] = True
+    free = 0
+    for n in range(num_rows):
+        if row_of[n] < 0:
+            while taken[free]:
+                free += 1
+            row_of[n] = free
+            taken[free] = True
+    for n in range(num_rows):
+        order[row_of[n]] = n
+        kept_rows[row_of[n]] = kept[n]
+    num_moved = num_fetch = 0
+    sources = np.empty(num_rows, np.int64)
+    for n in range(num_rows):
+        if source[n] >= 0 and row_of[n] != source[n]:
+            moved[num_moved] = row_of[n]
+            sources[num_moved] = source[n]
+            num_moved += 1
+        elif source[n] < 0 and kept[n] > 0:
+            fetch[num_fetch] = n
+            num_fetch += 1
+    if num_moved:
+        copy_rows(buffers, moved[:num_moved], sources[:num_moved], kept_rows)
+    for n in range(num_rows):
+        r = row_of[n]
+        for t in range(time_size):
+            held[r, t] = slots[n, t]
+            stamps[r, t] = row_stamps[n, t]
+        for t in range(time_size, held.shape[1]):
+            held[r, t] = NO_SLOT
+        if kept[n] > 0:
+            owner[slots[n, kept[n] - 1]] = r
+    return num_moved, num_fetch

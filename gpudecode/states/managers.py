@@ -56,6 +56,9 @@ class MergedStates:
     inputs: dict
     prefix_lengths: object
     time_size: int
+    #: [N] int64 host: row r of the inputs holds history ``rows_order[r]`` (None: history r), see
+    #: ``StateManager.merge_resident(free_rows=True)``
+    rows_order: object = None
 
 
 class StateManager:
@@ -130,14 +133,16 @@ class StateManager:
                 and resident_layouts_supported(self.layouts))
 
     def merge_resident(self, histories: StateHistory, *, key=0, time_size: int | None = None,
-                       max_positions: int | None = None) -> MergedStates:
+                       max_positions: int | None = None, free_rows: bool = False) -> MergedStates:
         """The left-aligned merged states of ``histories`` in buffers this manager keeps between
         steps (per ``key``, e.g. the first row of a model call), with ``C >= time_size + 1``
         positions: a model writes the new step at each row's length in place, then the caller
         reports it with :meth:`written_in_place`. The inputs are views ``[N, .., C, ..]``, valid
         until the next merge of ``key``; ``time_size`` of the result is T, not C
         (:mod:`gpudecode.states.resident`). ``max_positions``: C stays within it where T + 1 does
-        (a model's context)."""
+        (a model's context). ``free_rows``: a compiled manager may put the histories in other rows
+        than their own, each where a row already holds it (fewer copies); the result's
+        ``rows_order`` then says which history each row holds (its prefix lengths are by row)."""
         histories = self._as_histories(histories)
         if self._resident is None:
             if not self.resident_supported:
@@ -147,16 +152,16 @@ class StateManager:
             self._resident = ResidentStates(self.layouts, self.pool, self._copy.gather)
         if time_size is None:
             time_size = min(histories.width, self.max_history)
-        views, kept = self._resident.merge(histories, key=key, time_size=time_size,
-                                           max_history=effective_max_history(self.max_history, time_size),
-                                           keep_first=self._keep_first, max_positions=max_positions,
-                                           compiled=self.compiled)
+        views, kept, order = self._resident.merge(histories, key=key, time_size=time_size,
+                                                  max_history=effective_max_history(self.max_history, time_size),
+                                                  keep_first=self._keep_first, max_positions=max_positions,
+                                                  compiled=self.compiled, free_rows=free_rows)
         cached = self._resident_inputs
         if cached[0] is not views:  # views made anew (other rows, regrown buffers): their model shapes
             shapes = [layout.tensor_shape(histories.num_rows, view.shape[2]) for layout, view in zip(self.layouts, views)]
             cached = self._resident_inputs = (views, {layout.name: view.reshape(shape) for layout, view, shape
                                                       in zip(self.layouts, views, shapes)})
-        return MergedStates(inputs=dict(cached[1]), prefix_lengths=kept, time_size=time_size)
+        return MergedStates(inputs=dict(cached[1]), prefix_lengths=kept, time_size=time_size, rows_order=order)
 
     def resident_new_steps(self, merged: MergedStates) -> dict:
         """The new step a model wrote into the resident inputs of ``merged`` at each row's length,

@@ -118,11 +118,14 @@ class ResidentStates:
         self._next_stamp += int(flat.size)
 
     def merge(self, histories: StateHistory, *, key, time_size: int, max_history: int, keep_first: bool,
-              max_positions: int | None = None, compiled: bool = False):
-        """The rows ``[:N]`` of the resident buffers of ``key`` holding each history's window
-        left-aligned, C >= ``time_size`` + 1 (room for the new step), and the kept lengths [N].
+              max_positions: int | None = None, compiled: bool = False, free_rows: bool = False):
+        """(the rows ``[:N]`` of the resident buffers of ``key`` holding the histories' windows
+        left-aligned, C >= ``time_size`` + 1 (room for the new step); the rows' kept lengths [N];
+        ``order`` [N] int64, row r holding history ``order[r]``, or None: row r holds history r).
         ``max_positions``: C never exceeds it (the model's context) unless ``time_size`` + 1 does.
-        ``compiled``: the matching and copies as compiled loops (:mod:`gpudecode.states.compiled`)."""
+        ``compiled``: the matching and copies as compiled loops (:mod:`gpudecode.states.compiled`);
+        ``free_rows`` (compiled, one dtype the loops copy): each history goes to a row that already
+        holds it where one can (``host_jit.resident_merge_free``), else row n holds history n."""
         self._grow_slot_tables()
         num_rows = histories.num_rows
         rows = self._rows.get(key)
@@ -132,8 +135,10 @@ class ResidentStates:
         rows = _Rows(self.layouts, num_rows, capacity) if rows is None else \
             rows.grown(self.layouts, num_rows, capacity)
         self._rows[key] = rows
+        if compiled and free_rows and rows.compiled_copies:
+            return self._merge_free(histories, rows, time_size, max_history, keep_first)
         if compiled:
-            return self._merge_compiled(histories, rows, time_size, max_history, keep_first)
+            return (*self._merge_compiled(histories, rows, time_size, max_history, keep_first), None)
         slots, kept = window_table(histories, time_size, max_history, keep_first, left=True)
         index = np.arange(num_rows)
         valid = np.arange(time_size)[None, :] < kept[:, None]
@@ -159,7 +164,29 @@ class ResidentStates:
         rows.held[:num_rows, time_size:] = NO_SLOT
         rows.stamps[:num_rows, :time_size] = stamps
         self._owner[last[has]] = index[has]
-        return [buffer[:num_rows] for buffer in rows.buffers], kept
+        return [buffer[:num_rows] for buffer in rows.buffers], kept, None
+
+    def _merge_free(self, histories: StateHistory, rows: _Rows, time_size: int, max_history: int,
+                    keep_first: bool):
+        """:meth:`merge` with ``free_rows``, after the rows are sized: one compiled call, then the
+        gathers of histories no row holds."""
+        host_jit = compiled_loops()
+        num_rows = histories.num_rows
+        slots = np.empty((num_rows, time_size), np.int32)
+        stamps = np.empty((num_rows, time_size), np.int64)
+        kept, kept_rows = np.empty((2, num_rows), np.int32)
+        source, moved, fetch, row_of, order = np.empty((5, num_rows), np.int64)
+        num_moved, num_fetch = host_jit.resident_merge_free(
+            histories.table, histories.lengths, time_size, max_history, keep_first, self._stamp, self._owner,
+            rows.held, rows.stamps, rows.buffer_tuple, slots, stamps, kept, source, moved, fetch, row_of, order,
+            kept_rows)
+        fetch = fetch[:num_fetch]
+        if fetch.size:
+            for buffer, tokens in zip(rows.buffers, self._gather(slots[fetch])):
+                buffer[row_of[fetch], :, :time_size] = tokens
+        self.rows_moved += int(num_moved)
+        self.rows_fetched += int(num_fetch)
+        return rows.views(num_rows), kept_rows, order
 
     def _merge_compiled(self, histories: StateHistory, rows: _Rows, time_size: int, max_history: int,
                         keep_first: bool):

@@ -52,14 +52,21 @@ def log_softmax(xp, x):
     return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def log_softmax_in_place(x: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+def log_softmax_in_place(x: np.ndarray, scratch: np.ndarray | None = None, maxima: np.ndarray | None = None) -> np.ndarray:
     """:func:`log_softmax` of the C-contiguous float32 numpy ``x`` [R, V] written over ``x`` (the
     same operations, so the same values); ``scratch``: a float32 array of at least R·V values for
-    the exponentials (else a temporary). Returns ``x``."""
+    the exponentials (else a temporary). Returns ``x``.
+
+    ``maxima``: a float32 [R] array that gets each result row's maximum, ``0 - log Σ exp`` (the
+    row's shifted maximum is exactly +0 and rounding is monotone; NaN where the row held NaN, +inf
+    or only -inf, as then every value of the result row is NaN)."""
     shift = x.max(axis=-1, keepdims=True)
     np.subtract(x, shift, out=x)
     exps = np.exp(x) if scratch is None else np.exp(x, out=scratch[:x.size].reshape(x.shape))
-    np.subtract(x, np.log(exps.sum(axis=-1, keepdims=True)), out=x)
+    logs = np.log(exps.sum(axis=-1, keepdims=True))
+    np.subtract(x, logs, out=x)
+    if maxima is not None:
+        np.subtract(np.float32(0), logs[:, 0], out=maxima)
     return x
 
 
@@ -88,6 +95,8 @@ class OnnxDecoderScorer(LabelScorer):
     _wanted = None  # during score_lanes: the lanes asked for ([R] int64 host)
     _lane_scores = None  # [N, V] host scores of a lane subset (rows of lanes not run keep old ones)
     _exp_scratch = None  # float32 host scratch of the in-place log-softmax
+    #: (the [N, V] scores score() returned, [N] float32 row maxima of its rows that were run), or None
+    _row_maxima = None
 
     def __init__(
         self,
@@ -224,6 +233,7 @@ class OnnxDecoderScorer(LabelScorer):
 
         With CUDA graphs and one chunk, a view of the graphs' shared output buffer: the next
         ``score()`` overwrites it (the base class's contract)."""
+        self._row_maxima = None
         lanes = self._subset()
         if lanes is not None:
             return self._score_subset(ctx, lanes)
@@ -268,27 +278,52 @@ class OnnxDecoderScorer(LabelScorer):
         if lanes.size:
             raw, new_slots, lanes = self.runner.run_lanes(ctx.histories, ctx.next_labels, lanes, self.lanes,
                                                           any_order=True)  # rows for these lanes
-            scores = self._host_log_probs(raw)
+            maxima = self._lane_maxima_buffer(num_lanes, raw.shape[0])
+            scores = self._host_log_probs(raw, maxima)
             if out is None or out.dtype != scores.dtype:
                 out = self._lane_scores = np.zeros((num_lanes, scores.shape[1]), dtype=scores.dtype)
             out[lanes] = scores
             slots[lanes] = new_slots
+            if self._maxima_written:
+                self._lane_maxima[lanes] = maxima
+                self._row_maxima = (out, self._lane_maxima)
         elif out is None:
             out = self._lane_scores = np.zeros((num_lanes, self.vocab_size), dtype=np.float32)
         ctx.new_slots = slots
         return out
 
-    def _host_log_probs(self, raw: np.ndarray):
+    def _lane_maxima_buffer(self, num_lanes: int, rows: int) -> np.ndarray:
+        """A float32 [rows] view of the kept row-maxima scratch (and the [N] array they go to)."""
+        kept = self._lane_maxima
+        if kept is None or kept.shape[0] != num_lanes:
+            kept = self._lane_maxima = np.full(num_lanes, -np.inf, np.float32)
+            self._maxima_scratch = np.empty(num_lanes, np.float32)
+        return self._maxima_scratch[:rows]
+
+    def row_maxima(self, scores):
+        """[N] float32 host: the row maxima of ``scores`` — the array the latest :meth:`score` /
+        :meth:`score_lanes` returned — on the rows that call ran (others: stale values), exactly
+        ``scores.max(axis=1)`` there; None when not known (then the caller takes the maxima)."""
+        known = self._row_maxima
+        return known[1] if known is not None and known[0] is scores else None
+
+    _lane_maxima = None  # [N] float32 host row maxima of the lane-subset scores
+    _maxima_scratch = None  # [N] float32 host scratch: one run's row maxima
+    _maxima_written = False  # the latest _host_log_probs wrote its row maxima
+
+    def _host_log_probs(self, raw: np.ndarray, maxima: np.ndarray | None = None):
         """:meth:`_log_probs` of a host run's own scores ``raw`` (nobody else reads them): logits
         in float32 get their log-softmax written over them (:func:`log_softmax_in_place`, the
-        exponentials in a scratch buffer kept between steps)."""
+        exponentials in a scratch buffer kept between steps; its row maxima into ``maxima``)."""
+        self._maxima_written = False
         if not (self.scores_kind == "logits" and raw.dtype == np.float32 and raw.flags.c_contiguous
                 and raw.ndim >= 2 and raw.size == raw.shape[0] * raw.shape[-1]):
             return self._log_probs(raw, copy=False)
         scores = raw.reshape(raw.shape[0], raw.shape[-1])
         if self._exp_scratch is None or self._exp_scratch.size < scores.size:
             self._exp_scratch = np.empty(2 * scores.size, np.float32)
-        return log_softmax_in_place(scores, self._exp_scratch)
+        self._maxima_written = maxima is not None
+        return log_softmax_in_place(scores, self._exp_scratch, maxima)
 
     def _log_probs(self, raw, copy: bool):
         """``raw`` scores as [N, V] log-probabilities (``copy``: never a view of ``raw``); float16

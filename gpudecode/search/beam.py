@@ -262,7 +262,8 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
                                lanes=open_lanes)
     score_max = beam.score_max
     if score_max is not None:  # on the device; read back with the search's results
-        score_max = folded_group_maxima(score_max, log_probs, layout.num_groups, xp, dead=beam.ended)
+        score_max = folded_group_maxima(score_max, log_probs, layout.num_groups, xp, dead=beam.ended,
+                                        row_maxima=_known_row_maxima(entries, log_probs, open_lanes))
     if options.finished != "in-beam":
         if label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
             fields, finished, parents, labels = label_sync_cpu.select_separate(
@@ -526,6 +527,16 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
         if entry.scale != 0:
             combined = combined + np.float32(entry.scale) * scattered
     return log_probs, [(combined, 1.0)]
+
+
+def _known_row_maxima(entries, log_probs, lanes):
+    """Per scorer, the [N] row maxima of its ``log_probs`` that the scorer already knows on the
+    ``lanes`` it scored (``row_maxima(scores)``, a host scorer's option), or None; all None unless
+    on numpy with a lane subset."""
+    if lanes is None:
+        return None
+    return [row_maxima(scores) if (row_maxima := getattr(e.scorer, "row_maxima", None)) else None
+            for e, scores in zip(entries, log_probs)]
 
 
 def _combined(terms):

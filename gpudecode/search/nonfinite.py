@@ -59,27 +59,31 @@ def group_maxima(score_arrays, live, num_groups: int, xp):
     return rows.reshape(len(score_arrays), num_groups, -1).max(axis=2)
 
 
-def folded_group_maxima(previous, score_arrays, num_groups: int, xp, *, live=None, dead=None):
+def folded_group_maxima(previous, score_arrays, num_groups: int, xp, *, live=None, dead=None, row_maxima=None):
     """[S, G] float32: ``previous`` (the maxima so far) folded with :func:`group_maxima` of this
     step's ``score_arrays``; lanes are live where ``live`` [N] bool is true, or where ``dead`` [N]
     bool is false (both None: every lane). On CuPy one launch (``kernels/score_maxima.cu``) for up
-    to four arrays; else the array version."""
+    to four arrays; else the array version.
+
+    ``row_maxima`` (numpy only): per array, its [N] float32 row maxima where already known (exactly
+    ``scores.max(axis=1)`` on the live lanes; other lanes are not read), or None."""
     if xp is not np and 1 <= len(score_arrays) <= _KERNEL_ARRAYS:
         return _folded_on_device(xp, previous, score_arrays, num_groups, live, dead)
     if xp is np and score_arrays:
-        return _folded_on_host(previous, score_arrays, num_groups, live, dead)
+        return _folded_on_host(previous, score_arrays, num_groups, live, dead, row_maxima)
     if live is None and dead is not None:
         live = ~dead
     return xp.maximum(previous, group_maxima(score_arrays, live, num_groups, xp))
 
 
-def _folded_on_host(previous, score_arrays, num_groups: int, live, dead):
+def _folded_on_host(previous, score_arrays, num_groups: int, live, dead, row_maxima=None):
     """:func:`folded_group_maxima` on numpy with fewer temporaries than the array version (the
-    reference): each array's row maxima written into one [S, N] float32 array, the lanes that are
-    not live set to -inf there."""
+    reference): each array's row maxima (``row_maxima``'s where given) written into one [S, N]
+    float32 array, the lanes that are not live set to -inf there."""
     maxima = np.empty((len(score_arrays), score_arrays[0].shape[0]), np.float32)
     for s, scores in enumerate(score_arrays):  # a few scorers
-        maxima[s] = scores.max(axis=1)
+        known = None if row_maxima is None else row_maxima[s]
+        maxima[s] = scores.max(axis=1) if known is None else known
     if dead is not None and live is None:
         maxima[:, dead] = _NEG_INF
     elif live is not None:

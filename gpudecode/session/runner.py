@@ -208,17 +208,26 @@ class OnnxSession:
     def _run_cpu_bound(self, feeds: dict, names: list[str], outputs: Mapping[str, object]) -> dict:
         """A CPU run with the numpy buffers ``outputs`` bound as those outputs (IO binding)."""
         binding = self._host_binding(tuple(feeds), tuple(names))
-        raw = self._host.raw
+        host = self._host
+        raw, kept = host.raw, host.kept
         inputs = {name: np.ascontiguousarray(value) for name, value in feeds.items()}  # alive until the run ends
         for name, value in inputs.items():
+            if value.dtype.kind == "f" and _still_bound(kept, name, value):
+                continue  # the runtime reads a float array's own memory: still bound, still alive
+            kept.pop(name, None)
             if raw is None:
                 binding.bind_cpu_input(name, value)
             else:
                 raw[0].bind_input(name, value)
+            if value.dtype.kind == "f":
+                kept[name] = (value, value.shape)
         for name in names:
             buffer = outputs.get(name)
             if buffer is not None and not (isinstance(buffer, np.ndarray) and buffer.flags.c_contiguous):
                 raise ValueError(f"{self.source}: output buffer for '{name}' must be a C-contiguous numpy array")
+            if buffer is not None and _still_bound(kept, name, buffer):
+                continue  # bound to this very buffer (kept alive) by an earlier call
+            kept.pop(name, None)
             if raw is None and buffer is None:
                 binding.bind_output(name, "cpu")
             elif raw is None:
@@ -227,7 +236,9 @@ class OnnxSession:
                 raw[0].bind_output(name, raw[1])
             else:
                 raw[0].bind_output(name, raw[1], buffer.dtype, list(buffer.shape), buffer.ctypes.data)
-        self._host.names = (tuple(feeds), tuple(names))  # every name of this call is bound afresh
+            if buffer is not None:
+                kept[name] = (buffer, buffer.shape)
+        host.names = (tuple(feeds), tuple(names))  # every name of this call is bound
         self.session.run_with_iobinding(binding)  # no run options: none are set on the CPU
         if all(name in outputs for name in names):  # every output bound: nothing to wrap
             return {name: outputs[name] for name in names}
@@ -238,15 +249,19 @@ class OnnxSession:
         """This thread's IO binding of CPU runs, made once (a run on a reused binding is cheaper
         than making and freeing one per run): a call binding other names than the last starts
         from a cleared binding, one binding the same names replaces every binding (no stale
-        buffer stays bound either way)."""
+        buffer stays bound either way) except those still bound to the very same numpy array
+        (``host.kept``: name -> (array, its shape) bound and kept alive; float inputs, whose memory
+        the runtime reads in place, and output buffers)."""
         host = self._host
         binding = getattr(host, "binding", None)
         if binding is None:
             binding = host.binding = self.session.io_binding()
             host.raw = _raw_binding(binding) if self.host_raw_binds else None
+            host.kept = {}
         elif host.names != (inputs, outputs):
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
+            host.kept = {}
         host.names = None  # until every name of this call is bound
         return binding
 
@@ -286,6 +301,13 @@ class OnnxSession:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.name}-{next(self._calls):06d}.npz"
         np.savez(path, **{k: backend.to_host(v) for k, v in inputs.items()})
+
+
+def _still_bound(kept: dict, name: str, array: np.ndarray) -> bool:
+    """Whether ``name`` is bound to the very numpy ``array`` (same object, same shape; kept alive
+    since, so its memory is the bound memory)."""
+    bound = kept.get(name)
+    return bound is not None and bound[0] is array and bound[1] == array.shape
 
 
 def _raw_binding(binding):

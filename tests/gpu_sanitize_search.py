@@ -1,6 +1,5 @@
-"""Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu, label_step.cu) for
-compute-sanitizer,
-with CuPy's memory pool disabled. Run on the GPU machine::
+"""Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu, label_step.cu,
+score_maxima.cu, ctc_prefix_score.cu) for compute-sanitizer, with CuPy's memory pool disabled. Run on the GPU machine::
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
     compute-sanitizer --tool initcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
@@ -64,10 +63,22 @@ def main() -> int:
     for beam, vocab, scorers, half, options in ((3, 17, 2, 0, LabelSyncOptions(beam_size=3, sentence_end=2)),
                                                 (8, 300, 4, 2, LabelSyncOptions(beam_size=8, sentence_end=2,
                                                                                 score_threshold=3.0)),
-                                                (32, 40, 1, 0, LabelSyncOptions(beam_size=32, sentence_end=2))):
+                                                (32, 40, 1, 0, LabelSyncOptions(beam_size=32, sentence_end=2)),
+                                                (4, 50, 2, 1, LabelSyncOptions(beam_size=4, sentence_end=2,
+                                                                               min_length=5))):
         want, got = both_selections(cupy, beam, beam, vocab, scorers, options, num_groups=5, half_scorers=half)
         if not all(np.array_equal(got[name], want[name]) for name in ("parents", "labels", "scores")):
             print(f"MISMATCH: label step beam {beam}", file=sys.stderr)
+            return 2
+    from tests.test_ctc_prefix_kernel import mismatches as ctc_prefix_mismatches
+    from tests.test_ctc_prefix_kernel import search_mismatch
+    from tests.test_score_maxima import mismatches as maxima_mismatches
+
+    for name, problems in (("non-finite maxima", maxima_mismatches(cupy)),
+                           ("ctc-prefix scorer", ctc_prefix_mismatches(cupy, exact=False)),
+                           ("joint CTC/attention search", [m for m in [search_mismatch(cupy)] if m])):
+        if problems:
+            print(f"MISMATCH: {name}: {problems[:3]}", file=sys.stderr)
             return 2
     cupy.cuda.runtime.deviceSynchronize()
     print("gpu_sanitize_search: all results matched")

@@ -57,25 +57,38 @@ def drop_below_threshold(ranks, width, threshold):
 
 
 @njit(cache=True, inline="always")
+def top_key(x):
+    """The key a top-k list ranks ``x`` by: NaN as -inf (-0.0 equals +0.0 as compared)."""
+    return NEG_INF if x != x else x
+
+
+@njit(cache=True, inline="always")
+def insert_best(keys, columns, count, k, key, column):
+    """Adds (``key``, ``column``) to the list ``keys``/``columns`` of ``count`` entries kept best
+    first (equal keys in arrival order: columns arrive ascending), at most ``k``; returns the count."""
+    if count == k:
+        if not key > keys[k - 1]:
+            return count
+        position = k - 1
+    else:
+        position = count
+        count += 1
+    while position > 0 and key > keys[position - 1]:
+        keys[position] = keys[position - 1]
+        columns[position] = columns[position - 1]
+        position -= 1
+    keys[position] = key
+    columns[position] = column
+    return count
+
+
+@njit(cache=True, inline="always")
 def best_columns(ranks, width, beam, order, order_rank):
     """The ``beam`` best columns of ``ranks[:width]`` into ``order`` (their ranks into
     ``order_rank``): larger rank first, equal ranks (and NaN, as -inf) by column."""
     filled = 0
     for c in range(width):
-        r = ranks[c]
-        if r != r:
-            r = NEG_INF
-        if filled == beam and not r > order_rank[beam - 1]:
-            continue
-        p = filled if filled < beam else beam - 1
-        while p > 0 and r > order_rank[p - 1]:
-            order_rank[p] = order_rank[p - 1]
-            order[p] = order[p - 1]
-            p -= 1
-        order_rank[p] = r
-        order[p] = c
-        if filled < beam:
-            filled += 1
+        filled = insert_best(order_rank, order, filled, beam, top_key(ranks[c]), c)
 
 
 @njit(cache=True)

@@ -1,46 +1,31 @@
 """The numba-compiled body of :mod:`gpudecode.search.label_sync_cpu` (imported only where numba is):
-one step of the label-synchronous search with separate finished lists, utterance by utterance."""
+one step of the label-synchronous search (separate finished lists, or in the beam), utterance by
+utterance; the top-k lists and the threshold are :mod:`gpudecode.search.ctc_cpu_jit`'s."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-NEG_INF = np.float32(-np.inf)
+from gpudecode.search.ctc_cpu_jit import NEG_INF, best_columns, drop_below_threshold, insert_best, top_key
 
 
 @njit(cache=True, inline="always")
-def _key(x):
-    """The top-k key of ``x``: NaN ranks as -inf (-0.0 equals +0.0 as compared)."""
-    return NEG_INF if x != x else x
+def _candidate(scores, combined, n, v, is_open, short, sentence_end):
+    """Lane ``n``'s candidate of label ``v`` (``beam._candidates``): an open lane's score plus the
+    combined score (sentence-end -inf where the lane is ``short`` of ``min_length``), a terminated
+    lane itself in column 0, -inf elsewhere."""
+    if not is_open:
+        return scores[n] if v == 0 else NEG_INF
+    if short and v == sentence_end:
+        return NEG_INF
+    return np.float32(scores[n] + combined[n, v])
 
 
 @njit(cache=True, inline="always")
-def _insert(keys, columns, count, k, key, column):
-    """Adds (``key``, ``column``) to the list ``keys``/``columns`` of ``count`` entries kept best
-    first (equal keys in column order: columns arrive ascending), at most ``k``; returns the count."""
-    if count == k:
-        if not key > keys[k - 1]:
-            return count
-        position = k - 1
-    else:
-        position = count
-        count += 1
-    while position > 0 and key > keys[position - 1]:
-        keys[position] = keys[position - 1]
-        columns[position] = columns[position - 1]
-        position -= 1
-    keys[position] = key
-    columns[position] = column
-    return count
-
-
-@njit(cache=True, inline="always")
-def _top_k(values, width, k, keys, out):
-    """``out[:k]``: the columns of the ``k`` best of ``values[:width]`` (``top_k_indices``'s order)."""
-    count = 0
-    for c in range(width):
-        count = _insert(keys, out, count, k, _key(values[c]), c)
+def _is_short(ended, lengths, n, min_length):
+    """Whether lane ``n`` is open with fewer than ``min_length`` labels (its sentence-end is masked)."""
+    return not ended[n] and min_length > 0 and lengths[n] < min_length
 
 
 @njit(cache=True, inline="always")
@@ -79,7 +64,6 @@ def select_separate(scores, ended, lengths, scorer_scores, combined, log_probs, 
     open_labels = np.empty(beam_size, np.int64)
     alive = np.empty(beam_size, np.bool_)
     merged = np.empty(beam_size + extra, np.float32)
-    merged_keys = np.empty(beam_size + extra, np.float32)
     best = np.empty(beam_size, np.int64)
     m_scores = np.empty(beam_size + extra, np.float32)
     m_scorer = np.empty((num_scorers, beam_size + extra), np.float32)
@@ -93,40 +77,20 @@ def select_separate(scores, ended, lengths, scorer_scores, combined, log_probs, 
         count = 0
         for b in range(beam_size):
             n = first + b
-            is_open = not ended[n]
-            short = is_open and min_length > 0 and lengths[n] < min_length
+            is_open, short = not ended[n], _is_short(ended, lengths, n, min_length)
             for v in range(vocab):
-                if is_open:
-                    x = np.float32(scores[n] + combined[n, v])
-                    if short and v == sentence_end:
-                        x = NEG_INF
-                elif v == 0:
-                    x = scores[n]
-                else:
-                    x = NEG_INF
-                column = b * vocab + v
-                key = _key(x)
-                if count == size and not key > keys[size - 1]:
-                    continue
-                count = _insert(keys, chosen, count, size, key, column)
+                key = top_key(_candidate(scores, combined, n, v, is_open, short, sentence_end))
+                count = insert_best(keys, chosen, count, size, key, b * vocab + v)
         for k in range(size):
             b, v = chosen[k] // vocab, chosen[k] % vocab
             n = first + b
-            is_open = not ended[n]
-            if is_open:
-                x = np.float32(scores[n] + combined[n, v])
-                if min_length > 0 and lengths[n] < min_length and v == sentence_end:
-                    x = NEG_INF
-            elif v == 0:
-                x = scores[n]
-            else:
-                x = NEG_INF
+            x = _candidate(scores, combined, n, v, not ended[n], _is_short(ended, lengths, n, min_length), sentence_end)
             score[k], parent[k], label[k] = x, n, v
             ends = v == sentence_end or (not genai and deadline[n] <= step)
-            ending[k] = x > NEG_INF and is_open and ends
+            ending[k] = x > NEG_INF and not ended[n] and ends
             open_score[k] = NEG_INF if ending[k] else x
         # the open lanes: the best B candidates that do not end
-        _top_k(open_score, size, beam_size, keys, kept)
+        best_columns(open_score, size, beam_size, kept, keys)
         for j in range(beam_size):
             n = first + j
             s = open_score[kept[j]]
@@ -165,7 +129,7 @@ def select_separate(scores, ended, lengths, scorer_scores, combined, log_probs, 
         at_limit = deadline[first] <= step
         hope, finish = hopeful[g], done[g]
         if genai:  # the stop test before the open lanes join at the limit
-            _top_k(merged, 2 * beam_size, beam_size, keys, best)
+            best_columns(merged, 2 * beam_size, beam_size, best, keys)
             full = True
             low = merged[best[0]]
             for j in range(beam_size):
@@ -187,7 +151,7 @@ def select_separate(scores, ended, lengths, scorer_scores, combined, log_probs, 
                 m_lanes[c], m_labels[c] = parents[n], open_labels[j]
                 for i in range(num_scorers):
                     m_scorer[i, c] = out_scorer[i, n]
-        _top_k(merged, beam_size + extra, beam_size, keys, best)
+        best_columns(merged, beam_size + extra, beam_size, best, keys)
         for j in range(beam_size):
             e, c = first + j, best[j]
             picked[g, j] = c
@@ -234,34 +198,16 @@ def select_in_beam(scores, ended, lengths, scorer_scores, combined, log_probs, d
     chosen = np.empty(beam_size, np.int64)
     for g in range(num_groups):
         first = g * beam_size
-        best = NEG_INF
-        nan = False
         for b in range(beam_size):
             n = first + b
-            is_open = not ended[n]
-            short = is_open and min_length > 0 and lengths[n] < min_length
+            is_open, short = not ended[n], _is_short(ended, lengths, n, min_length)
             divisor = norm[lengths[n] + (1 if is_open else 0)]
             for v in range(vocab):
-                if is_open:
-                    x = np.float32(scores[n] + combined[n, v])
-                    if short and v == sentence_end:
-                        x = NEG_INF
-                elif v == 0:
-                    x = scores[n]
-                else:
-                    x = NEG_INF
-                r = np.float32(x / divisor) if use_norm else x
-                ranks[b * vocab + v] = r
-                if r != r:
-                    nan = True
-                elif r > best:
-                    best = r
+                x = _candidate(scores, combined, n, v, is_open, short, sentence_end)
+                ranks[b * vocab + v] = np.float32(x / divisor) if use_norm else x
         if has_threshold:
-            floor = np.float32(best - threshold)
-            for c in range(width):
-                if nan or not ranks[c] >= floor:
-                    ranks[c] = NEG_INF
-        _top_k(ranks, width, beam_size, keys, chosen)
+            drop_below_threshold(ranks, width, threshold)
+        best_columns(ranks, width, beam_size, chosen, keys)
         for j in range(beam_size):
             n = first + j
             column = chosen[j]
@@ -270,18 +216,8 @@ def select_in_beam(scores, ended, lengths, scorer_scores, combined, log_probs, d
             lab = v if alive and not ended[p] else -1
             parents[n], labels[n] = p, lab
             emitted = lab >= 0
-            if alive:
-                if not ended[p]:
-                    x = np.float32(scores[p] + combined[p, v])
-                    if min_length > 0 and lengths[p] < min_length and v == sentence_end:
-                        x = NEG_INF
-                elif v == 0:
-                    x = scores[p]
-                else:
-                    x = NEG_INF
-                out_scores[n] = x
-            else:
-                out_scores[n] = NEG_INF
+            out_scores[n] = (_candidate(scores, combined, p, v, not ended[p], _is_short(ended, lengths, p, min_length),
+                                        sentence_end) if alive else NEG_INF)
             for i in range(num_scorers):
                 add = log_probs[i, p, lab] if emitted else np.float32(0)
                 out_scorer[i, n] = np.float32(scorer_scores[i, p] + add)

@@ -62,19 +62,26 @@ def stamped(slots, stamp, next_stamp):
     return next_stamp
 
 
+@njit(cache=True, inline="always")
+def _hold(n, r, slots, row_stamps, kept, held, stamps, owner):
+    """Row ``r`` holds history ``n``'s window (slots and stamps, the rest of the row empty) and owns
+    its last slot."""
+    time_size = slots.shape[1]
+    for t in range(time_size):
+        held[r, t] = slots[n, t]
+        stamps[r, t] = row_stamps[n, t]
+    for t in range(time_size, held.shape[1]):
+        held[r, t] = NO_SLOT
+    if kept[n] > 0:
+        owner[slots[n, kept[n] - 1]] = r
+
+
 @njit(cache=True)
 def resident_commit(slots, row_stamps, kept, held, stamps, owner):
     """``ResidentStates.merge`` after the copies: the rows hold their windows; the owner of each
     window's last slot is its row (the last such row where several share it)."""
-    num_rows, time_size = slots.shape
-    for n in range(num_rows):
-        for t in range(time_size):
-            held[n, t] = slots[n, t]
-            stamps[n, t] = row_stamps[n, t]
-        for t in range(time_size, held.shape[1]):
-            held[n, t] = NO_SLOT
-        if kept[n] > 0:
-            owner[slots[n, kept[n] - 1]] = n
+    for n in range(slots.shape[0]):
+        _hold(n, n, slots, row_stamps, kept, held, stamps, owner)
 
 
 @njit(cache=True)
@@ -319,12 +326,5 @@ def resident_merge_free(table, lengths, time_size, max_history, keep_first, stam
     if num_moved:
         copy_rows(buffers, moved[:num_moved], sources[:num_moved], kept_rows)
     for n in range(num_rows):
-        r = row_of[n]
-        for t in range(time_size):
-            held[r, t] = slots[n, t]
-            stamps[r, t] = row_stamps[n, t]
-        for t in range(time_size, held.shape[1]):
-            held[r, t] = NO_SLOT
-        if kept[n] > 0:
-            owner[slots[n, kept[n] - 1]] = r
+        _hold(n, row_of[n], slots, row_stamps, kept, held, stamps, owner)
     return num_moved, num_fetch

@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from gpudecode import defaults
+from gpudecode.io.features import BatchSizing
 from gpudecode.search.registry import is_search_type, search_type_names
 from gpudecode.states.options import STATE_MANAGER_TYPES
 
@@ -437,6 +438,9 @@ class SearchConfig(_Section):
     max_labels_per_input: PositiveFloat = defaults.MAX_LABELS_PER_INPUT
     max_labels: PositiveInt = defaults.MAX_LABELS
     batch_size: PositiveInt | None = None  # None: by device (defaults.SEARCH_BATCH_SIZE, _CUDA)
+    #: padded input frames per search call (utterances x the longest); None: by device
+    #: (defaults.SEARCH_BATCH_FRAMES, _CUDA)
+    batch_frames: PositiveInt | None = None
     max_active_utterances: PositiveInt | None = defaults.MAX_ACTIVE_UTTERANCES
     admission_order: Literal[defaults.ADMISSION_ORDERS] = defaults.ADMISSION_ORDER
     max_cached_score_vectors: NonNegativeInt = defaults.MAX_CACHED_SCORE_VECTORS
@@ -536,6 +540,19 @@ class Config(_Section):
         if self.search.batch_size is not None:
             return self.search.batch_size
         return defaults.SEARCH_BATCH_SIZE_CUDA if self.runtime.device == "cuda" else defaults.SEARCH_BATCH_SIZE
+
+    @property
+    def batch_sizing(self) -> BatchSizing:
+        """How the run cuts its utterances into search calls: :attr:`batch_size` utterances and
+        ``search.batch_frames`` padded frames (unset: the device's default); on CUDA with both
+        unset, a small first batch (``defaults.SEARCH_FIRST_BATCH_SIZE_CUDA``) for early results."""
+        cuda = self.runtime.device == "cuda"
+        frames = self.search.batch_frames
+        if frames is None:
+            frames = defaults.SEARCH_BATCH_FRAMES_CUDA if cuda else defaults.SEARCH_BATCH_FRAMES
+        by_default = cuda and self.search.batch_size is None and self.search.batch_frames is None
+        return BatchSizing(self.batch_size, frames,
+                           defaults.SEARCH_FIRST_BATCH_SIZE_CUDA if by_default else None)
 
 
 # --- errors: pydantic's error list -> one ConfigError naming key paths ---------------------

@@ -17,6 +17,7 @@ import numpy as np
 from gpudecode.backend import array_module, to_host
 from gpudecode.config import Config, ConfigError, ScorerConfig, load_config, validate_config
 from gpudecode.io.vocabulary import Vocabulary
+from gpudecode.io.features import bucket_by_length
 from gpudecode.hypothesis import Hypothesis
 from gpudecode.scorers import UtteranceBatch, create_scorer
 from gpudecode.scorers.registry import ScorerTypeError, scorer_class
@@ -358,7 +359,7 @@ class Decoder:
         ``features`` (a model without an encoder) the prompts are the utterances, each continued
         up to ``search.max_labels`` labels.
 
-        Utterances are decoded in batches of ``search.batch_size`` (unset: the device's default), longest first.
+        Utterances are decoded in batches as ``gpudecode decode`` cuts them (``Config.batch_sizing``), longest first.
         """
         if features is None and prompts is None:
             raise ValueError("nothing to decode: give features, or prompts for a model without an encoder")
@@ -372,14 +373,9 @@ class Decoder:
             raise ValueError(f"prompts and features differ in their ids: no prompt for {missing[:5]}, "
                              f"no features for {extra[:5]}")
         keys = list(features if features is not None else prompts)
-        if features is not None:
-            order = sorted(keys, key=lambda k: -features[k].shape[0])
-        else:
-            order = sorted(keys, key=lambda k: -len(prompts[k]))
+        lengths = [(k, features[k].shape[0] if features is not None else len(prompts[k])) for k in keys]
         results = {}
-        size = self.config.batch_size
-        for start in range(0, len(order), size):
-            ids = order[start:start + size]
+        for ids in bucket_by_length(lengths, self.config.batch_sizing):
             batch_features = None if features is None else [np.asarray(features[i], np.float32) for i in ids]
             if prompts is None:
                 nbests = self.decode_batch(ids, batch_features)

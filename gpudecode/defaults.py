@@ -75,9 +75,16 @@ LENGTH_NORM_SCALE = 1.0  # ranking by score / length**scale; 0 turns it off
 MAX_LABELS_PER_INPUT = 1.0  # labels per encoder frame (label-synchronous search)
 MAX_LABELS = 1024  # absolute cap per utterance
 # utterances read and handed to one search call (search.batch_size unset): on the CPU, and on CUDA,
-# where a search step costs about as much for 256 utterances as for 16 (a step out of memory is split)
+# where a search step costs about as much for 1,024 utterances as for 16 (a step out of memory is split)
 SEARCH_BATCH_SIZE = 16
-SEARCH_BATCH_SIZE_CUDA = 256
+SEARCH_BATCH_SIZE_CUDA = 1024
+# padded input frames per search call (batch utterances x its longest; search.batch_frames unset):
+# on CUDA long utterances come in smaller batches (30 s Whisper windows: 87 a batch), none on the CPU
+SEARCH_BATCH_FRAMES: int | None = None
+SEARCH_BATCH_FRAMES_CUDA = 262_144
+# on CUDA with search.batch_size unset, the first batch holds at most this many utterances, so the
+# first results come early (the search's one-time set-up runs on a small batch)
+SEARCH_FIRST_BATCH_SIZE_CUDA = 128
 # Continuous batching: lane groups in flight within one search call (None: all of the batch at once,
 # static batching); finished utterances' groups are refilled from the batch in this order.
 MAX_ACTIVE_UTTERANCES = None

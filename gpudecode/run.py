@@ -114,7 +114,7 @@ def _decode_all(decoder: Decoder, source, writer: ResultWriter, config: Config, 
         summary.frames += utterance.num_frames
         summary.decoded += 1
 
-    batches = prefetched(timed_batches(source.batches(config.batch_size, exclude=exclude), timings),
+    batches = prefetched(timed_batches(source.batches(config.batch_sizing, exclude=exclude), timings),
                          config.runtime.prefetch_batches, name="gpudecode-reader")
     queue_depth = config.runtime.writer_queue
     output = WriterThread(write, queue_depth) if queue_depth else None

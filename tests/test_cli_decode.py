@@ -56,6 +56,20 @@ def test_the_batch_size_changes_no_result(tmp_path):
     assert got["default"] == got["one"] and len(got["one"]) == 3
 
 
+def test_batching_by_frames_changes_no_result():
+    """Batches cut by padded frames (with a small first batch) give the fixed batches' n-best lists."""
+    features = {p.stem: np.load(p) for p in sorted((ROOT / "examples" / "features").glob("*.npy"))}
+    frames = sorted(f.shape[0] for f in features.values())
+    fixed = Decoder.from_config(EXAMPLE, ["search.batch_size=3"])
+    by_frames = Decoder.from_config(EXAMPLE, [f"search.batch_frames={frames[-1] + frames[0]}"])
+    assert by_frames.config.batch_sizing.frames == frames[-1] + frames[0]
+    got, want = by_frames.decode(features), fixed.decode(features)
+    assert list(got) == list(want)
+    for utt in want:
+        assert [h.labels for h in got[utt]] == [h.labels for h in want[utt]]
+        np.testing.assert_allclose([h.score for h in got[utt]], [h.score for h in want[utt]], rtol=1e-6, atol=1e-6)
+
+
 def test_the_python_api_threads_tuning_and_stats_into_the_search():
     """``search.tuning`` and a stats object reach the search: the same n-best with the stop test
     read late (on numpy too), its step loop measured and its reads counted."""

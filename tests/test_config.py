@@ -313,9 +313,23 @@ def test_state_manager_config_converts_to_typed_options():
 def test_batch_size_defaults_by_device_and_an_explicit_one_wins():
     assert validate_config(MINIMAL, "/cfg").batch_size == defaults.SEARCH_BATCH_SIZE == 16
     cuda = apply_overrides(MINIMAL, ["runtime.device=cuda"])
-    assert validate_config(cuda, "/cfg").batch_size == defaults.SEARCH_BATCH_SIZE_CUDA == 256
+    assert validate_config(cuda, "/cfg").batch_size == defaults.SEARCH_BATCH_SIZE_CUDA == 1024
     assert validate_config(apply_overrides(cuda, ["search.batch_size=7"]), "/cfg").batch_size == 7
     assert "search.batch_size" in _error(MINIMAL, ["search.batch_size=0"])
+
+
+def test_batch_sizing_bounds_frames_on_cuda_and_starts_small_only_by_default():
+    from gpudecode.io import BatchSizing
+
+    assert validate_config(MINIMAL, "/cfg").batch_sizing == BatchSizing(16)
+    cuda = apply_overrides(MINIMAL, ["runtime.device=cuda"])
+    assert validate_config(cuda, "/cfg").batch_sizing == BatchSizing(
+        defaults.SEARCH_BATCH_SIZE_CUDA, defaults.SEARCH_BATCH_FRAMES_CUDA, defaults.SEARCH_FIRST_BATCH_SIZE_CUDA)
+    assert validate_config(apply_overrides(cuda, ["search.batch_size=7"]), "/cfg").batch_sizing == BatchSizing(
+        7, defaults.SEARCH_BATCH_FRAMES_CUDA)
+    assert validate_config(apply_overrides(MINIMAL, ["search.batch_frames=500"]), "/cfg").batch_sizing == \
+        BatchSizing(16, 500)
+    assert "search.batch_frames" in _error(MINIMAL, ["search.batch_frames=0"])
 
 
 def test_cuda_graphs_auto_is_on_with_cuda_only_and_true_needs_cuda():

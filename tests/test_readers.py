@@ -13,6 +13,7 @@ import soundfile
 
 from gpudecode.io import (
     FeatureError,
+    BatchSizing,
     FrontEndError,
     LogMelFrontEnd,
     LogMelOptions,
@@ -124,6 +125,34 @@ def test_bucket_by_length_sorts_and_cuts():
         ["c", "e", "a"], ["b", "d"]]
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         bucket_by_length(lengths, 0)
+
+
+def _cut_is_forced(batch: list[int], following: int | None, sizing: BatchSizing, first: bool) -> bool:
+    """Brute force: the batch holds its limits, and taking the next utterance would break one."""
+    cap = min(sizing.first or sizing.utterances, sizing.utterances) if first else sizing.utterances
+
+    def fits(lengths):
+        return len(lengths) <= cap and (sizing.frames is None or len(lengths) == 1
+                                        or len(lengths) * max(lengths) <= sizing.frames)
+
+    return fits(batch) and (following is None or not fits(batch + [following]))
+
+
+@pytest.mark.parametrize("sizing", [BatchSizing(4), BatchSizing(4, frames=40), BatchSizing(100, frames=64),
+                                    BatchSizing(5, frames=30, first=2), BatchSizing(3, first=8)])
+def test_batches_by_frames_are_maximal_runs_of_the_sorted_ids(sizing):
+    rng = np.random.default_rng(7)
+    lengths = {f"u{i:02d}": int(n) for i, n in enumerate(rng.integers(1, 40, size=37))}
+    lengths["long"] = 90  # over any frame budget here: alone in its batch
+    batches = bucket_by_length(lengths, sizing)
+    flat = [u for b in batches for u in b]
+    assert flat == bucket_by_length(lengths, len(lengths))[0]  # the same order as one batch
+    for k, batch in enumerate(batches):
+        following = lengths[batches[k + 1][0]] if k + 1 < len(batches) else None
+        assert _cut_is_forced([lengths[u] for u in batch], following, sizing, first=k == 0), (k, batch)
+    assert bucket_by_length(lengths, BatchSizing(4)) == bucket_by_length(lengths, 4)
+    with pytest.raises(ValueError, match="frames must be >= 1"):
+        BatchSizing(4, frames=0)
 
 
 def test_batches_are_bucketed_and_skip_done_ids(tmp_path, utts):

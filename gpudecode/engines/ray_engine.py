@@ -346,7 +346,7 @@ def run_decode_ray(config: Config, *, done: set[str], resume: bool,
             validate_references(io.references, source.ids())
         lengths = [(u, n) for u, n in source.lengths().items() if u not in done]
         summary.skipped = [str(error) for error in source.skipped]
-    batches = bucket_by_length(lengths, config.batch_size)  # as the single-process run batches
+    batches = bucket_by_length(lengths, config.batch_sizing)  # as the single-process run batches
     dump_resolved(config, output / defaults.RESOLVED_CONFIG_FILE)
     engine = config.runtime.engine
     started_ray = _connect(ray, engine.address)

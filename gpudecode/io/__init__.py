@@ -15,6 +15,7 @@ from gpudecode.io.errors import (
     VocabularyError,
 )
 from gpudecode.io.features import (
+    BatchSizing,
     FeatureSource,
     Utterance,
     bucket_by_length,
@@ -48,7 +49,7 @@ __all__ = [
     "FeatureError", "FeatureSource", "FrontEndError", "Hypothesis", "InputError",
     "LogMelFrontEnd", "LogMelOptions", "PROMPT_FORMATS", "PromptError", "PromptSource",
     "PromptedSource", "ResultFileError", "ResultWriter", "Utterance",
-    "UtteranceResult", "Vocabulary", "VocabularyError", "Word", "bucket_by_length",
+    "UtteranceResult", "Vocabulary", "VocabularyError", "Word", "BatchSizing", "bucket_by_length",
     "check_features", "detect_format", "mel_filterbank", "merge_words", "open_features",
     "parse_prompts", "read_prompts",
     "read_done_ids", "read_transcripts", "score_wer",

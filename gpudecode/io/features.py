@@ -73,22 +73,58 @@ def stopping_error(exc: FeatureError) -> FeatureError:
     return type(exc)(exc.problem + SKIP_HINT, path=exc.path, utterance_id=exc.utterance_id)
 
 
+@dataclass(frozen=True)
+class BatchSizing:
+    """How utterances are cut into search calls: at most ``utterances`` per batch, at most
+    ``frames`` padded input frames (the batch's size times its longest utterance; None: no limit;
+    an utterance longer than that goes alone), and the first batch at most ``first`` utterances
+    (None: as the others)."""
+
+    utterances: int
+    frames: int | None = None
+    first: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("utterances", "frames", "first"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"batch sizing: {name} must be >= 1, got {value}")
+
+
 def bucket_by_length(utterance_lengths: Mapping[str, int] | Iterable[tuple[str, int]],
-                     batch_size: int, *, longest_first: bool = True) -> list[list[str]]:
+                     batch_size: int | BatchSizing, *, longest_first: bool = True) -> list[list[str]]:
     """Group utterance ids into batches of similar length.
 
     Ids are sorted by length (longest first by default, so an out-of-memory error shows up in
     the first batch; ties keep the input order) and cut into consecutive batches of at most
-    ``batch_size`` ids.
+    ``batch_size`` ids (an int, or a :class:`BatchSizing` that also bounds padded frames and the
+    first batch).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    sizing = batch_size if isinstance(batch_size, BatchSizing) else None
+    if sizing is None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        sizing = BatchSizing(int(batch_size))
     items = list(utterance_lengths.items() if isinstance(utterance_lengths, Mapping)
                  else utterance_lengths)
     order = sorted(range(len(items)),
                    key=lambda i: (-items[i][1] if longest_first else items[i][1], i))
-    ids = [items[i][0] for i in order]
-    return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
+    batches: list[list[str]] = []
+    batch: list[str] = []
+    longest = 0
+    for i in order:
+        utt_id, length = items[i][0], max(int(items[i][1]), 1)
+        cap = sizing.first if sizing.first is not None and not batches else sizing.utterances
+        cap = min(cap, sizing.utterances)
+        padded = (len(batch) + 1) * max(longest, length)
+        if batch and (len(batch) >= cap or (sizing.frames is not None and padded > sizing.frames)):
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(utt_id)
+        longest = max(longest, length)
+    if batch:
+        batches.append(batch)
+    return batches
 
 
 class FeatureSource:
@@ -208,10 +244,11 @@ class FeatureSource:
             if utt is not None:
                 yield utt
 
-    def batches(self, batch_size: int, *, exclude: Iterable[str] = (),
+    def batches(self, batch_size: int | BatchSizing, *, exclude: Iterable[str] = (),
                 longest_first: bool = True) -> Iterator[list[Utterance]]:
-        """Length-bucketed batches of validated utterances, leaving out ``exclude`` (e.g. the
-        ids already decoded when resuming). Features are read one batch at a time."""
+        """Length-bucketed batches of validated utterances (``batch_size``: see
+        :func:`bucket_by_length`), leaving out ``exclude`` (e.g. the ids already decoded when
+        resuming). Features are read one batch at a time."""
         excluded = set(exclude)
         lengths = [(u, n) for u, n in self.lengths().items() if u not in excluded]
         for batch_ids in bucket_by_length(lengths, batch_size, longest_first=longest_first):

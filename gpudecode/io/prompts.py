@@ -19,7 +19,7 @@ import numpy as np
 
 from gpudecode import defaults
 from gpudecode.io.errors import InputError, VocabularyError
-from gpudecode.io.features import Utterance, bucket_by_length
+from gpudecode.io.features import BatchSizing, Utterance, bucket_by_length
 
 #: How a prompt file writes its labels.
 PROMPT_FORMATS = defaults.PROMPT_FORMATS
@@ -139,7 +139,7 @@ class PromptSource:
     def __iter__(self) -> Iterator[Utterance]:
         return (self.read(u) for u in self.prompts)
 
-    def batches(self, batch_size: int, *, exclude=(), longest_first: bool = True) -> Iterator[list[Utterance]]:
+    def batches(self, batch_size: int | BatchSizing, *, exclude=(), longest_first: bool = True) -> Iterator[list[Utterance]]:
         excluded = set(exclude)
         lengths = [(u, n) for u, n in self.lengths().items() if u not in excluded]
         for batch_ids in bucket_by_length(lengths, batch_size, longest_first=longest_first):
@@ -182,7 +182,7 @@ class PromptedSource:
         u = self.source.read(utt_id)
         return Utterance(u.id, u.features, prompt=self.prompts[u.id])
 
-    def batches(self, batch_size: int, *, exclude=(), longest_first: bool = True) -> Iterator[list[Utterance]]:
+    def batches(self, batch_size: int | BatchSizing, *, exclude=(), longest_first: bool = True) -> Iterator[list[Utterance]]:
         for batch in self.source.batches(batch_size, exclude=exclude, longest_first=longest_first):
             yield [Utterance(u.id, u.features, prompt=self.prompts[u.id]) for u in batch]
 

@@ -547,8 +547,11 @@ def bench_transducer(output: str, utterances: int, encoder_frames: int, beams: s
               help="A config override of every run (as for decode).")
 @click.option("--results", type=click.Path(file_okay=False), default=None,
               help="Keep each run's results in RESULTS/<config stem>/<device> (default: a temporary folder).")
+@click.option("--warm-up", type=click.IntRange(min=0), default=None,
+              help="Utterances of an untimed run of each config and device before its measured run, so "
+                   "that kernels compiled once per machine are not measured (0: none; default: a few dozen).")
 def bench_e2e(configs: tuple[str, ...], output: str, name: str, features: str | None, repeat: int,
-              devices: str | None, overrides: tuple[str, ...], results: str | None) -> None:
+              devices: str | None, overrides: tuple[str, ...], results: str | None, warm_up: int | None) -> None:
     """`gpudecode decode` of a corpus end to end, each CONFIG on each device in a fresh process:
     utterances/s, RTFx (start-up excluded), time to first result, start-up and where the time goes."""
     from gpudecode.bench.e2e import E2eError, E2eOptions, default_devices
@@ -556,7 +559,8 @@ def bench_e2e(configs: tuple[str, ...], output: str, name: str, features: str | 
     try:
         options = E2eOptions(configs=configs, features=features, repeat=repeat, overrides=overrides,
                              devices=default_devices() if devices is None
-                             else tuple(d.strip() for d in devices.split(",") if d.strip()), results=results)
+                             else tuple(d.strip() for d in devices.split(",") if d.strip()), results=results,
+                             **({} if warm_up is None else {"warm_up": warm_up}))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     try:

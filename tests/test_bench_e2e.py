@@ -20,7 +20,7 @@ CONFIG = ROOT / "configs" / "fsdd-ctc.yaml"  # its own corpus: the 8 bundled tes
 AUDIO = ROOT / "examples" / "fsdd-model" / "test-audio"
 ROW_FIELDS = {"config", "device", "utterances", "audio_s", "total_s", "startup_s", "imports_s", "sessions_s",
               "steady_s", "first_result_s", "utterances_per_s", "utterances_per_s_total", "rtfx", "breakdown_s",
-              "breakdown_share", "gpu_utilisation_pct", "command", "output"}
+              "breakdown_share", "gpu_utilisation_pct", "command", "output", "warm_up_s"}
 
 
 def _nbest(folder: Path) -> dict[str, dict]:
@@ -61,6 +61,7 @@ def test_every_field_and_consistent_figures(once):
     assert 0 < row["startup_s"] < row["first_result_s"] <= row["total_s"]
     assert row["startup_s"] + row["steady_s"] <= row["total_s"] + 1e-3
     assert results["ratios"] == {}  # one device
+    assert results["warm_up"] > 0 and row["warm_up_s"] > 0  # an untimed run came first
     assert "fsdd-ctc.yaml" in format_table(results)
 
 
@@ -74,9 +75,9 @@ def test_nbest_equals_a_plain_decode(once, tmp_path):
 
 def test_repeat_gives_n_times_the_utterances_under_distinct_ids(once, tmp_path):
     _, single = once
-    results = _bench(tmp_path, "--repeat", "2")
+    results = _bench(tmp_path, "--repeat", "2", "--warm-up", "0")
     (row,) = results["rows"]
-    assert row["utterances"] == 16
+    assert row["utterances"] == 16 and row["warm_up_s"] is None and results["warm_up"] == 0
     assert row["audio_s"] == pytest.approx(2 * single["rows"][0]["audio_s"])
     repeated = _nbest(tmp_path / "results" / "fsdd-ctc" / "cpu")
     originals = {p.stem for p in AUDIO.glob("*.wav")}
@@ -99,6 +100,16 @@ def test_repeated_corpus_of_an_archive_format_is_one_copy_listed_n_times(tmp_pat
     for utt, features in read.items():
         np.testing.assert_array_equal(features, arrays[utt.rsplit("-r", 1)[0]])
     assert repeated_corpus(tmp_path / "feats.npz", "auto", 1, tmp_path / "none") == ((tmp_path / "feats.npz"), "npz")
+    path, format = repeated_corpus(tmp_path / "feats.npz", "auto", 1, tmp_path / "head", limit=2)
+    with open_features(path, format) as source:
+        assert [u.id for u in source] == ["u0-r1", "u1-r1"]
+
+
+def test_the_warm_up_corpus_of_audio_is_its_first_recordings(tmp_path):
+    path, format = repeated_corpus(AUDIO, "auto", 1, tmp_path / "head", limit=3)
+    listed = path.read_text(encoding="utf-8").splitlines()
+    assert format == "audio" and len(listed) == 3
+    assert [line.split()[0] for line in listed] == [f"{p.stem}-r1" for p in sorted(AUDIO.glob("*.wav"))[:3]]
 
 
 def test_options_are_checked():
@@ -106,3 +117,5 @@ def test_options_are_checked():
         E2eOptions(configs=("a.yaml",), repeat=0)
     with pytest.raises(ValueError, match="devices"):
         E2eOptions(configs=("a.yaml",), devices=("tpu",))
+    with pytest.raises(ValueError, match="warm_up"):
+        E2eOptions(configs=("a.yaml",), warm_up=-1)

@@ -31,6 +31,8 @@ from gpudecode.bench.common import pyplot, save_figure, write_results
 PARTS = ("start-up", "reading", "front end", "encoder", "search", "writing", "other")
 #: Seconds between two samples of GPU utilisation.
 GPU_SAMPLE_MS = 100
+#: Utterances of the untimed run before each measured one (``E2eOptions.warm_up``).
+WARM_UP_UTTERANCES = 32
 _TAIL = 2000  # characters of a failed run's stderr quoted in the error
 
 
@@ -43,7 +45,9 @@ class E2eOptions:
     """What ``bench e2e`` runs: ``configs`` (YAML paths), each on every device of ``devices``
     (``cuda``, ``cpu``), on ``features`` (None: each config's own ``io.features``) repeated
     ``repeat`` times; ``overrides``: further ``-o KEY=VALUE`` of every run; ``results``: a folder
-    that keeps each run's output (``<config stem>/<device>``; None: a temporary one)."""
+    that keeps each run's output (``<config stem>/<device>``; None: a temporary one); ``warm_up``:
+    before each measured run, an untimed one of the corpus's first ``warm_up`` utterances (0: none),
+    so that kernels compiled once per machine (CuPy's and NVRTC's disk caches) are not measured."""
 
     configs: tuple[str, ...]
     features: str | None = None
@@ -51,12 +55,15 @@ class E2eOptions:
     devices: tuple[str, ...] = ("cpu",)
     overrides: tuple[str, ...] = ()
     results: str | None = None
+    warm_up: int = WARM_UP_UTTERANCES
 
     def __post_init__(self):
         if not self.configs:
             raise ValueError("bench e2e: give at least one config")
         if self.repeat < 1:
             raise ValueError(f"bench e2e: repeat must be >= 1, got {self.repeat}")
+        if self.warm_up < 0:
+            raise ValueError(f"bench e2e: warm_up must be >= 0, got {self.warm_up}")
         bad = [d for d in self.devices if d not in ("cuda", "cpu")]
         if bad or not self.devices:
             raise ValueError(f"bench e2e: devices are cuda and/or cpu, got {','.join(self.devices) or 'none'}")
@@ -69,9 +76,11 @@ def default_devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if gpu_available() else ("cpu",)
 
 
-def repeated_corpus(path: str | Path, format: str, repeat: int, folder: Path) -> tuple[Path, str]:
-    """(path, format) of the corpus at ``path`` repeated ``repeat`` times under ids ``<id>-r<k>``,
-    written into ``folder``; ``repeat`` 1: the corpus itself."""
+def repeated_corpus(path: str | Path, format: str, repeat: int, folder: Path,
+                    limit: int | None = None) -> tuple[Path, str]:
+    """(path, format) of the corpus at ``path`` (its first ``limit`` utterances, None: all)
+    repeated ``repeat`` times under ids ``<id>-r<k>``, written into ``folder``; ``repeat`` 1 and
+    no limit: the corpus itself."""
     from gpudecode import defaults
     from gpudecode.io.audio import read_audio_list
     from gpudecode.io.features import sorted_files
@@ -80,13 +89,13 @@ def repeated_corpus(path: str | Path, format: str, repeat: int, folder: Path) ->
     path = Path(path).resolve()
     if format == "auto":
         format = detect_format(path)
-    if repeat == 1:
+    if repeat == 1 and limit is None:
         return path, format
     folder.mkdir(parents=True, exist_ok=True)
     if format == "audio":
         files = (read_audio_list(path) if path.is_file()
                  else {f.stem: f for f in sorted_files(path, defaults.AUDIO_EXTENSIONS)})
-        entries = [(utt, str(Path(file).resolve())) for utt, file in files.items()]
+        entries = [(utt, str(Path(file).resolve())) for utt, file in files.items()][:limit]
         listed = folder / "audio.scp"
     else:
         if format == "kaldi-scp":
@@ -97,10 +106,12 @@ def repeated_corpus(path: str | Path, format: str, repeat: int, folder: Path) ->
             script = folder / "corpus.scp"
             with open_features(path, format) as source, \
                     kaldiio.WriteHelper(f"ark,scp:{folder / 'corpus.ark'},{script}") as writer:
-                for utterance in source:
+                for k, utterance in enumerate(source):
+                    if limit is not None and k >= limit:
+                        break
                     writer(utterance.id, utterance.features)
         entries = [tuple(line.split(maxsplit=1)) for line in script.read_text(encoding="utf-8").splitlines()
-                   if line.strip()]
+                   if line.strip()][:limit]
         listed, format = folder / "repeated.scp", "kaldi-scp"
     with open(listed, "w", encoding="utf-8") as out:
         for k in range(1, repeat + 1):
@@ -217,6 +228,7 @@ def run_e2e_bench(options: E2eOptions, output_dir: str | None = "out/bench", nam
         scratch = Path(scratch)
         results = Path(options.results).resolve() if options.results is not None else scratch / "results"
         corpora: dict[tuple[str, str], tuple[Path, str]] = {}
+        warm_corpora: dict[tuple[str, str], tuple[Path, str]] = {}
         for config in options.configs:
             path, format, device_id = _config_features(config, options.overrides)
             if options.features is not None:
@@ -224,15 +236,24 @@ def run_e2e_bench(options: E2eOptions, output_dir: str | None = "out/bench", nam
             key = (str(Path(path).resolve()), format)
             if key not in corpora:
                 corpora[key] = repeated_corpus(path, format, options.repeat, scratch / f"corpus{len(corpora)}")
+                if options.warm_up:
+                    warm_corpora[key] = repeated_corpus(path, format, 1, scratch / f"warm{len(warm_corpora)}",
+                                                        limit=options.warm_up)
             features, features_format = corpora[key]
             by_device = {}
             for device in options.devices:
+                warm_up_s = None
+                if options.warm_up:
+                    warm = run_device(config, device, *warm_corpora[key], scratch / "warm-up" / Path(config).stem
+                                      / device, overrides=options.overrides, device_id=device_id)
+                    warm_up_s = warm["total_s"]
                 output = results / Path(config).stem / device
                 if output.exists():
                     shutil.rmtree(output)
                 output.parent.mkdir(parents=True, exist_ok=True)
                 by_device[device] = run_device(config, device, features, features_format, output,
                                                overrides=options.overrides, device_id=device_id)
+                by_device[device]["warm_up_s"] = warm_up_s
                 if options.results is None:
                     by_device[device]["output"] = None  # a temporary folder, gone
                 rows.append(by_device[device])
@@ -241,7 +262,7 @@ def run_e2e_bench(options: E2eOptions, output_dir: str | None = "out/bench", nam
                 ratios[str(config)] = {
                     "steady": gpu["utterances_per_s"] / cpu["utterances_per_s"],
                     "total": gpu["utterances_per_s_total"] / cpu["utterances_per_s_total"]}
-    summary = {"bench": "e2e", "features": options.features, "repeat": options.repeat,
+    summary = {"bench": "e2e", "features": options.features, "repeat": options.repeat, "warm_up": options.warm_up,
                "devices": list(options.devices), "overrides": list(options.overrides),
                "python": sys.version.split()[0], "rows": rows, "ratios": ratios}
     return write_results(summary, output_dir, name, _plot)

@@ -14,12 +14,15 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
+
+import numpy as np
 
 from gpudecode import defaults
 from gpudecode.io.errors import ResultFileError
-from gpudecode.io.vocabulary import Vocabulary, Word, merge_words
+from gpudecode.io.vocabulary import BPE_CONTINUATION, SENTENCEPIECE_SPACE, Vocabulary
 from gpudecode.hypothesis import Hypothesis
 
 
@@ -31,23 +34,105 @@ class UtteranceResult:
     nbest: Sequence[Hypothesis]
 
 
-@dataclass(frozen=True)
-class _Rendered:
-    tokens: list[str]
-    words: list[Word]
-    frames: list[int] | None  # per token
+class _Lookup:
+    """Per-label strings the writer needs, made once per vocabulary and word merging: the token,
+    its JSON string, and its piece for word merging (``sentinel`` marks a word boundary)."""
+
+    def __init__(self, vocabulary: Vocabulary, word_merging: str):
+        self.key = (vocabulary, word_merging)
+        self.merging = word_merging
+        self.tokens = vocabulary.labels
+        self.non_word = vocabulary.non_word_indices
+        self.json_tokens = tuple(map(encode_basestring, self.tokens))
+        self.sentinel = None if word_merging == "none" else _unused_char(self.tokens)
+        self.pieces = tuple(_piece(t, word_merging, self.sentinel) for t in self.tokens)
+
+    def render(self, nbest: Sequence[Hypothesis]) -> list[_Rendered]:
+        """Per hypothesis its labels and frames as lists of ints, the labels that are tokens of
+        words (and their frames) and its words, as ``merge_words`` makes them."""
+        non_word, pieces, sentinel = self.non_word, self.pieces, self.sentinel
+        rendered = []
+        for hyp in nbest:
+            labels = _ints(hyp.labels)
+            frames = None if hyp.frames is None else _ints(hyp.frames)
+            kept, kept_frames = labels, frames
+            if not non_word.isdisjoint(labels):
+                keep = [i for i, label in enumerate(labels) if label not in non_word]
+                kept = [labels[i] for i in keep]
+                kept_frames = None if frames is None else [frames[i] for i in keep]
+            if sentinel is None:  # no merging: each token is a word
+                words = [pieces[i] for i in kept]
+            else:
+                words = [w for w in "".join([pieces[i] for i in kept]).split(sentinel) if w]
+            rendered.append(_Rendered(labels, frames, kept, kept_frames, words))
+        return rendered
 
 
-def _render(hyp: Hypothesis, vocabulary: Vocabulary, word_merging: str) -> _Rendered:
-    keep = [i for i, label in enumerate(hyp.labels)
-            if int(label) not in vocabulary.non_word_indices]
-    tokens = [vocabulary[int(hyp.labels[i])] for i in keep]
-    frames = None if hyp.frames is None else [int(hyp.frames[i]) for i in keep]
-    return _Rendered(tokens, merge_words(tokens, word_merging), frames)
+def _word_spans(tokens: list[str], word_merging: str) -> list[tuple[str, int, int]]:
+    """``merge_words(tokens, word_merging)`` as (text, first, last) tuples (no ``Word``s made)."""
+    if word_merging == "none":
+        return [(t, i, i) for i, t in enumerate(tokens)]
+    spans: list[tuple[str, int, int]] = []
+    text, first, last, started = "", -1, -1, False
+    for i, token in enumerate(tokens):
+        if word_merging == "sentencepiece":
+            if token.startswith(SENTENCEPIECE_SPACE):
+                if text:
+                    spans.append((text, first, last))
+                text, token = "", token[len(SENTENCEPIECE_SPACE):]
+            if token:
+                first = i if not text else first
+                text, last = text + token, i
+        else:  # bpe: a word ends at a token without "@@" (its first token may be an empty piece)
+            continues = token.endswith(BPE_CONTINUATION)
+            piece = token[:-len(BPE_CONTINUATION)] if continues else token
+            first = first if started else i
+            text, last, started = text + piece, i, True
+            if not continues:
+                if text:
+                    spans.append((text, first, last))
+                text, started = "", False
+    if text:
+        spans.append((text, first, last))
+    return spans
+
+
+def _unused_char(labels: Sequence[str]) -> str:
+    """A character that occurs in no label."""
+    used = set("".join(labels))
+    return next(c for c in map(chr, range(0x110000)) if c not in used)
+
+
+def _piece(token: str, word_merging: str, sentinel: str | None) -> str:
+    """``token`` as merged text, ``sentinel`` where a word ends or starts."""
+    if word_merging == "none":
+        return token
+    if word_merging == "sentencepiece" and token.startswith(SENTENCEPIECE_SPACE):
+        return sentinel + token[len(SENTENCEPIECE_SPACE):]
+    if word_merging == "bpe":
+        if token.endswith(BPE_CONTINUATION):
+            return token[:-len(BPE_CONTINUATION)]
+        return token + sentinel
+    return token
+
+
+def _ints(values) -> list[int]:
+    """``values`` (a list or a numpy array) as a list of Python ints."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        return values.tolist()
+    return list(map(int, values))
+
+
+class _Rendered(NamedTuple):
+    labels: list[int]
+    frames: list[int] | None
+    kept: list[int]  # the labels that are words' tokens
+    kept_frames: list[int] | None  # their frames
+    words: list[str]
 
 
 def _utterance_id_ok(utt_id: str) -> None:
-    if not utt_id or any(c.isspace() for c in utt_id):
+    if utt_id.split() != [utt_id]:  # empty, or whitespace in it
         raise ValueError(f"utterance id {utt_id!r} is empty or contains whitespace; text and "
                          "CTM lines could not be parsed back")
 
@@ -142,6 +227,10 @@ class ResultWriter:
             fmt: open(self.folder / files[fmt][0], "a" if resume else "w", encoding="utf-8")
             for fmt in order}
         self.num_written = 0
+        self._labels: _Lookup | None = None
+        self._templates: dict[tuple[tuple, bool], str] = {}  # see _hyp_template
+        self._formatters = [(file, getattr(self, f"_format_{fmt}"))
+                            for fmt, file in self._files.items()]
 
     @property
     def paths(self) -> dict[str, Path]:
@@ -150,9 +239,9 @@ class ResultWriter:
     def write(self, result: UtteranceResult) -> None:
         """Write one utterance to every file and flush."""
         _utterance_id_ok(result.id)
-        rendered = [_render(h, self.vocabulary, self.word_merging) for h in result.nbest]
-        for fmt, file in self._files.items():
-            text = getattr(self, f"_format_{fmt}")(result, rendered)
+        rendered = self._lookup().render(result.nbest)
+        texts = [(file, format(result, rendered)) for file, format in self._formatters]
+        for file, text in texts:
             if text:
                 try:
                     file.write(text)
@@ -163,36 +252,61 @@ class ResultWriter:
         self.done_ids.add(result.id)
         self.num_written += 1
 
+    def _lookup(self) -> _Lookup:
+        """The per-label strings of the current vocabulary and word merging (made once)."""
+        if self._labels is None or self._labels.key != (self.vocabulary, self.word_merging):
+            self._labels = _Lookup(self.vocabulary, self.word_merging)
+        return self._labels
+
     def _format_text(self, result: UtteranceResult, rendered: list[_Rendered]) -> str:
-        words = [w.text for w in rendered[0].words] if rendered else []
+        words = rendered[0].words if rendered else []
         return " ".join([result.id, *words]) + "\n"
 
     def _format_jsonl(self, result: UtteranceResult, rendered: list[_Rendered]) -> str:
-        nbest = []
+        """As ``json.dumps`` (``ensure_ascii=False``) writes the record, pieced together from
+        per-label JSON strings and a per-scorer-set template made once."""
+        json_tokens, templates = self._lookup().json_tokens, self._templates
+        nbest, best_words = [], '""'
         for rank, (hyp, r) in enumerate(zip(result.nbest, rendered), start=1):
-            nbest.append({
-                "rank": rank,
-                "words": " ".join(w.text for w in r.words),
-                "tokens": r.tokens,
-                "labels": [int(x) for x in hyp.labels],
-                "score": _json_float(hyp.score),
-                "scores": {k: _json_float(v) for k, v in hyp.scores.items()},
-                "frames": None if hyp.frames is None else [int(f) for f in hyp.frames],
-            })
-            if hyp.truncated:  # only when set: the search cut this hypothesis short
-                nbest[-1]["truncated"] = True
-        record = {"id": result.id, "text": nbest[0]["words"] if nbest else "", "nbest": nbest}
-        return json.dumps(record, ensure_ascii=False) + "\n"
+            scores = hyp.scores
+            numbers = [float(hyp.score), *map(float, scores.values())]
+            if not math.isfinite(sum(numbers)):  # a NaN or an infinity: null
+                numbers = [v if math.isfinite(v) else "null" for v in numbers]
+            words = encode_basestring(" ".join(r.words))
+            if rank == 1:
+                best_words = words
+            names = tuple(scores)
+            template = (templates.get((names, hyp.truncated))
+                        or self._hyp_template(names, bool(hyp.truncated)))
+            nbest.append(template % (
+                rank, words, ", ".join([json_tokens[i] for i in r.kept]), r.labels, *numbers,
+                "null" if r.frames is None else r.frames))
+        return (f'{{"id": {encode_basestring(result.id)}, "text": {best_words}, '
+                f'"nbest": [{", ".join(nbest)}]}}\n')
+
+    def _hyp_template(self, names: tuple, truncated: bool) -> str:
+        """A ``%`` template of one n-best entry for scorers ``names`` (cached for string names):
+        rank, words, tokens, labels, score, each scorer's score, frames."""
+        template = self._templates.get((names, truncated))
+        if template is None:
+            scores = ", ".join(_json_key(k).replace("%", "%%") + "%s" for k in names)
+            template = ('{"rank": %s, "words": %s, "tokens": [%s], "labels": %s, "score": %s, '
+                        f'"scores": {{{scores}}}, "frames": %s'
+                        + (', "truncated": true}' if truncated else "}"))
+            if all(type(k) is str for k in names):
+                self._templates[(names, truncated)] = template
+        return template
 
     def _format_ctm(self, result: UtteranceResult, rendered: list[_Rendered]) -> str:
-        if not rendered or rendered[0].frames is None:
+        if not rendered or rendered[0].kept_frames is None:
             return ""
-        r, shift = rendered[0], self.frame_shift_s
+        best, shift = rendered[0], self.frame_shift_s
+        tokens, frames = self._lookup().tokens, best.kept_frames
         lines = []
-        for word in r.words:
-            start, end = r.frames[word.first], r.frames[word.last]
+        for text, first, last in _word_spans([tokens[i] for i in best.kept], self.word_merging):
+            start, end = frames[first], frames[last]
             lines.append(f"{result.id} 1 {start * shift:.3f} {(end - start + 1) * shift:.3f} "
-                         f"{word.text}\n")
+                         f"{text}\n")
         return "".join(lines)
 
     def close(self) -> None:
@@ -206,6 +320,8 @@ class ResultWriter:
         self.close()
 
 
-def _json_float(value: float) -> float | None:
-    value = float(value)
-    return value if math.isfinite(value) else None
+def _json_key(key) -> str:
+    """``'"key": '`` as ``json.dumps`` writes a dict key."""
+    if isinstance(key, str):
+        return encode_basestring(key) + ": "
+    return json.dumps({key: None}, ensure_ascii=False)[1:-len("null}")]

@@ -524,12 +524,16 @@ def bench_peers(output: str, device: str, shapes: str, vocab: int, beams: str, p
 @click.option("--beams", default="1,4,8", show_default=True, help="Comma-separated.")
 @click.option("--max-symbols-per-frame", type=int, default=1, show_default=True)
 @click.option("--repeats", type=int, default=1, show_default=True, help="Timed runs per cell; the fastest counts.")
+@click.option("--lm-beam", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Beam of the cell with an LSTM LM fused (its cost against the same beam without); 0: none.")
 def bench_transducer(output: str, utterances: int, encoder_frames: int, beams: str, max_symbols_per_frame: int,
-                     repeats: int) -> None:
-    """Transducer search frames/s at several beams and end-to-end beam 8 ÷ greedy (pinned encoder)."""
+                     repeats: int, lm_beam: int) -> None:
+    """Transducer search frames/s at several beams, with an LSTM LM fused at one, and end-to-end
+    beam 8 ÷ greedy (pinned encoder)."""
     _run_bench("transducer", "run_transducer_bench", num_utts=utterances,
                encoder_frames=encoder_frames, beams=_int_list(beams),
-               max_symbols_per_frame=max_symbols_per_frame, repeats=repeats, output_dir=output)
+               max_symbols_per_frame=max_symbols_per_frame, lm_beam=lm_beam or None, repeats=repeats,
+               output_dir=output)
 
 
 @bench.command("e2e")

@@ -31,6 +31,22 @@ def fastest(xp, run: Callable[[], object], repeats: int) -> tuple[float, object]
     return best, result
 
 
+def lstm_lm_scorer(device: str, vocab_size: int, *, start_label: int, hidden_dim: int, embed_dim: int,
+                   num_layers: int):
+    """A ``recurrent-lm`` scorer of a random LSTM LM (``gpudecode.testing.build_lstm_lm``) on
+    ``device``, as the benches fuse it."""
+    from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
+    from gpudecode.session import SessionOptions
+    from gpudecode.states.options import StateManagerOptions
+    from gpudecode.testing import build_lstm_lm
+
+    reference = build_lstm_lm(1, vocab_size=vocab_size, embed_dim=embed_dim, hidden_dim=hidden_dim,
+                              num_layers=num_layers)
+    return RecurrentLmScorer(model=reference.serialized(), vocab_size=vocab_size, start_labels=[start_label],
+                             state_manager=StateManagerOptions(type=f"lstm-{device}", slots_per_chunk=65536),
+                             session_options=SessionOptions(device=device, use_tf32=False))
+
+
 def write_results(results: dict, output_dir, name: str, plot: Callable[[dict, Path], str | None]) -> dict:
     """Writes ``<name>.json`` and ``<name>.png`` into ``output_dir`` (when given); returns ``results``
     with the PNG's path (None where matplotlib is missing)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpudecode.backend import array_module
-from gpudecode.bench.common import fastest, pyplot, save_figure, write_results
+from gpudecode.bench.common import fastest, lstm_lm_scorer, pyplot, save_figure, write_results
 
 BLANK = 0
 
@@ -40,20 +40,6 @@ def random_log_probs(xp, num_utts: int, num_frames: int, vocab_size: int, *, see
     logits -= top
     logits -= xp.log(xp.exp(logits).sum(axis=2, keepdims=True))
     return logits
-
-
-def _lm_scorer(device: str, vocab_size: int, *, hidden_dim: int, embed_dim: int, num_layers: int):
-    from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
-    from gpudecode.session import SessionOptions
-    from gpudecode.states.options import StateManagerOptions
-    from gpudecode.testing import build_lstm_lm
-
-    reference = build_lstm_lm(1, vocab_size=vocab_size, embed_dim=embed_dim, hidden_dim=hidden_dim,
-                              num_layers=num_layers)
-    return RecurrentLmScorer(model=reference.serialized(), vocab_size=vocab_size, start_labels=[BLANK],
-                             state_manager=StateManagerOptions(type=f"lstm-{device}", slots_per_chunk=65536),
-                             session_options=SessionOptions(device=device, use_tf32=False))
-
 
 
 def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(1000, 5000),
@@ -79,8 +65,8 @@ def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(
         results["cells"].append({"search": "greedy", "vocab_size": vocab_size, "beam": 1, "lm": False,
                                  "seconds": seconds, "frames_per_s": total_frames / seconds})
         for use_lm in with_lm:
-            lm = _lm_scorer(device, vocab_size, hidden_dim=lm_hidden_dim, embed_dim=lm_embed_dim,
-                            num_layers=lm_layers) if use_lm else None
+            lm = lstm_lm_scorer(device, vocab_size, start_label=BLANK, hidden_dim=lm_hidden_dim,
+                                embed_dim=lm_embed_dim, num_layers=lm_layers) if use_lm else None
             scorers = [("lm", lm, 0.3)] if use_lm else []
             for beam in beams:
                 options = CtcPrefixOptions(beam_size=beam, sentence_end=None)

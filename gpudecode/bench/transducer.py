@@ -5,7 +5,9 @@ Measured in one run (random weights; the encoder is pinned: ``build_transducer_e
 
 - frames/s (encoder frames decoded per second, all utterances together) of the beam search at each
   beam (default 1, 4, 8) and of batched greedy decoding, on the same encoder states (search only);
-- end to end: encoder + beam 8 ÷ encoder + greedy (goal ≤ 1.2; NeMo reports 1.1–1.2×).
+- end to end: encoder + beam 8 ÷ encoder + greedy (goal ≤ 1.2; NeMo reports 1.1–1.2×);
+- LM fusion: the beam search (``lm_beam``, default 8) with an LSTM LM fused on label emission
+  (``recurrent-lm``, scale 0.3, random weights), and its cost: with-LM ÷ without-LM time.
 
 The prediction network is an LSTM driven by the ``lstm-cuda`` state manager (``lstm-cpu`` with
 ``device="cpu"``), the joint one batched ONNX call per (frame, symbol) step. Every size is a
@@ -19,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from gpudecode.backend import array_module
-from gpudecode.bench.common import fastest, pyplot, save_figure, write_results
+from gpudecode.bench.common import fastest, lstm_lm_scorer, pyplot, save_figure, write_results
 
 BLANK = 0
+LM_SCALE = 0.3  # the fused LM's weight in the LM cell
 
 
 
@@ -53,12 +56,15 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
                          encoder_dim: int = 512, subsampling: int = 4, num_features: int = 80,
                          vocab_size: int = 1000, prediction_dim: int = 512, prediction_hidden_dim: int = 512,
                          prediction_embed_dim: int = 256, joint_dim: int = 512, blank_bias: float = 4.0,
-                         beams=(1, 4, 8), max_symbols_per_frame: int = 1, device: str = "cuda", repeats: int = 1,
+                         beams=(1, 4, 8), max_symbols_per_frame: int = 1, lm_beam: int | None = 8,
+                         lm_hidden_dim: int = 512, lm_embed_dim: int = 128, device: str = "cuda", repeats: int = 1,
                          output_dir=None) -> dict:
     """Runs every measurement in one process; returns (and writes ``transducer.json`` / ``.png``).
 
     ``blank_bias`` is added to the joint's blank logit (trained transducers emit blank on most
     frames; random weights would not). ``max_symbols_per_frame`` 1 is k2's modified beam search.
+    ``lm_beam``: the beam of the LM-fusion cell (``beam<lm_beam>+lm``; None: no LM cell); it is
+    measured against the plain beam search at that beam, which runs too.
     """
     from gpudecode.backend import to_host
     from gpudecode.search import (
@@ -90,11 +96,17 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
         return transducer_greedy_search(states, lengths, greedy_net, joint, blank=BLANK,
                                         max_symbols_per_frame=max_symbols_per_frame, xp=xp)
 
-    def beam_search(beam: int):
+    def beam_search(beam: int, lm_scorers=()):
         options = TransducerOptions(beam_size=beam, blank=BLANK, max_symbols_per_frame=max_symbols_per_frame)
-        return lambda states, lengths: transducer_search(states, lengths, beam_net, joint, options, xp=xp)
+        return lambda states, lengths: transducer_search(states, lengths, beam_net, joint, options, lm_scorers, xp=xp)
 
+    beams = tuple(beams) + ((lm_beam,) if lm_beam is not None and lm_beam not in beams else ())
     searches = {"greedy": greedy, **{f"beam{beam}": beam_search(beam) for beam in beams}}
+    lm = None
+    if lm_beam is not None:
+        lm = lstm_lm_scorer(device, vocab_size, start_label=BLANK, hidden_dim=lm_hidden_dim, embed_dim=lm_embed_dim,
+                            num_layers=1)
+        searches[f"beam{lm_beam}+lm"] = beam_search(lm_beam, [("lm", lm, LM_SCALE)])
     states, lengths = encode()
     num_frames = int(to_host(lengths).sum())
     results = {"benchmark": "transducer", "config": {
@@ -102,15 +114,17 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
         "encoder": f"{encoder_layers} layers, d={encoder_dim}, {subsampling}x subsampling",
         "prediction": f"LSTM 1x{prediction_hidden_dim} (embedding {prediction_embed_dim}) -> {prediction_dim}",
         "joint": f"{joint_dim} -> V={vocab_size}", "max_symbols_per_frame": max_symbols_per_frame,
+        "lm": None if lm_beam is None else f"LSTM 1x{lm_hidden_dim} (embedding {lm_embed_dim}), scale {LM_SCALE}",
         "device": device, "timing": f"fastest of {repeats}"}, "cells": []}
     warm = min(8, states.shape[1])
     for name, search in searches.items():  # warm-up (kernels, ORT shapes)
         search(states[:, :warm], np.full(num_utts, warm))
     for name, search in searches.items():
         seconds, nbest = fastest(xp, lambda search=search: search(states, lengths), repeats)
-        results["cells"].append({"search": name, "beam": 1 if name == "greedy" else int(name[4:]), "seconds": seconds,
-                                 "frames_per_s": num_frames / seconds,
-                                 "mean_labels": float(np.mean([len(h[0].labels) for h in nbest]))})
+        results["cells"].append({"search": name, "beam": 1 if name == "greedy" else int(name[4:].split("+")[0]),
+                                 "lm": name.endswith("+lm"), "seconds": seconds, "frames_per_s": num_frames / seconds,
+                                 "mean_labels": float(np.mean([len(h[0].labels) for h in nbest])),
+                                 "scores": sorted(nbest[0][0].scores) if nbest and nbest[0] else []})
 
     end_to_end = {}
     for name in ("greedy", "beam8"):
@@ -123,9 +137,11 @@ def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, enco
     cell = {c["search"]: c for c in results["cells"]}
     for beam in beams:
         ratios[f"search_beam{beam}_over_greedy"] = cell[f"beam{beam}"]["seconds"] / cell["greedy"]["seconds"]
+    if lm_beam is not None:
+        ratios[f"lm_fusion_cost_beam{lm_beam}"] = cell[f"beam{lm_beam}+lm"]["seconds"] / cell[f"beam{lm_beam}"]["seconds"]
     results["end_to_end"] = end_to_end
     results["ratios"] = ratios
-    for net in (greedy_net, beam_net):
+    for net in (greedy_net, beam_net) + ((lm,) if lm is not None else ()):
         net.close()
     return write_results(results, output_dir, "transducer", plot_transducer)
 
@@ -136,8 +152,11 @@ def plot_transducer(results: dict, path) -> str | None:
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
-    beams = [c for c in results["cells"] if c["search"] != "greedy"]
+    beams = [c for c in results["cells"] if c["search"] != "greedy" and not c.get("lm")]
     ax.plot([c["beam"] for c in beams], [c["frames_per_s"] for c in beams], "o-", label="beam search")
+    fused = [c for c in results["cells"] if c.get("lm")]
+    if fused:
+        ax.plot([c["beam"] for c in fused], [c["frames_per_s"] for c in fused], "s", label="beam search + LSTM LM")
     greedy = [c for c in results["cells"] if c["search"] == "greedy"]
     if greedy:
         ax.plot([1], [greedy[0]["frames_per_s"]], "k^", label="greedy")

@@ -20,6 +20,27 @@ DEFAULT_DATA_DIR = RECIPE_DIR / "data"
 # Recording indices of each split (FSDD's own test split is 0-4; dev is carved out of training).
 SPLITS: dict[str, range] = {"train": range(10, 50), "dev": range(5, 10), "test": range(0, 5)}
 
+# A leave-one-speaker-out fold (make_data.py --test-speaker NAME): test holds every recording of
+# NAME (indices 0-49); train and dev hold only the other speakers, train from their indices
+# 10-49 and dev from their indices 0-9 (a part of those speakers held out of training).
+FOLD_SPLITS: dict[str, range] = {"train": range(10, 50), "dev": range(0, 10), "test": range(0, 50)}
+
+
+def split_indices(split: str, test_speaker: str | None = None) -> range:
+    """Recording indices of ``split``: SPLITS' rule, or FOLD_SPLITS' in a fold."""
+    return (SPLITS if test_speaker is None else FOLD_SPLITS)[split]
+
+
+def split_speakers(split: str, speakers, test_speaker: str | None = None) -> list[str]:
+    """Speakers of ``split`` (sorted as given): all of them, or in a fold only ``test_speaker``
+    for test and every other speaker for train and dev."""
+    speakers = list(speakers)
+    if test_speaker is None:
+        return speakers
+    if test_speaker not in speakers:
+        raise ValueError(f"test speaker {test_speaker!r} is not one of {speakers}")
+    return [test_speaker] if split == "test" else [s for s in speakers if s != test_speaker]
+
 # The toolkit's log-mel front end (gpudecode.io.frontend.LogMelOptions / models.front_end in a
 # config). 40 bins on a 256-point FFT from 20 Hz leave no mel filter empty at 8 kHz; the
 # default 80 bins would not. Features are written without normalisation: the models hold the

@@ -2,12 +2,16 @@
 """Connected-digit utterances from FSDD recordings: audio, log-mel features, transcripts.
 
     python examples/fsdd/make_data.py [--out examples/fsdd/data] [--num-train 3000 ...]
+    python examples/fsdd/make_data.py --test-speaker theo --out examples/fsdd/data/loso/theo
 
 Each utterance is one item of the structured language in ``fsdd_grammar.py`` (1-10 digits),
 spoken by one speaker: the speaker's recordings of those digits, drawn from the split's
 recording indices (train 10-49, dev 5-9, test 0-4; a recording is never in two splits), each
 with a gain of +-3 dB, joined by silences of 50-300 ms, with 100-300 ms of silence at both ends
-and white noise at -60 dBFS everywhere (so that silence is not digital zero). Samples are
+and white noise at -60 dBFS everywhere (so that silence is not digital zero). With
+``--test-speaker NAME`` the data is a leave-one-speaker-out fold (``fsdd_common.FOLD_SPLITS``):
+test is spoken only by NAME (its recordings 0-49), train and dev only by the other speakers
+(train from their recordings 10-49, dev from their recordings 0-9); nothing else changes. Samples are
 quantised to 16 bits; the features are computed from exactly the samples the wav files hold,
 with the toolkit's own front end (``gpudecode.io.frontend``), so decoding the wav files through
 ``models.front_end`` gives the same features.
@@ -48,6 +52,8 @@ from fsdd_common import (
     SPLITS,
     VOCABULARY,
     resolve,
+    split_indices,
+    split_speakers,
     write_json,
 )
 
@@ -60,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recordings", type=Path, default=DEFAULT_RECORDINGS,
                    help="FSDD recordings folder ({digit}_{speaker}_{index}.wav)")
     p.add_argument("--out", type=Path, default=DEFAULT_DATA_DIR, help="output folder")
+    p.add_argument("--test-speaker", default=None, metavar="NAME",
+                   help="a leave-one-speaker-out fold: test only NAME, train and dev the others")
     p.add_argument("--seed", type=int, default=20240502)
     p.add_argument("--num-train", type=int, default=3000)
     p.add_argument("--num-dev", type=int, default=500)
@@ -107,12 +115,13 @@ class Recordings:
         self.speakers = sorted({speaker for speaker, _ in self.paths})
         self._audio: dict[Path, np.ndarray] = {}
 
-    def indices(self, speaker: str, digit: int, split: str) -> list[int]:
+    def indices(self, speaker: str, digit: int, split: str, test_speaker: str | None = None) -> list[int]:
         available = self.paths.get((speaker, digit), {})
-        indices = [i for i in SPLITS[split] if i in available]
+        allowed = split_indices(split, test_speaker)
+        indices = [i for i in allowed if i in available]
         if not indices:
             raise SystemExit(f"no recording of digit {digit} by {speaker} in the {split} split "
-                             f"(indices {SPLITS[split].start}-{SPLITS[split].stop - 1})")
+                             f"(indices {allowed.start}-{allowed.stop - 1})")
         return indices
 
     def audio(self, path: Path) -> np.ndarray:
@@ -127,12 +136,15 @@ class Recordings:
         return self._audio[path]
 
 
-def check_splits_disjoint() -> None:
+def check_splits_disjoint(speakers: list[str], test_speaker: str | None = None) -> None:
+    """No (speaker, recording index) pair is allowed in two splits."""
     names = list(SPLITS)
+    allowed = {split: {(speaker, index) for speaker in split_speakers(split, speakers, test_speaker)
+                       for index in split_indices(split, test_speaker)} for split in names}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            common = set(SPLITS[a]) & set(SPLITS[b])
-            assert not common, f"splits {a} and {b} share recording indices {sorted(common)}"
+            common = allowed[a] & allowed[b]
+            assert not common, f"splits {a} and {b} share recordings {sorted(common)[:5]}"
 
 
 # --- one utterance -----------------------------------------------------------------------------
@@ -149,7 +161,7 @@ def make_utterance(digits: str, speaker: str, split: str, recordings: Recordings
     pieces.append(np.zeros(silence_samples(args.edge_ms)))
     for position, char in enumerate(digits):
         digit = int(char)
-        index = int(rng.choice(recordings.indices(speaker, digit, split)))
+        index = int(rng.choice(recordings.indices(speaker, digit, split, args.test_speaker)))
         path = recordings.paths[(speaker, digit)][index]
         gain_db = float(rng.uniform(-args.gain_db, args.gain_db))
         pieces.append(recordings.audio(path) * 10.0 ** (gain_db / 20.0))
@@ -228,13 +240,14 @@ def write_split(split: str, num_utterances: int, recordings: Recordings, front_e
     feat_sq_sum = np.zeros(front_end.num_features)
     num_frames = 0
     used_recordings: set[str] = set()
+    speakers = split_speakers(split, recordings.speakers, args.test_speaker)
     with (open(out / "text", "w", encoding="utf-8") as text,
           open(out / "manifest.jsonl", "w", encoding="utf-8") as manifest,
           open(out / "wav.scp", "w", encoding="utf-8") if write_wav else _null() as wav_scp,
           kaldiio.WriteHelper(f"ark,scp:{out / 'feats.ark'},{out / 'feats.scp'}") as ark):
         for number in range(num_utterances):
             category, digits = grammar.sample(text_rng)
-            speaker = recordings.speakers[int(text_rng.integers(len(recordings.speakers)))]
+            speaker = speakers[int(text_rng.integers(len(speakers)))]
             utt_id = f"{split}-{number:05d}-{speaker}"
             pcm, record = make_utterance(digits, speaker, split, recordings, audio_rng, args)
             features = front_end(pcm.astype(np.float64) / 32768.0)
@@ -267,10 +280,17 @@ class _null:
         return False
 
 
-def check_recordings_in_split(split: str, used: set[str]) -> None:
+def check_recordings_in_split(split: str, used: set[str], speakers: list[str],
+                              test_speaker: str | None = None) -> None:
+    """Every recording used by ``split`` has one of its indices and is spoken by one of its
+    speakers (``speakers``: all speakers of the recordings)."""
+    allowed_indices = split_indices(split, test_speaker)
+    allowed_speakers = split_speakers(split, speakers, test_speaker)
     for name in used:
-        index = int(RECORDING_NAME.fullmatch(name)[3])
-        assert index in SPLITS[split], f"{name} (index {index}) used in the {split} split"
+        match = RECORDING_NAME.fullmatch(name)
+        index, speaker = int(match[3]), match[2]
+        assert index in allowed_indices, f"{name} (index {index}) used in the {split} split"
+        assert speaker in allowed_speakers, f"{name} (speaker {speaker}) used in the {split} split"
 
 
 def main(argv=None) -> None:
@@ -278,10 +298,13 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # gpudecode from this checkout
     from gpudecode.io.frontend import LogMelFrontEnd, LogMelOptions
 
-    check_splits_disjoint()
     started = time.perf_counter()
     front_end = LogMelFrontEnd(LogMelOptions(**FRONT_END))  # raises on an empty mel filter
     recordings = Recordings(args.recordings, int(FRONT_END["sample_rate_hz"]))
+    if args.test_speaker is not None and args.test_speaker not in recordings.speakers:
+        raise SystemExit(f"--test-speaker {args.test_speaker}: not a speaker of {args.recordings} "
+                         f"({', '.join(recordings.speakers)})")
+    check_splits_disjoint(recordings.speakers, args.test_speaker)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "vocab.txt").write_text("\n".join(VOCABULARY) + "\n", encoding="utf-8")
     write_json(args.out / "front_end.json", FRONT_END)
@@ -292,9 +315,11 @@ def main(argv=None) -> None:
     for split in SPLITS:
         result = write_split(split, sizes[split], recordings, front_end, args, seeds[split])
         used[split] = result["recordings"]
-        check_recordings_in_split(split, used[split])
+        check_recordings_in_split(split, used[split], recordings.speakers, args.test_speaker)
+        fold = (f", speakers {','.join(split_speakers(split, recordings.speakers, args.test_speaker))}"
+                if args.test_speaker else "")
         print(f"{split}: {sizes[split]} utterances, {result['num_frames']} frames "
-              f"({result['num_frames'] / 100 / 3600:.2f} h), {len(used[split])} recordings",
+              f"({result['num_frames'] / 100 / 3600:.2f} h), {len(used[split])} recordings{fold}",
               flush=True)
         if split == "train" and result["num_frames"]:
             mean = result["sum"] / result["num_frames"]

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from gpudecode.io import Hypothesis, ResultWriter, UtteranceResult, Vocabulary, merge_words
-from gpudecode.io.writers import _word_spans
 
 LABELS = ["<blank>", "<s>", "</s>", "<unk>", "▁he", "llo", "▁world", "▁a", "b@@", "c", "d",
           "▁", "@@", "x@@y", "e▁f", "▁▁g", 'q"uote', "back\\slash", "é", "日本", "tab\there",
@@ -102,7 +101,7 @@ def _cases() -> list[UtteranceResult]:
             _hyp([-1, 20, 21], frames=[0, 1, 2])]),
         UtteranceResult(id="odd-scorers", nbest=[
             _hyp([4], scores={}), _hyp([5], scores={'50%"x': -1.0, "é": -2.0, "%s": 3.0}),
-            _hyp([6], scores={1: -1.0, True: -2.0, None: 0.5, 2.5: 1.0})]),
+            _hyp([6], scores={1: -1.0, None: 0.5, 2.5: 1.0})]),
         UtteranceResult(id="only-specials", nbest=[_hyp([0, 1, 2], frames=[0, 1, 2])]),
     ]
 
@@ -153,12 +152,3 @@ def test_a_label_outside_the_vocabulary_writes_nothing(tmp_path):
             writer.write(UtteranceResult(id="u", nbest=[_hyp([4, len(LABELS)])]))
     assert (tmp_path / "text").read_text() == "" and (tmp_path / "nbest.jsonl").read_text() == ""
 
-
-@pytest.mark.parametrize("mode", ["none", "sentencepiece", "bpe"])
-def test_word_spans_match_merge_words(mode):
-    alphabet = ["▁", "▁▁", "a", "▁b", "c@@", "@@", "", "d▁e", "x@@y", "f@@@@", "▁@@", " "]
-    rng = random.Random(7)
-    for _ in range(3000):
-        tokens = [rng.choice(alphabet) for _ in range(rng.randint(0, 8))]
-        expected = [(w.text, w.first, w.last) for w in merge_words(tokens, mode)]
-        assert _word_spans(tokens, mode) == expected, tokens

@@ -22,7 +22,7 @@ import numpy as np
 
 from gpudecode import defaults
 from gpudecode.io.errors import ResultFileError
-from gpudecode.io.vocabulary import BPE_CONTINUATION, SENTENCEPIECE_SPACE, Vocabulary
+from gpudecode.io.vocabulary import BPE_CONTINUATION, SENTENCEPIECE_SPACE, Vocabulary, merge_words
 from gpudecode.hypothesis import Hypothesis
 
 
@@ -66,35 +66,6 @@ class _Lookup:
                 words = [w for w in "".join([pieces[i] for i in kept]).split(sentinel) if w]
             rendered.append(_Rendered(labels, frames, kept, kept_frames, words))
         return rendered
-
-
-def _word_spans(tokens: list[str], word_merging: str) -> list[tuple[str, int, int]]:
-    """``merge_words(tokens, word_merging)`` as (text, first, last) tuples (no ``Word``s made)."""
-    if word_merging == "none":
-        return [(t, i, i) for i, t in enumerate(tokens)]
-    spans: list[tuple[str, int, int]] = []
-    text, first, last, started = "", -1, -1, False
-    for i, token in enumerate(tokens):
-        if word_merging == "sentencepiece":
-            if token.startswith(SENTENCEPIECE_SPACE):
-                if text:
-                    spans.append((text, first, last))
-                text, token = "", token[len(SENTENCEPIECE_SPACE):]
-            if token:
-                first = i if not text else first
-                text, last = text + token, i
-        else:  # bpe: a word ends at a token without "@@" (its first token may be an empty piece)
-            continues = token.endswith(BPE_CONTINUATION)
-            piece = token[:-len(BPE_CONTINUATION)] if continues else token
-            first = first if started else i
-            text, last, started = text + piece, i, True
-            if not continues:
-                if text:
-                    spans.append((text, first, last))
-                text, started = "", False
-    if text:
-        spans.append((text, first, last))
-    return spans
 
 
 def _unused_char(labels: Sequence[str]) -> str:
@@ -303,10 +274,10 @@ class ResultWriter:
         best, shift = rendered[0], self.frame_shift_s
         tokens, frames = self._lookup().tokens, best.kept_frames
         lines = []
-        for text, first, last in _word_spans([tokens[i] for i in best.kept], self.word_merging):
-            start, end = frames[first], frames[last]
+        for word in merge_words([tokens[i] for i in best.kept], self.word_merging):
+            start, end = frames[word.first], frames[word.last]
             lines.append(f"{result.id} 1 {start * shift:.3f} {(end - start + 1) * shift:.3f} "
-                         f"{text}\n")
+                         f"{word.text}\n")
         return "".join(lines)
 
     def close(self) -> None:

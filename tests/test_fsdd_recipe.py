@@ -186,3 +186,103 @@ def test_make_data_features_read_back_with_transcript_ids(tiny_data, split):
         assert [vocab[i] for i in label] == words, utt_id
         assert 1 <= len(words) <= 10
         assert grammar.is_valid(grammar.words_to_digits(words))
+
+
+# --- leave-one-speaker-out folds (make_data.py --test-speaker) ---------------------------------
+
+FOLD_SPEAKER = "theo"
+
+
+def _manifest(folder: Path, split: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / split / "manifest.jsonl").read_text().splitlines()]
+
+
+def _used(records: list[dict]) -> list[tuple[str, int]]:
+    """(speaker, recording index) of every recording the records use, from the file names."""
+    out = []
+    for record in records:
+        for name in record["recordings"]:
+            _, speaker, index = name.removesuffix(".wav").split("_")
+            out.append((speaker, int(index)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fold_data(tmp_path_factory) -> Path:
+    if not (FSDD_DIR / "recordings").is_dir():
+        pytest.skip(f"FSDD recordings not found at {FSDD_DIR / 'recordings'}")
+    out = tmp_path_factory.mktemp("fsdd-fold") / "data"
+    subprocess.run(
+        [sys.executable, str(RECIPE_DIR / "make_data.py"), "--recordings", str(FSDD_DIR / "recordings"),
+         "--out", str(out), "--test-speaker", FOLD_SPEAKER, "--num-train", "40", "--num-dev", "24",
+         "--num-test", "10", "--num-lm-sentences", "0", "--wav-splits", ""],
+        check=True, capture_output=True, text=True, cwd=REPO_ROOT)
+    return out
+
+
+def test_fold_rule_speakers_and_indices():
+    speakers = ["george", "jackson", "nicolas", "theo", "yweweler"]
+    assert fsdd_common.split_speakers("test", speakers, "theo") == ["theo"]
+    assert fsdd_common.split_speakers("train", speakers, "theo") == ["george", "jackson", "nicolas", "yweweler"]
+    assert fsdd_common.split_speakers("dev", speakers, "theo") == ["george", "jackson", "nicolas", "yweweler"]
+    assert fsdd_common.split_speakers("test", speakers) == speakers
+    assert list(fsdd_common.split_indices("test", "theo")) == list(range(50))
+    assert list(fsdd_common.split_indices("dev", "theo")) == list(range(10))
+    assert list(fsdd_common.split_indices("train", "theo")) == list(range(10, 50))
+    assert [list(fsdd_common.split_indices(s)) for s in ("train", "dev", "test")] == [
+        list(range(10, 50)), list(range(5, 10)), list(range(5))]
+    with pytest.raises(ValueError, match="not one of"):
+        fsdd_common.split_speakers("test", speakers, "bob")
+
+
+@needs_fsdd
+def test_fold_test_split_is_spoken_only_by_the_test_speaker(fold_data):
+    records = _manifest(fold_data, "test")
+    assert len(records) == 10
+    assert {r["speaker"] for r in records} == {FOLD_SPEAKER}
+    assert all(utt_id.endswith(f"-{FOLD_SPEAKER}") for utt_id in fsdd_common.read_text(fold_data / "test" / "text"))
+    used = _used(records)
+    assert {speaker for speaker, _ in used} == {FOLD_SPEAKER}
+    assert all(0 <= index <= 49 for _, index in used)
+    assert any(index >= 10 for _, index in used)  # every index, not only FSDD's test 0-4
+
+
+@needs_fsdd
+@pytest.mark.parametrize("split, low, high", [("train", 10, 49), ("dev", 0, 9)])
+def test_fold_train_and_dev_never_hear_the_test_speaker(fold_data, split, low, high):
+    records = _manifest(fold_data, split)
+    used = _used(records)
+    assert FOLD_SPEAKER not in {r["speaker"] for r in records}
+    assert FOLD_SPEAKER not in {speaker for speaker, _ in used}
+    assert {speaker for speaker, _ in used} == {"george", "jackson", "nicolas", "yweweler"}
+    assert all(low <= index <= high for _, index in used), sorted({i for _, i in used})
+    if split == "dev":  # the fold's dev also takes indices 0-4 (the seen-speaker split's test)
+        assert any(index < 5 for _, index in used)
+
+
+@needs_fsdd
+def test_fold_splits_share_no_recording(fold_data):
+    used = {split: set(_used(_manifest(fold_data, split))) for split in ("train", "dev", "test")}
+    assert not used["train"] & used["dev"]
+    assert not used["train"] & used["test"]
+    assert not used["dev"] & used["test"]
+
+
+@needs_fsdd
+def test_without_test_speaker_the_index_split_rule_holds(tiny_data):
+    expected = {"train": range(10, 50), "dev": range(5, 10), "test": range(0, 5)}
+    for split, indices in expected.items():
+        used = _used(_manifest(tiny_data, split))
+        assert all(index in indices for _, index in used), split
+    assert len({r["speaker"] for r in _manifest(tiny_data, "train")}) > 1
+
+
+@needs_fsdd
+def test_unknown_test_speaker_is_refused(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(RECIPE_DIR / "make_data.py"), "--recordings", str(FSDD_DIR / "recordings"),
+         "--out", str(tmp_path / "data"), "--test-speaker", "nobody", "--num-train", "2", "--num-dev", "1",
+         "--num-test", "1", "--num-lm-sentences", "0"],
+        capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode != 0
+    assert "--test-speaker nobody: not a speaker" in result.stderr

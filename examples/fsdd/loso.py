@@ -112,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch")
     p.add_argument("--reuse", action="store_true",
                    help="keep a fold's data, checkpoint or export that already exists")
+    p.add_argument("--render-only", action="store_true", help="only rewrite --table from --results")
     args = p.parse_args(argv)
     args.recordings, args.out, args.exp = resolve(args.recordings), resolve(args.out), resolve(args.exp)
     args.results = resolve(args.results) if args.results else args.exp / f"{args.family}-loso.json"
@@ -211,25 +212,31 @@ def markdown(results: dict) -> str:
     folds = results["folds"]
     systems = [s["system"] for s in folds[0]["systems"]]
     lines = [f"Family `{results['family']}`; training: `{results['train_settings']}`.", "",
-             "| test speaker | words | " + " | ".join(systems) + " | train min (epochs, kept) |",
-             "|---|---:|" + "---:|" * len(systems) + "---:|"]
+             "| test speaker | words | " + " | ".join(systems)
+             + " | train min (epochs, kept) | kept dev greedy WER |",
+             "|---|---:|" + "---:|" * len(systems) + "---:|---:|"]
     for f in folds:
         cells = [cell(s["wer"], s["errors"], s["sub"], s["del"], s["ins"]) for s in f["systems"]]
         lines.append(f"| {f['speaker']} | {f['systems'][0]['words']} | " + " | ".join(cells)
-                     + f" | {f['train_minutes_logged']:.1f} ({f['epochs_run']}, {f['kept_epoch']}) |")
+                     + f" | {f['train_minutes_logged']:.1f} ({f['epochs_run']}, {f['kept_epoch']})"
+                     + f" | {100 * f['kept_dev_greedy_wer']:.2f} % |")
     mean = results["summary"]
     lines.append("| **mean** | | " + " | ".join(
         cell(mean[s]["mean_wer"], mean[s]["mean_errors"], mean[s]["mean_sub"], mean[s]["mean_del"],
-             mean[s]["mean_ins"], 1) for s in systems) + " | |")
+             mean[s]["mean_ins"], 1) for s in systems) + " | | |")
     lines.append("| **worst** | | " + " | ".join(
         f"{100 * mean[s]['worst_wer']:.2f} % · {mean[s]['worst_errors']} ({mean[s]['worst_speaker']})"
-        for s in systems) + " | |")
+        for s in systems) + " | | |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     family = FAMILIES[args.family]
+    if args.render_only:
+        args.table.write_text(markdown(json.loads(args.results.read_text(encoding="utf-8"))), encoding="utf-8")
+        print(args.table.read_text(encoding="utf-8"))
+        return
     if not family.ready:
         raise SystemExit(f"--family {family.name}: not wired up yet (see the hook in FAMILIES; it needs "
                          f"the fold's {', '.join(family.needs)} checkpoint and its own model overrides)")

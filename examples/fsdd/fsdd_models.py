@@ -34,6 +34,9 @@ class EncoderOptions:
     freq_mask_width: int = 5
     num_time_masks: int = 2
     time_mask_width: int = 20
+    # Subtract each utterance's mean log-mel vector (over its real frames) inside the model, so
+    # a constant channel or gain offset cancels; the front end stays ``normalisation: none``.
+    utterance_mean: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +64,13 @@ def subsampled_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Frames after the two stride-2, kernel-3 convolutions without padding."""
     return torch.div(torch.div(lengths - 1, 2, rounding_mode="floor") - 1, 2,
                      rounding_mode="floor")
+
+
+def utterance_means(features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, F)`` mean of each utterance's real frames (padded frames excluded)."""
+    real = (torch.arange(features.shape[1], device=features.device)[None, :] < lengths[:, None])
+    real = real.to(features.dtype)[:, :, None]
+    return (features * real).sum(dim=1, keepdim=True) / real.sum(dim=1, keepdim=True).clamp(min=1)
 
 
 def sinusoidal_positions(num_frames: int | torch.Tensor, dim: int,
@@ -148,6 +158,8 @@ class Encoder(nn.Module):
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor):
         """``features`` (B, T, F) float, ``lengths`` (B,) int -> states (B, T', D), (B,) int."""
+        if self.opts.utterance_mean:
+            features = features - utterance_means(features, lengths) + self.mean
         x = (features - self.mean) / self.std
         if self.training:
             x = self.spec_augment(x, lengths)

@@ -8,6 +8,12 @@ Writes ``--exp``/checkpoint.pt (the best dev-loss model: weights, options, vocab
 end) and ``--exp``/log.jsonl (one record per logged step and per epoch: train loss, dev loss,
 dev greedy WER). Losses are CTC negative log-likelihoods in nats per utterance. Stops after
 ``--epochs`` or ``--max-minutes``, whichever comes first.
+
+Optional augmentations of the training features (all off by default; ``Augment``): tempo
+(``--aug-tempo``), a mel-axis shift standing in for vocal-tract length (``--aug-mel-shift``), gain
+(``--aug-gain``) and feature noise (``--aug-noise``); stronger SpecAugment through the
+``--num-*-masks`` / ``--*-mask-width`` options, per-utterance mean normalisation inside the model
+through ``--utterance-mean`` (exported with the model; the front end stays ``normalisation: none``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -54,10 +60,75 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     for f in fields(EncoderOptions):
         if f.name not in ("num_features", "num_labels"):
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+            name = f"--{f.name.replace('_', '-')}"
+            if isinstance(f.default, bool):
+                p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                p.add_argument(name, type=type(f.default), default=f.default)
+    p.add_argument("--aug-tempo", type=float, default=0.0,
+                   help="tempo factor drawn from [1 - x, 1 + x] per utterance (0: off)")
+    p.add_argument("--aug-mel-shift", type=float, default=0.0,
+                   help="mel-axis shift drawn from [-x, x] bins per utterance, interpolated (0: off)")
+    p.add_argument("--aug-gain", type=float, default=0.0,
+                   help="constant drawn from [-x, x] added to the log-mel features (0: off)")
+    p.add_argument("--aug-noise", type=float, default=0.0,
+                   help="std of Gaussian noise added to the log-mel features (0: off)")
     args = p.parse_args(argv)
     args.data, args.exp = resolve(args.data), resolve(args.exp)
+    args.augment = Augment(tempo=args.aug_tempo, mel_shift=args.aug_mel_shift, gain=args.aug_gain,
+                           noise=args.aug_noise)
     return args
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Per-utterance augmentations of raw log-mel features ``(T, F)``; 0 turns one off."""
+
+    tempo: float = 0.0      # frames resampled by a factor in [1 - tempo, 1 + tempo]
+    mel_shift: float = 0.0  # mel axis shifted by [-mel_shift, mel_shift] bins
+    gain: float = 0.0       # constant in [-gain, gain] added (log power: a level change)
+    noise: float = 0.0      # Gaussian noise std
+
+    @property
+    def active(self) -> bool:
+        return any((self.tempo, self.mel_shift, self.gain, self.noise))
+
+    def __call__(self, feats: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """``feats`` augmented (a new float32 array; ``feats`` itself when all are off)."""
+        if not self.active:
+            return feats
+        x = feats
+        if self.tempo:
+            x = change_tempo(x, rng.uniform(1 - self.tempo, 1 + self.tempo))
+        if self.mel_shift:
+            x = shift_mel(x, rng.uniform(-self.mel_shift, self.mel_shift))
+        if self.gain:
+            x = x + np.float32(rng.uniform(-self.gain, self.gain))
+        if self.noise:
+            x = x + rng.normal(0.0, self.noise, x.shape).astype(np.float32)
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def interpolate_rows(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Rows of ``x`` at fractional ``positions`` (clamped to the ends), linearly interpolated."""
+    positions = np.clip(positions, 0, x.shape[0] - 1)
+    low = np.floor(positions).astype(np.int64)
+    high = np.minimum(low + 1, x.shape[0] - 1)
+    w = (positions - low).astype(np.float32)[:, None]
+    return (1 - w) * x[low] + w * x[high]
+
+
+def change_tempo(feats: np.ndarray, factor: float) -> np.ndarray:
+    """``(T, F)`` -> ``(round(T / factor), F)``: the same speech ``factor`` times faster."""
+    t = feats.shape[0]
+    n = max(1, round(t / factor))
+    return interpolate_rows(feats, (np.arange(n) + 0.5) * (t / n) - 0.5)
+
+
+def shift_mel(feats: np.ndarray, shift: float) -> np.ndarray:
+    """Mel bin ``k`` takes the value of bin ``k - shift`` (positive: formants move up)."""
+    f = feats.shape[1]
+    return interpolate_rows(feats.T, np.arange(f) - shift).T
 
 
 def batches(lengths: list[int], batch_frames: int, rng: random.Random | None) -> list[list[int]]:
@@ -142,13 +213,20 @@ def main(argv=None) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{len(train_feats)} train / {len(dev_feats)} dev utterances; {num_params} parameters; "
           f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
+    if args.augment.active:
+        print(f"augmentation: {args.augment}", flush=True)
 
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
     schedule = noam_schedule(optimiser, args.warmup_steps)
     ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
 
+    aug_rng = np.random.default_rng(args.seed)
+
     def batch_loss(ids):
-        x, x_len, y, y_len = collate(train_feats, train_labels, ids, args.device)
+        feats = train_feats
+        if args.augment.active:
+            feats = {i: args.augment(train_feats[i], aug_rng) for i in ids}
+        x, x_len, y, y_len = collate(feats, train_labels, ids, args.device)
         log_probs, out_len = model(x, x_len)
         loss = ctc(log_probs.transpose(0, 1), y, out_len, y_len)
         return loss, loss

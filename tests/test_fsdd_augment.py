@@ -1,0 +1,109 @@
+"""The FSDD CTC recipe's training augmentations (examples/fsdd/train_ctc.py ``Augment``) and the
+encoder's per-utterance mean option. Training utilities: they need torch, which CI does not
+install, so this module is skipped there (run it with an interpreter that has torch)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "examples" / "fsdd"
+if str(RECIPE_DIR) not in sys.path:
+    sys.path.insert(0, str(RECIPE_DIR))
+
+from fsdd_models import CtcModel, EncoderOptions  # noqa: E402
+from train_ctc import Augment, change_tempo, parse_args, shift_mel  # noqa: E402
+
+
+def _feats(t=57, f=40, seed=0):
+    return np.random.default_rng(seed).normal(-6.0, 3.0, (t, f)).astype(np.float32)
+
+
+def test_default_is_off_and_identity():
+    args = parse_args(["--data", "x"])
+    assert args.augment == Augment() and not args.augment.active
+    assert args.utterance_mean is False
+    feats = _feats()
+    rng = np.random.default_rng(3)
+    state = rng.bit_generator.state
+    assert args.augment(feats, rng) is feats
+    assert rng.bit_generator.state == state  # draws nothing either
+
+
+def test_options_parse():
+    args = parse_args(["--aug-tempo", "0.1", "--aug-mel-shift", "2", "--aug-gain", "1.5", "--aug-noise", "0.2",
+                       "--utterance-mean"])
+    assert args.augment == Augment(tempo=0.1, mel_shift=2.0, gain=1.5, noise=0.2) and args.augment.active
+    assert args.utterance_mean is True
+
+
+@pytest.mark.parametrize("factor", [0.9, 0.95, 1.0, 1.05, 1.1])
+def test_tempo_frame_count_and_shape(factor):
+    feats = _feats(t=83)
+    out = change_tempo(feats, factor)
+    assert out.shape == (round(83 / factor), 40) and out.dtype == np.float32
+
+
+def test_tempo_one_is_identity_and_resamples_a_ramp():
+    feats = _feats()
+    np.testing.assert_allclose(change_tempo(feats, 1.0), feats)
+    ramp = np.repeat(np.arange(40, dtype=np.float32)[:, None], 3, axis=1)  # frame k holds k
+    slow = change_tempo(ramp, 0.8)  # 50 frames over the same span: frame j at (j + 0.5) * 0.8 - 0.5
+    expected = np.clip((np.arange(50) + 0.5) * 0.8 - 0.5, 0, 39)
+    np.testing.assert_allclose(slow[:, 0], expected, atol=1e-5)
+
+
+def test_mel_shift_moves_bins():
+    feats = _feats()
+    np.testing.assert_array_equal(shift_mel(feats, 2.0)[:, 2:], feats[:, :-2])
+    np.testing.assert_array_equal(shift_mel(feats, 2.0)[:, :2], feats[:, [0, 0]])  # edge held
+    np.testing.assert_allclose(shift_mel(feats, 0.5)[:, 1:], 0.5 * (feats[:, 1:] + feats[:, :-1]), rtol=1e-6)
+    assert shift_mel(feats, 1.3).shape == feats.shape and shift_mel(feats, 1.3).dtype == np.float32
+
+
+def test_gain_and_noise_alone():
+    feats = _feats()
+    gained = Augment(gain=2.0)(feats, np.random.default_rng(5))
+    offset = gained - feats
+    assert np.ptp(offset) < 1e-5 and 0 < abs(offset[0, 0]) <= 2.0
+    noisy = Augment(noise=0.5)(feats, np.random.default_rng(5))
+    assert noisy.shape == feats.shape and noisy.dtype == np.float32
+    assert 0.4 < float(np.std(noisy - feats)) < 0.6
+
+
+def test_all_together_deterministic_under_seed():
+    aug = Augment(tempo=0.1, mel_shift=1.5, gain=2.0, noise=0.3)
+    feats = _feats(t=100)
+    a = aug(feats, np.random.default_rng(11))
+    b = aug(feats, np.random.default_rng(11))
+    c = aug(feats, np.random.default_rng(12))
+    np.testing.assert_array_equal(a, b)
+    assert a.dtype == np.float32 and a.shape[1] == 40 and 90 <= a.shape[0] <= 112
+    assert a.shape != c.shape or not np.array_equal(a, c)
+    np.testing.assert_array_equal(feats, _feats(t=100))  # input untouched
+
+
+def _model(utterance_mean):
+    torch.manual_seed(0)
+    opts = EncoderOptions(num_features=40, num_labels=12, num_layers=1, utterance_mean=utterance_mean)
+    return CtcModel(opts, np.full(40, -6.0), np.full(40, 3.0)).eval()
+
+
+def test_utterance_mean_cancels_a_constant_offset_and_ignores_padding():
+    model, plain = _model(True), _model(False)
+    feats = torch.from_numpy(_feats(t=60))[None]
+    lengths = torch.tensor([60])
+    with torch.no_grad():
+        base, _ = model(feats, lengths)
+        shifted, _ = model(feats + 2.5, lengths)
+        padded, _ = model(torch.cat([feats, torch.full((1, 20, 40), 9.0)], dim=1), lengths)
+        plain_base, _ = plain(feats, lengths)
+        plain_shifted, _ = plain(feats + 2.5, lengths)
+    torch.testing.assert_close(shifted, base, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(padded[:, : base.shape[1]], base, atol=1e-4, rtol=1e-4)
+    assert float((plain_shifted - plain_base).abs().max()) > 1e-2  # without the option it does not

@@ -1,6 +1,5 @@
-"""The FSDD CTC recipe's training augmentations (examples/fsdd/train_ctc.py ``Augment``) and the
-encoder's per-utterance mean option. Training utilities: they need torch, which CI does not
-install, so this module is skipped there (run it with an interpreter that has torch)."""
+"""The FSDD CTC recipe's training augmentations (examples/fsdd/fsdd_augment.py, numpy) and, where
+torch is installed (not in CI), train_ctc.py's options and the encoder's per-utterance mean."""
 
 from __future__ import annotations
 
@@ -10,14 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "examples" / "fsdd"
 if str(RECIPE_DIR) not in sys.path:
     sys.path.insert(0, str(RECIPE_DIR))
 
-from fsdd_models import CtcModel, EncoderOptions  # noqa: E402
-from train_ctc import Augment, change_tempo, parse_args, shift_mel  # noqa: E402
+from fsdd_augment import Augment, change_tempo, shift_mel  # noqa: E402
+
+
+def _parse_args(argv):
+    pytest.importorskip("torch")
+    from train_ctc import parse_args
+
+    return parse_args(argv)
 
 
 def _feats(t=57, f=40, seed=0):
@@ -25,7 +28,7 @@ def _feats(t=57, f=40, seed=0):
 
 
 def test_default_is_off_and_identity():
-    args = parse_args(["--data", "x"])
+    args = _parse_args(["--data", "x"])
     assert args.augment == Augment() and not args.augment.active
     assert args.utterance_mean is False
     feats = _feats()
@@ -36,7 +39,7 @@ def test_default_is_off_and_identity():
 
 
 def test_options_parse():
-    args = parse_args(["--aug-tempo", "0.1", "--aug-mel-shift", "2", "--aug-gain", "1.5", "--aug-noise", "0.2",
+    args = _parse_args(["--aug-tempo", "0.1", "--aug-mel-shift", "2", "--aug-gain", "1.5", "--aug-noise", "0.2",
                        "--utterance-mean"])
     assert args.augment == Augment(tempo=0.1, mel_shift=2.0, gain=1.5, noise=0.2) and args.augment.active
     assert args.utterance_mean is True
@@ -88,14 +91,17 @@ def test_all_together_deterministic_under_seed():
     np.testing.assert_array_equal(feats, _feats(t=100))  # input untouched
 
 
-def _model(utterance_mean):
+def _model(torch, utterance_mean):
+    from fsdd_models import CtcModel, EncoderOptions
+
     torch.manual_seed(0)
     opts = EncoderOptions(num_features=40, num_labels=12, num_layers=1, utterance_mean=utterance_mean)
     return CtcModel(opts, np.full(40, -6.0), np.full(40, 3.0)).eval()
 
 
 def test_utterance_mean_cancels_a_constant_offset_and_ignores_padding():
-    model, plain = _model(True), _model(False)
+    torch = pytest.importorskip("torch")
+    model, plain = _model(torch, True), _model(torch, False)
     feats = torch.from_numpy(_feats(t=60))[None]
     lengths = torch.tensor([60])
     with torch.no_grad():

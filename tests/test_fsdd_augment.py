@@ -113,3 +113,75 @@ def test_utterance_mean_cancels_a_constant_offset_and_ignores_padding():
     torch.testing.assert_close(shifted, base, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(padded[:, : base.shape[1]], base, atol=1e-4, rtol=1e-4)
     assert float((plain_shifted - plain_base).abs().max()) > 1e-2  # without the option it does not
+
+
+# --- a held-out dev speaker (train_ctc.py --hold-out-speaker; fsdd_common, numpy only) -------------
+
+import fsdd_common  # noqa: E402
+
+_SPEAKERS = ["theo", "nicolas", "jackson", "theo", "yweweler", "jackson", "nicolas", "jackson"]
+_IDS = [f"train-{i:05d}-{s}" for i, s in enumerate(_SPEAKERS)]
+
+
+def test_hold_out_speaker_splits_by_the_last_id_part():
+    kept, held = fsdd_common.hold_out_speaker(_IDS, "jackson")
+    assert held == [2, 5, 7]
+    assert kept == [0, 1, 3, 4, 6]
+    assert fsdd_common.utterance_speaker("dev-00012-george") == "george"
+
+
+@pytest.mark.parametrize("speaker, message", [("george", "no utterance"), ("jack", "no utterance")])
+def test_hold_out_speaker_without_utterances_is_an_error(speaker, message):
+    with pytest.raises(ValueError, match=message):
+        fsdd_common.hold_out_speaker(_IDS, speaker)
+
+
+def test_hold_out_the_only_speaker_is_an_error():
+    with pytest.raises(ValueError, match="nothing left"):
+        fsdd_common.hold_out_speaker(["train-00000-theo", "train-00001-theo"], "theo")
+
+
+def test_frame_stats_match_numpy_over_all_frames():
+    feats = [_feats(t, 40, seed) for t, seed in ((5, 1), (17, 2), (9, 3))]
+    stats = fsdd_common.frame_stats(feats)
+    frames = np.vstack(feats)
+    np.testing.assert_allclose(stats["mean"], frames.mean(axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats["std"], frames.std(axis=0), rtol=1e-4, atol=1e-5)
+
+
+def _fake_fold(tmp_path, monkeypatch):
+    """A fold folder with stats.npz and load_hdf5_split answering from memory (no h5py)."""
+    rng = np.random.default_rng(5)
+    splits = {
+        "train": (_IDS, [rng.normal(i, 1.0, (4 + i, 3)).astype(np.float32) for i in range(len(_IDS))],
+                  [np.array([2 + i % 10]) for i in range(len(_IDS))]),
+        "dev": (["dev-00000-theo"], [np.zeros((3, 3), np.float32)], [np.array([5])]),
+    }
+    np.savez(tmp_path / "stats.npz", mean=np.full(3, 7.0), std=np.full(3, 2.0))
+    monkeypatch.setattr(fsdd_common, "load_hdf5_split", lambda path: splits[path.parent.name])
+    return splits
+
+
+def test_load_training_data_holds_the_speaker_out(tmp_path, monkeypatch):
+    splits = _fake_fold(tmp_path, monkeypatch)
+    train_f, train_l, dev_f, dev_l, stats = fsdd_common.load_training_data(tmp_path, held_out_speaker="jackson")
+    _, feats, labels = splits["train"]
+    jackson = [i for i, s in enumerate(_SPEAKERS) if s == "jackson"]
+    others = [i for i, s in enumerate(_SPEAKERS) if s != "jackson"]
+    assert [f is feats[i] for f, i in zip(dev_f, jackson)] == [True] * 3 and len(dev_f) == 3
+    assert [int(x[0]) for x in dev_l] == [int(labels[i][0]) for i in jackson]
+    assert len(train_f) == 5 and all(any(f is feats[i] for i in others) for f in train_f)
+    # the stats come from the kept training frames, not from stats.npz (which saw the speaker)
+    np.testing.assert_allclose(stats["mean"], np.vstack([feats[i] for i in others]).mean(axis=0), rtol=1e-5)
+
+
+def test_load_training_data_default_reads_dev_split_and_stats(tmp_path, monkeypatch):
+    _fake_fold(tmp_path, monkeypatch)
+    train_f, _, dev_f, _, stats = fsdd_common.load_training_data(tmp_path)
+    assert len(train_f) == len(_IDS) and len(dev_f) == 1
+    np.testing.assert_array_equal(stats["mean"], np.full(3, 7.0))
+
+
+def test_hold_out_speaker_option_default_none():
+    assert _parse_args(["--data", "x"]).hold_out_speaker is None
+    assert _parse_args(["--data", "x", "--hold-out-speaker", "jackson"]).hold_out_speaker == "jackson"

@@ -107,13 +107,51 @@ def load_hdf5_split(path: Path) -> tuple[list[str], list[np.ndarray], list[np.nd
     return tags, feats, labels
 
 
-def load_training_data(data: Path, max_train: int | None = None, max_dev: int | None = None):
+def utterance_speaker(utt_id: str) -> str:
+    """The speaker of an utterance id such as ``train-00012-george`` (its last ``-`` part)."""
+    return utt_id.rsplit("-", 1)[-1]
+
+
+def hold_out_speaker(utt_ids: list[str], speaker: str) -> tuple[list[int], list[int]]:
+    """``(kept, held)``: indices of ``utt_ids`` not spoken by ``speaker`` and of those that are,
+    each in the given order. Raises ValueError when ``speaker`` has no utterance or every one."""
+    held = [i for i, u in enumerate(utt_ids) if utterance_speaker(u) == speaker]
+    kept = [i for i, u in enumerate(utt_ids) if utterance_speaker(u) != speaker]
+    if not held:
+        speakers = sorted({utterance_speaker(u) for u in utt_ids})
+        raise ValueError(f"hold-out speaker {speaker!r} has no utterance; speakers: {speakers}")
+    if not kept:
+        raise ValueError(f"hold-out speaker {speaker!r} speaks every utterance; nothing left to train on")
+    return kept, held
+
+
+def frame_stats(feats: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """``{"mean", "std"}`` (F,) over every frame of ``feats``, as make_data.py's stats.npz."""
+    frames = np.concatenate(feats).astype(np.float64)
+    mean = frames.mean(axis=0)
+    std = np.sqrt(np.maximum((frames**2).mean(axis=0) - mean**2, 1e-8))
+    return {"mean": mean.astype(np.float32), "std": std.astype(np.float32)}
+
+
+def load_training_data(data: Path, max_train: int | None = None, max_dev: int | None = None,
+                       held_out_speaker: str | None = None):
     """(train features, train labels, dev features, dev labels, normalisation stats) of
-    make_data.py's output, the splits cut to their first ``max_train`` / ``max_dev`` utterances."""
-    _, train_feats, train_labels = load_hdf5_split(data / "train" / "feats.h5")
-    _, dev_feats, dev_labels = load_hdf5_split(data / "dev" / "feats.h5")
+    make_data.py's output, the splits cut to their first ``max_train`` / ``max_dev`` utterances.
+
+    With ``held_out_speaker``, train drops that speaker's utterances and dev is those utterances
+    (from the train split; the dev split is not read), and the stats are recomputed from the
+    kept training features, so nothing of that speaker reaches the model."""
+    train_ids, train_feats, train_labels = load_hdf5_split(data / "train" / "feats.h5")
+    if held_out_speaker is None:
+        _, dev_feats, dev_labels = load_hdf5_split(data / "dev" / "feats.h5")
+        stats = np.load(data / "stats.npz")
+    else:
+        kept, held = hold_out_speaker(train_ids, held_out_speaker)
+        dev_feats, dev_labels = [train_feats[i] for i in held], [train_labels[i] for i in held]
+        train_feats, train_labels = [train_feats[i] for i in kept], [train_labels[i] for i in kept]
+        stats = frame_stats(train_feats)
     return (train_feats[:max_train], train_labels[:max_train], dev_feats[:max_dev], dev_labels[:max_dev],
-            np.load(data / "stats.npz"))
+            stats)
 
 
 def write_json(path: Path, obj) -> None:

@@ -14,6 +14,10 @@ Optional augmentations of the training features (all off by default; ``Augment``
 (``--aug-gain``) and feature noise (``--aug-noise``); stronger SpecAugment through the
 ``--num-*-masks`` / ``--*-mask-width`` options, per-utterance mean normalisation inside the model
 through ``--utterance-mean`` (exported with the model; the front end stays ``normalisation: none``).
+
+``--hold-out-speaker NAME`` (a dev speaker the model never heard): training drops NAME's
+utterances, the dev set (checkpoint choice, dev WER) is NAME's utterances of the train split, and
+the normalisation statistics come from the kept training features instead of stats.npz.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-train-utterances", type=int, default=None,
                    help="use only the first N training utterances (smoke runs)")
     p.add_argument("--max-dev-utterances", type=int, default=None)
+    p.add_argument("--hold-out-speaker", default=None, metavar="NAME",
+                   help="train without NAME's utterances and use them (from the train split) as the "
+                        "dev set, in place of the dev split: a speaker the model never heard")
     p.add_argument("--batch-frames", type=int, default=20000,
                    help="at most this many padded feature frames per batch")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (Adam)")
@@ -155,7 +162,11 @@ def main(argv=None) -> None:
         raise SystemExit(f"{args.data / 'vocab.txt'}: {vocab}; expected {list(VOCABULARY)}")
     blank = VOCABULARY.index(BLANK)
     train_feats, train_labels, dev_feats, dev_labels, stats = load_training_data(
-        args.data, args.max_train_utterances, args.max_dev_utterances)
+        args.data, args.max_train_utterances, args.max_dev_utterances, args.hold_out_speaker)
+    if args.hold_out_speaker:
+        print(f"held-out dev speaker {args.hold_out_speaker}: {len(dev_feats)} of its train-split "
+              f"utterances as dev, {len(train_feats)} other utterances trained on; normalisation "
+              f"stats from those", flush=True)
     opts = EncoderOptions(num_features=train_feats[0].shape[1], num_labels=len(VOCABULARY),
                           **{f.name: getattr(args, f.name) for f in fields(EncoderOptions)
                              if f.name not in ("num_features", "num_labels")})

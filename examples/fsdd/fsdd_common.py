@@ -125,11 +125,17 @@ def hold_out_speaker(utt_ids: list[str], speaker: str) -> tuple[list[int], list[
     return kept, held
 
 
+def mean_std(total: np.ndarray, squares: np.ndarray, num_frames: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-feature mean and std from the sums of the frames and of their squares (the variance
+    floored at 1e-8): the models' normalisation statistics (stats.npz)."""
+    mean = total / num_frames
+    return mean, np.sqrt(np.maximum(squares / num_frames - mean**2, 1e-8))
+
+
 def frame_stats(feats: list[np.ndarray]) -> dict[str, np.ndarray]:
     """``{"mean", "std"}`` (F,) over every frame of ``feats``, as make_data.py's stats.npz."""
     frames = np.concatenate(feats).astype(np.float64)
-    mean = frames.mean(axis=0)
-    std = np.sqrt(np.maximum((frames**2).mean(axis=0) - mean**2, 1e-8))
+    mean, std = mean_std(frames.sum(axis=0), (frames**2).sum(axis=0), frames.shape[0])
     return {"mean": mean.astype(np.float32), "std": std.astype(np.float32)}
 
 

@@ -51,6 +51,7 @@ from fsdd_common import (
     LICENSE_NOTE,
     SPLITS,
     VOCABULARY,
+    mean_std,
     resolve,
     split_indices,
     split_speakers,
@@ -322,8 +323,7 @@ def main(argv=None) -> None:
               f"({result['num_frames'] / 100 / 3600:.2f} h), {len(used[split])} recordings{fold}",
               flush=True)
         if split == "train" and result["num_frames"]:
-            mean = result["sum"] / result["num_frames"]
-            std = np.sqrt(np.maximum(result["sq_sum"] / result["num_frames"] - mean**2, 1e-8))
+            mean, std = mean_std(result["sum"], result["sq_sum"], result["num_frames"])
             np.savez(args.out / "stats.npz", mean=mean, std=std)
     for a, b in itertools.combinations(SPLITS, 2):
         common = used[a] & used[b]

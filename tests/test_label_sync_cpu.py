@@ -146,15 +146,20 @@ def test_compiled_search_equals_the_array_search(seed, settings, continuous):
     scores, truncation), the compiled selection having run every step."""
     tables = random_tables(seed, len(LIMITS), V, EOS, eos_bias=1.0)
     options = LabelSyncOptions(beam_size=BEAM, sentence_end=EOS, max_labels_per_input=1.0, nbest=BEAM, **settings)
+    _compiled_equals_arrays(tables, options, continuous, select_separate)
 
+
+def _compiled_equals_arrays(tables, options, continuous, array_selection):
+    """The search with the array selection (``array_selection`` runs) and compiled (it does not)
+    gives identical n-best lists."""
     def search(tuning):
         return label_sync_search([("lm", TrigramTableScorer(V), 1.0), ("twice", TrigramTableScorer(V), 0.5)],
                                  table_batch(tables), options, max_active_utterances=continuous, tuning=tuning)
 
-    with calls_of(select_separate) as calls:
+    with calls_of(array_selection) as calls:
         expected = search(ARRAYS)
     assert calls, "the array version did not run"
-    with calls_of(select_separate) as calls:
+    with calls_of(array_selection) as calls:
         got = search(COMPILED)
     assert not calls, "the compiled selection did not run"
     assert _nbest(got) == _nbest(expected)
@@ -218,15 +223,4 @@ def test_compiled_in_beam_step_equals_the_array_step(settings, beam_size, specia
 def test_compiled_in_beam_search_equals_the_array_search(beam_size, settings, continuous):
     tables = random_tables(3, len(LIMITS), V, EOS, eos_bias=0.5)
     options = LabelSyncOptions(beam_size=beam_size, sentence_end=EOS, max_labels_per_input=1.0, **settings)
-
-    def search(tuning):
-        return label_sync_search([("lm", TrigramTableScorer(V), 1.0), ("twice", TrigramTableScorer(V), 0.5)],
-                                 table_batch(tables), options, max_active_utterances=continuous, tuning=tuning)
-
-    with calls_of(select) as calls:
-        expected = search(ARRAYS)
-    assert calls, "the array version did not run"
-    with calls_of(select) as calls:
-        got = search(COMPILED)
-    assert not calls, "the compiled selection did not run"
-    assert _nbest(got) == _nbest(expected)
+    _compiled_equals_arrays(tables, options, continuous, select)

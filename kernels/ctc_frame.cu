@@ -1,9 +1,11 @@
-// The CTC prefix beam search without label scorers, every frame of every utterance in ONE launch
-// (gpudecode/search/ctc_frame.py; the array version is _PrefixSearch in gpudecode/search/ctc.py):
-// one thread block per utterance loops over the frames — utterances never interact — with the
-// lanes' state in shared memory. A full frame is candidates, recombination with the collision
-// check, score threshold, top-beam and the new lanes; a blank-only frame (every active utterance
-// skips it) only moves all mass to the blank ending.
+// The CTC prefix beam search (gpudecode/search/ctc_frame.py; the array version is _PrefixSearch in
+// gpudecode/search/ctc.py): one thread block per utterance loops over the frames [frame_begin,
+// frame_end) — utterances never interact — with the lanes' state in shared memory. A full frame is
+// candidates, recombination with the collision check, score threshold, top-beam and the new lanes;
+// a blank-only frame (every active utterance skips it) only moves all mass to the blank ending.
+// Without label scorers every frame is one launch; with scorers (lm_term not null) a launch ends
+// with one full frame, ranked with the scorers' terms, and says per new lane where it came from, so
+// that the host can run the scorers on the lanes that emitted before the next full frame.
 //
 // Memory layout
 // -------------
@@ -24,6 +26,15 @@
 //               packed keys, with per-thread lists in registers as the fallback; see top_labels_rows)
 //   top_values  [U, T, num_top] float32 or null: their log-probs
 //   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
+//   frame_begin, frame_end, full_begin: the frames this launch searches and the index k of the first
+//               full frame among them (the emission nodes' offset)
+//   with scorers (all null without; then the launch's frames hold at most one full frame):
+//     lm_term   [N, V] float32: Σ scale · score of label v after lane i's prefix (the scorers' cache)
+//     lm_total  [N] float32: Σ scale · score of lane i's prefix so far
+//     candidates then rank (extension + lm_total) + lm_term and stay + lm_total; the new lanes' path
+//     scores are without them. Written for the full frame, per new lane b:
+//     new_parent [N] int64 the lane it continues; new_label [N] int64 the label it emitted, -1 none;
+//     new_transition [N] int8 0 label, 1 blank, 2 loop (the stay's label ending outweighs its blank)
 //
 // Per block: one thread per lane for the state and the recombination (a serial walk of the
 // emission tree per hash-equal pair); the frame's log-prob row is staged in dynamic shared memory
@@ -81,7 +92,10 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
                   long long* __restrict__ node_label, int compare_steps, int has_threshold, float threshold,
                   long long hash_multiplier, long long hash_modulus, unsigned char* __restrict__ unresolved,
                   int row_in_shared, const int* __restrict__ top_labels, const float* __restrict__ top_values,
-                  int num_top) {
+                  int num_top, int frame_begin, int frame_end, long long full_begin,
+                  const float* __restrict__ lm_term, const float* __restrict__ lm_total,
+                  long long* __restrict__ new_parent, long long* __restrict__ new_label,
+                  signed char* __restrict__ new_transition) {
     __shared__ Lanes cur, next;
     __shared__ float s_total[CTC_MAX_BEAM], s_stay_blank[CTC_MAX_BEAM], s_stay_label[CTC_MAX_BEAM];
     __shared__ float s_x_last[CTC_MAX_BEAM];  // x(last label), lane by lane
@@ -113,8 +127,9 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     }
     __syncthreads();
 
-    long long full_index = 0;  // k: full frames so far
-    for (int t = 0; t < num_frames; ++t) {
+    const bool lm = lm_term != nullptr;
+    long long full_index = full_begin;  // k: full frames so far
+    for (int t = frame_begin; t < frame_end; ++t) {
         const int kind = frame_kinds[t];
         if (kind == 0) continue;
         Frame frame;
@@ -208,6 +223,12 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
 
         if (full_scan) {
             auto candidate = [&](int i, int v) -> float {  // column c = i * V + v
+                if (lm) {  // ranked with the scorers: (emit + lm_total) + lm_term, stay + lm_total
+                    const long long lane = first + i;
+                    if (v == blank) return stay(i) + lm_total[lane];
+                    if (killed(i, v)) return neg_inf();
+                    return (emit_x(i, v, frame.x(v)) + lm_total[lane]) + lm_term[lane * vocab_size + v];
+                }
                 if (v == blank) return stay(i);
                 return killed(i, v) ? neg_inf() : emit_x(i, v, frame.x(v));
             };
@@ -253,6 +274,12 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             next.hash[b] = stays ? cur.hash[p] : (cur.hash[p] * hash_multiplier + label + 1) % hash_modulus;
             next.last[b] = stays ? cur.last[p] : (long long)label;
             next.length[b] = cur.length[p] + (stays ? 0 : 1);
+            if (lm) {  // the chosen value holds the scorers' terms: the prefix's own path score without them
+                if (!stays) next.label[b] = emit_x(p, label, frame.x(label));
+                new_parent[first + b] = first + p;
+                new_label[first + b] = stays ? -1 : (long long)label;
+                new_transition[first + b] = !stays ? 0 : (s_stay_label[p] > s_stay_blank[p] ? 2 : 1);
+            }
         }
         __syncthreads();
         if (i_own < beam) {
@@ -288,11 +315,16 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         long long* __restrict__ node_parent, long long* __restrict__ node_label, int compare_steps,       \
         int has_threshold, float threshold, long long hash_multiplier, long long hash_modulus,            \
         unsigned char* __restrict__ unresolved, int row_in_shared, const int* __restrict__ top_labels,     \
-        const float* __restrict__ top_values, int num_top) {                                              \
+        const float* __restrict__ top_values, int num_top, int frame_begin, int frame_end,                \
+        long long full_begin, const float* __restrict__ lm_term, const float* __restrict__ lm_total,      \
+        long long* __restrict__ new_parent, long long* __restrict__ new_label,                            \
+        signed char* __restrict__ new_transition) {                                                       \
         prefix_frames<KEPT>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
                             blank_logp, label_logp, last, length, hash, prev_hash, node, node_parent,     \
                             node_label, compare_steps, has_threshold, threshold, hash_multiplier,         \
-                            hash_modulus, unresolved, row_in_shared, top_labels, top_values, num_top);    \
+                            hash_modulus, unresolved, row_in_shared, top_labels, top_values, num_top,     \
+                            frame_begin, frame_end, full_begin, lm_term, lm_total, new_parent,            \
+                            new_label, new_transition);                                                   \
     }
 CTC_ENTRY(8)
 CTC_ENTRY(16)

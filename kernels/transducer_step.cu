@@ -1,5 +1,5 @@
-// The selection of one transducer symbol step without label scorers, for every utterance in ONE
-// launch (gpudecode/search/transducer_step.py; the array version is _TransducerSearch._select in
+// The selection of one transducer symbol step (with or without label scorers' terms), for every
+// utterance in ONE launch (gpudecode/search/transducer_step.py; the array version is _TransducerSearch._select in
 // gpudecode/search/transducer.py): one thread block per utterance — utterances never interact.
 // Stays (blank, or the lane as it is when done) and emissions; with s > 0 the merge of lanes that
 // spell the same sequence; on the last symbol step of a frame the merge of an extension into the
@@ -14,6 +14,11 @@
 //               every lane; older nodes are only read
 //   parents, labels [N] int64, alive, emitted [N] uint8: the selection, for the prediction network
 //   unresolved  [1] uint8: set to 1 when a hash-equal pair stays undecided after compare_steps
+//   with label scorers (both null without):
+//     lm_term   [N, V] float32: Σ scale · score of label v after lane i's sequence (the scorers' cache)
+//     lm_total  [N] float32: Σ scale · score of lane i's sequence so far
+//     candidates then rank (emission + lm_total) + lm_term and stay + lm_total; the lanes' scores
+//     stay without them
 //
 // Per block: one thread per lane for the stays and both merges (a serial walk of the emission tree
 // per hash-equal pair); every thread scans a strided share of the beam * V candidates keeping its
@@ -43,7 +48,7 @@ __device__ __forceinline__ void select_step(
     int forced, int compare_steps, int has_threshold, float threshold, int combine_max,
     long long hash_multiplier, long long hash_modulus, long long* __restrict__ parents,
     long long* __restrict__ labels, unsigned char* __restrict__ alive_out, unsigned char* __restrict__ emitted_out,
-    unsigned char* __restrict__ unresolved) {
+    unsigned char* __restrict__ unresolved, const float* __restrict__ lm_term, const float* __restrict__ lm_total) {
     __shared__ Lanes cur;
     __shared__ float s_stay[TRANSDUCER_MAX_BEAM], s_next_stay[TRANSDUCER_MAX_BEAM];
     __shared__ long long s_stay_node[TRANSDUCER_MAX_BEAM], s_next_stay_node[TRANSDUCER_MAX_BEAM];
@@ -154,10 +159,12 @@ __device__ __forceinline__ void select_step(
     if (undecided_any) unresolved[0] = 1;
     __syncthreads();
 
+    const bool lm = lm_term != nullptr;
     auto candidate = [&](int i, int v) -> float {  // column c = i * V + v
-        if (v == blank) return s_stay[i];
+        if (v == blank) return lm ? s_stay[i] + lm_total[first + i] : s_stay[i];
         for (int j = 0; j < beam; ++j)
             if (s_kill_lane[j] == i && s_kill_label[j] == v) return neg_inf();
+        if (lm) return (emit(i, v) + lm_total[first + i]) + lm_term[(first + i) * vocab_size + v];
         return emit(i, v);
     };
 
@@ -202,11 +209,12 @@ __device__ __forceinline__ void select_step(
         int combine_max, long long hash_multiplier, long long hash_modulus,                               \
         long long* __restrict__ parents, long long* __restrict__ labels,                                  \
         unsigned char* __restrict__ alive_out, unsigned char* __restrict__ emitted_out,                   \
-        unsigned char* __restrict__ unresolved) {                                                         \
+        unsigned char* __restrict__ unresolved, const float* __restrict__ lm_term,                        \
+        const float* __restrict__ lm_total) {                                                             \
         select_step<KEPT>(logp, vocab_size, blank, beam, score, done, node, last, length, hash,           \
                           prev_hash, node_parent, node_label, base, merge_done, forced, compare_steps,    \
                           has_threshold, threshold, combine_max, hash_multiplier, hash_modulus, parents,  \
-                          labels, alive_out, emitted_out, unresolved);                                    \
+                          labels, alive_out, emitted_out, unresolved, lm_term, lm_total);                 \
     }
 TRANSDUCER_ENTRY(8)
 TRANSDUCER_ENTRY(16)

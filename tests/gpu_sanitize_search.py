@@ -1,5 +1,5 @@
 """Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu, label_step.cu,
-score_maxima.cu, ctc_prefix_score.cu) for compute-sanitizer, with CuPy's memory pool disabled. Run on the GPU machine::
+score_maxima.cu, ctc_prefix_score.cu; ctc_frame.cu with and without label scorers) for compute-sanitizer, with CuPy's memory pool disabled. Run on the GPU machine::
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
     compute-sanitizer --tool initcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
@@ -73,10 +73,12 @@ def main() -> int:
     from tests.test_ctc_prefix_kernel import mismatches as ctc_prefix_mismatches
     from tests.test_ctc_prefix_kernel import search_mismatch
     from tests.test_score_maxima import mismatches as maxima_mismatches
+    from tests.test_ctc_frame_scorers import mismatches as scorer_frame_mismatches
 
     for name, problems in (("non-finite maxima", maxima_mismatches(cupy)),
                            ("ctc-prefix scorer", ctc_prefix_mismatches(cupy, exact=False)),
-                           ("joint CTC/attention search", [m for m in [search_mismatch(cupy)] if m])):
+                           ("joint CTC/attention search", [m for m in [search_mismatch(cupy)] if m]),
+                           ("CTC prefix search with scorers", scorer_frame_mismatches(cupy, exact=False))):
         if problems:
             print(f"MISMATCH: {name}: {problems[:3]}", file=sys.stderr)
             return 2

@@ -9,6 +9,7 @@ from gpudecode.search import transducer as transducer_module
 from gpudecode.search.stats import SearchStats
 from gpudecode.testing.search_reference import select_reference
 from gpudecode.search.tuning import SearchTuning
+from tests.test_ctc_prefix_kernel import _emulate, needs_gxx
 from tests.test_ctc_search import assert_same_nbest
 from tests.test_transducer_search import make_models, random_encoder_states
 
@@ -99,3 +100,54 @@ def test_kernel_selection_on_larger_inputs_equals_the_array_version():
         assert [[h.labels for h in n] for n in got] == [[h.labels for h in n] for n in expected]
         worst = max(abs(a.score - b.score) for n, m in zip(got, expected) for a, b in zip(n, m))
         assert worst < 1e-3, worst
+
+
+def scorer_mismatches(xp, exact: bool = True, prediction_device: str = "cpu") -> list[str]:
+    """Per case of CASES (plus two scorers, one at scale 0) where the search with bigram LM scorers
+    on ``xp`` (the kernel with the scorers' terms) differs from numpy's array search: labels and
+    frames exactly, scores bit for bit (``exact``) or within 1e-4; and cases where no kernel ran."""
+    from examples.custom_scorer import BigramScorer
+    from tests.test_transducer_search import bigram_table
+
+    bad = []
+    scorer_sets = [((0.5,),)] * len(CASES) + [((0.3, 0.0, 1.0),)]
+    for index, (case, (scales,)) in enumerate(zip(CASES + [dict(beam_size=5, max_symbols_per_frame=2,
+                                                                   sentence_end=3)], scorer_sets)):
+        options = TransducerOptions(**case)
+        models, encoder_states, lengths = _inputs(index, vocab_size=7)
+
+        def scorers():
+            return [(f"lm{k}", BigramScorer(log_probs=bigram_table(index * 10 + k, 7)), scale)
+                    for k, scale in enumerate(scales)]
+
+        want = transducer_search(encoder_states, lengths, models.prediction(), models.joint(), options, scorers(),
+                                 tuning=ARRAY_LOOPS)
+        stats = SearchStats()
+        got = transducer_search(xp.asarray(encoder_states), lengths, models.prediction(prediction_device),
+                                models.joint(prediction_device), options, scorers(), xp=xp, stats=stats)
+        if not stats.fused_launches:
+            bad.append(f"case {index}: the kernel did not run")
+        for u, (a, b) in enumerate(zip(want, got, strict=True)):
+            same = len(a) == len(b) and all(
+                x.labels == y.labels and x.frames == y.frames and x.scores.keys() == y.scores.keys() and (
+                    (x.score == y.score and x.scores == y.scores) if exact else
+                    abs(x.score - y.score) <= 1e-4 and all(abs(x.scores[k] - y.scores[k]) <= 1e-4 for k in x.scores))
+                for x, y in zip(a, b))
+            if not same:
+                bad.append(f"case {index} utterance {u}: numpy {[(h.labels, h.score) for h in a]} != "
+                           f"kernel {[(h.labels, h.score) for h in b]}")
+    return bad
+
+
+@needs_gxx
+def test_kernel_selection_with_scorers_equals_numpy_bit_for_bit_in_emulation():
+    run = _emulate("import cupy; from tests.test_transducer_step import scorer_mismatches; "
+                   "bad = scorer_mismatches(cupy); print(len(bad), bad[:10]); raise SystemExit(1 if bad else 0)")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_kernel_selection_with_scorers_equals_numpy_on_cuda():
+    import cupy
+
+    assert scorer_mismatches(cupy, exact=False, prediction_device="cuda") == []

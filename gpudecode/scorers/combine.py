@@ -62,7 +62,10 @@ def combine_scores(log_probs: Sequence, scales: Sequence[float]):
             continue
         logp = logp.astype(np.float32, copy=False)
         term = logp if scale == 1.0 else logp * np.float32(scale)
-        total = term.copy() if total is None else total + term
+        if total is None:
+            total = term.copy() if term is logp else term  # never a scorer's own array
+        else:
+            total = total + term
     if total is None:  # every scale is 0: the combined score is 0 everywhere
         total = get_array_module(log_probs[0]).zeros(log_probs[0].shape, dtype=np.float32)
     return total

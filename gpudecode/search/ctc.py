@@ -26,10 +26,13 @@ label), ranked by ``logaddexp(blank_logp, label_logp) + Σ scale · lm_score``.
 contexts move with :meth:`~gpudecode.scorers.LabelScorer.extend_transitions`: an emitted label
 is a ``LABEL`` transition, a stay is ``BLANK`` or ``LOOP`` and carries the context. A context
 that did not change keeps its score vector (the cache, ``max_cached_score_vectors``): the search
-calls a scorer only on frames after some lane emitted, and takes new rows only for those lanes.
+takes new rows only for the lanes that emitted (on numpy it calls a scorer only on frames after
+some lane emitted; on CuPy, where reading that back would stop the GPU, after every full frame).
 
 **Batching**: U utterances × ``beam_size`` lanes; the frame loop has no Python loop over
-utterances, lanes or labels, and — without scorers — no device→host transfer at all. Utterances
+utterances, lanes or labels. On CuPy (beams up to 32) the frames run in the kernels of
+``search/ctc_frame.py`` — a launch per frame with scorers, one for all frames without — with no
+device→host transfer per frame. Utterances
 shorter than the batch's longest are frozen after their last frame (a frame whose only label is
 blank with log-prob 0, which leaves their scores unchanged).
 
@@ -52,7 +55,7 @@ from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
 from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
-from gpudecode.search.nonfinite import check_scores, group_maxima, initial_maxima
+from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
 from gpudecode.search import ctc_cpu, ctc_frame
@@ -270,8 +273,9 @@ class _PrefixSearch:
         xp, layout, options = self.xp, self.layout, self.options
         num_utts, beam, num_lanes = layout.num_groups, layout.beam_size, layout.num_lanes
         vocab_size, blank = self.log_probs.shape[2], options.blank
-        fused = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(xp, len(self.entries), beam)  # one launch
-        compiled = not fused and ctc_cpu.use_loop(xp, len(self.entries), self.tuning)  # one compiled call
+        in_kernel = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(xp, beam)
+        fused = in_kernel and not self.entries  # every frame in one launch
+        compiled = not in_kernel and ctc_cpu.use_loop(xp, len(self.entries), self.tuning)  # one compiled call
         self.lengths_dev = xp.asarray(self.lengths)
         # per utterance the largest frame log-prob (NaN or +inf: non-finite scores), before pruning
         self.input_max = _frame_maxima(self.log_probs, self.lengths_dev, xp)
@@ -330,11 +334,14 @@ class _PrefixSearch:
             self.changed = xp.ones(num_lanes, dtype=bool)  # lanes whose scorer context is new
             self.rescore = bool(self.entries)  # host: some lane's context is new
 
-            for t, kind in enumerate(frame_kinds.tolist()):
-                if kind == 1:
-                    self._blank_frame(t)
-                elif kind == 2:
-                    self._full_frame(t, exact)
+            if in_kernel:  # a launch per full frame, the scorers run between them
+                self._kernel_frames(frame_kinds)
+            else:
+                for t, kind in enumerate(frame_kinds.tolist()):
+                    if kind == 1:
+                        self._blank_frame(t)
+                    elif kind == 2:
+                        self._full_frame(t, exact)
             if options.sentence_end is not None and self.entries:
                 self._score_contexts(self.lengths_dev[self.lane_group])
                 end = xp.stack([c[:, options.sentence_end] for c in self.cache])  # [S, N]
@@ -460,6 +467,40 @@ class _PrefixSearch:
                                             int(Transition.LOOP), int(Transition.BLANK)))
             self._extend_contexts(parents, xp.where(emitted, labels, -1), transitions, emitted)
 
+    def _kernel_frames(self, frame_kinds: np.ndarray) -> None:
+        """The frame loop with scorers as launches of ``ctc_prefix_frames_<K>``: each runs the
+        frames up to and including the next full frame (ranked with the scorers' cached terms) and
+        reports its moves; between launches the scorer contexts move and the lanes that emitted
+        are scored. No host synchronisation: the contexts are extended after every full frame."""
+        xp, num_lanes = self.xp, self.layout.num_lanes
+        launcher = ctc_frame.FrameLauncher(self.log_probs, self.lengths_dev, getattr(self, "skip", None),
+                                           frame_kinds, self.options, self.layout.beam_size,
+                                           prefilter=self.tuning.ctc_prefilter, with_scorers=True)
+        state = tuple(xp.ascontiguousarray(getattr(self, name)) for name in ctc_frame.LANE_STATE)
+        lanes = xp.arange(num_lanes)
+        begin = 0
+        for k, t in enumerate(np.flatnonzero(frame_kinds == 2).tolist()):
+            self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
+            lm_term = xp.ascontiguousarray(combine_scores(self.cache, self.scales))
+            lm_total = xp.ascontiguousarray(combine_scores(self.lm_scores, self.scales))
+            launcher.launch(state, self.node_parent, self.node_label, begin, t + 1, k, lm_term, lm_total)
+            if self.stats is not None:
+                self.stats.fused_launches += 1
+            self.node_frames.append(t)
+            begin = t + 1
+            parents, labels = launcher.parents, launcher.labels
+            emitted = labels >= 0
+            safe_labels = xp.maximum(labels, 0)
+            self.cache = [c[parents] for c in self.cache]
+            gained = xp.stack([xp.where(emitted, c[lanes, safe_labels], np.float32(0)) for c in self.cache])
+            self.lm_scores = self.lm_scores[:, parents] + gained
+            self._extend_contexts(parents, labels, launcher.transitions, emitted, sync=False)
+        if begin < launcher.num_frames:  # blank-only frames after the last full one
+            launcher.launch(state, self.node_parent, self.node_label, begin, launcher.num_frames,
+                            len(self.node_frames))
+        for name, array in zip(ctc_frame.LANE_STATE, state):
+            setattr(self, name, array)
+
     # --- recombination and the collision check -------------------------------------------------
     def _recombination(self, alive, exact: bool):
         """Per lane j: the lane i of its utterance whose prefix + j's last label is j's prefix.
@@ -495,10 +536,10 @@ class _PrefixSearch:
         xp, num_lanes = self.xp, self.layout.num_lanes
         vocab_size = self.log_probs.shape[2]
         live = (self.blank_logp > _NEG_INF) | (self.label_logp > _NEG_INF)
-        for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
-            log_probs = checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
-                                       num_lanes, vocab_size, xp)
-            self.lm_max[s] = xp.maximum(self.lm_max[s], group_maxima([log_probs], live, self.layout.num_groups, xp)[0])
+        scores = [checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)), num_lanes,
+                                 vocab_size, xp) for entry, ctx in zip(self.entries, self.contexts)]
+        self.lm_max = folded_group_maxima(self.lm_max, scores, self.layout.num_groups, xp, live=live)
+        for s, log_probs in enumerate(scores):
             if self.cache_enabled:
                 self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
             else:
@@ -506,16 +547,18 @@ class _PrefixSearch:
         self.rescore = False
         self.changed = xp.zeros(num_lanes, dtype=bool)
 
-    def _extend_contexts(self, parents, labels, transitions, emitted) -> None:
+    def _extend_contexts(self, parents, labels, transitions, emitted, sync: bool = True) -> None:
         """Scorer contexts of the new lanes: extended where a lane emitted (the cache decides
-        whether unchanged lanes only move their mapping)."""
+        whether unchanged lanes only move their mapping; ``sync`` False: extended always, without
+        reading whether any lane emitted)."""
         xp = self.xp
         scorer_parents = self.scorer_lane[parents]
         if self.cache_enabled:
-            (any_emitted,) = self.read(emitted.any())
-            if not any_emitted:
-                self.scorer_lane = scorer_parents
-                return
+            if sync:
+                (any_emitted,) = self.read(emitted.any())
+                if not any_emitted:
+                    self.scorer_lane = scorer_parents
+                    return
             self.changed = self.changed[parents] | emitted
         self.contexts = [e.scorer.extend_transitions(c, scorer_parents, labels, transitions)
                          for e, c in zip(self.entries, self.contexts)]

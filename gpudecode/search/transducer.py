@@ -365,13 +365,18 @@ class _TransducerSearch:
         self.joint_max = folded_group_maxima(self.joint_max[None], [logp], logp.shape[0], xp, live=self.in_frame)[0]
 
         beam = self.layout.beam_size
-        fused = self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, len(self.entries), beam)
+        fused = self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, beam)
         if fused or transducer_cpu.use_loop(xp, len(self.entries), self.tuning):  # one launch, or one compiled call
             base = self._new_nodes(t)
             select = transducer_step.select_kernel if fused else transducer_cpu.select
+            terms = {}
+            if self.entries:  # only the kernel takes them (the compiled loop runs without scorers)
+                terms = dict(lm_term=combine_scores(self.cache, self.scales),
+                             lm_total=combine_scores(self.lm_scores, self.scales))
             state, self.unresolved, (parents, labels, alive_new, emitted) = select(
                 logp, (self.score, self.done, self.node, self.last, self.length, self.hash, self.prev_hash),
-                self.node_parent, self.node_label, base, self.unresolved, options, beam, symbol=s, forced=forced)
+                self.node_parent, self.node_label, base, self.unresolved, options, beam, symbol=s, forced=forced,
+                **terms)
             self.score, self.done, self.node, self.last, self.length, self.hash, self.prev_hash = state
             if self.stats is not None and fused:
                 self.stats.fused_launches += 1

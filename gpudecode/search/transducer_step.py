@@ -1,11 +1,10 @@
-"""The selection of a transducer symbol step without label scorers in one kernel launch
-(``kernels/transducer_step.cu``).
+"""The selection of a transducer symbol step in one kernel launch (``kernels/transducer_step.cu``).
 
 :meth:`gpudecode.search.transducer._TransducerSearch._select` runs the selection of a step —
 stays and emissions, the merge of lanes that spell the same sequence, the best ``beam`` per
-utterance and the new lane state — as ~50 array operations. Without label scorers utterances
-never interact, so one thread block per utterance does it in one launch; the prediction network
-still runs between the steps. ``gpudecode.testing.search_reference.select_reference`` is the
+utterance and the new lane state — as ~50 array operations. Utterances never interact, so one
+thread block per utterance does it in one launch, label scorers' cached terms added to the ranks;
+the prediction network and the scorers run between the steps. ``gpudecode.testing.search_reference.select_reference`` is the
 selection written utterance by utterance and lane by lane in Python (what each thread block
 does), the oracle of the kernel's structure; the tests check it against the array version.
 """
@@ -23,14 +22,14 @@ _THREADS = 256  # TRANSDUCER_THREADS
 #: The lane state the kernel takes and returns, in this order (``transducer._TransducerSearch``'s arrays).
 LANE_STATE = ("score", "done", "node", "last", "length", "hash", "prev_hash")
 
-def use_kernel(xp, num_scorers: int, beam_size: int) -> bool:
-    """Whether a transducer step's selection can run as ``transducer_select_<K>`` (CuPy, no scorers,
-    beam <= 32; ``SearchTuning.fused_transducer_step`` decides whether it does)."""
-    return xp is not np and num_scorers == 0 and beam_size <= MAX_BEAM
+def use_kernel(xp, beam_size: int) -> bool:
+    """Whether a transducer step's selection can run as ``transducer_select_<K>`` (CuPy, beam <= 32;
+    ``SearchTuning.fused_transducer_step`` decides whether it does)."""
+    return xp is not np and beam_size <= MAX_BEAM
 
 
 def select_kernel(logp, state: tuple, node_parent, node_label, base: int, unresolved, options, beam_size: int,
-                  *, symbol: int, forced: bool) -> tuple[tuple, object, tuple]:
+                  *, symbol: int, forced: bool, lm_term=None, lm_total=None) -> tuple[tuple, object, tuple]:
     """A transducer step's selection (``_TransducerSearch._select``) as one launch of
     ``transducer_select_<K>``: a thread block per utterance, on the current stream, no host
     synchronisation.
@@ -38,7 +37,9 @@ def select_kernel(logp, state: tuple, node_parent, node_label, base: int, unreso
     ``logp`` [N, V]: the joint's log-probs; ``state``: the lane arrays in :data:`LANE_STATE`
     order; ``node_parent`` and ``node_label`` get the step's nodes from ``base`` on (written in
     place); ``unresolved``: the search's device bool; ``options``: the ``TransducerOptions``;
-    ``symbol``: the symbol step within the frame; ``forced``: labels leave the frame. Returns
+    ``symbol``: the symbol step within the frame; ``forced``: labels leave the frame; ``lm_term``
+    [N, V] and ``lm_total`` [N] (float32, or None without scorers): Σ scale · scorer score of each
+    label after each lane / of each lane's sequence, added to the candidates' ranks. Returns
     (the new lane state in :data:`LANE_STATE` order, ``unresolved`` (hash-equal pairs are
     compared to the end, so the kernel never sets it), (parents, labels, alive, emitted) [N])."""
     from gpudecode.backend import get_array_module
@@ -68,5 +69,7 @@ def select_kernel(logp, state: tuple, node_parent, node_label, base: int, unreso
         np.float32(threshold or 0), np.int32(options.recombination == "max"), np.int64(HASH_MULTIPLIER),
         np.int64(options.hash_modulus), parents, labels, alive.view(np.uint8), emitted.view(np.uint8),
         unresolved.view(np.uint8),
+        np.uint64(0) if lm_term is None else cupy.ascontiguousarray(lm_term, dtype=np.float32),
+        np.uint64(0) if lm_total is None else cupy.ascontiguousarray(lm_total, dtype=np.float32),
     ))
     return tuple(state), unresolved, (parents, labels, alive, emitted)

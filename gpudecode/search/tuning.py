@@ -31,8 +31,9 @@ class SearchTuning:
     - ``lagged_continuous_mask``: continuous batching reads its finished-groups mask one step
       late (None: on CuPy only); a finished group then carries itself one more step;
     - ``fused_label_step``, ``fused_ctc_frames``, ``fused_transducer_step``: on CuPy, run the
-      label-synchronous step's selection, the CTC prefix search without scorers, and the
-      transducer step's selection as fused kernels (off: the array versions);
+      label-synchronous step's selection, the CTC prefix search's frames (without scorers all in
+      one launch, with scorers a launch per frame) and the transducer step's selection as fused
+      kernels (off: the array versions);
     - ``ctc_prefilter``: the fused CTC kernel lists each frame's best labels first instead of
       scanning every label (off: the full scan);
     - ``host_wait``: how the host waits for the GPU (:class:`gpudecode.backend.HostWait`);

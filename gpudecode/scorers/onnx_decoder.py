@@ -27,6 +27,7 @@ from gpudecode.session.conventions import load_step_model_spec, resolve_model_pa
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.session.pairs import check_state_kind
 from gpudecode.session.step_model import StepModelRunner
+from gpudecode.states.dense import DenseRecurrentStates, dense_states_apply
 from gpudecode.states.factory import create_state_manager
 from gpudecode.states.history import StateHistory
 from gpudecode.states.options import StateManagerOptions
@@ -77,6 +78,16 @@ def converted_scores(xp, scores, kind: str):
     if kind == "logits":
         return log_softmax(xp, scores)
     return scores
+
+
+@dataclass
+class DenseContext:
+    """Per lane (dense states, ``gpudecode.states.dense``): the state arrays by input name, the
+    label to feed next, and (after ``score``) the model's new states."""
+
+    states: dict
+    next_labels: Any  # [N] int64
+    new_states: dict | None = None
 
 
 @register_scorer("onnx-decoder")
@@ -141,6 +152,9 @@ class OnnxDecoderScorer(LabelScorer):
         )
         self.graph_options = graphs
         self.runner = StepModelRunner(self.session, self.spec, self.states, graphs)
+        #: recurrent states kept per lane as dense arrays (no pool), where they can be
+        self.dense = DenseRecurrentStates(self.states.layouts, self.states.xp) if dense_states_apply(
+            self.states, self.spec, graphs=self.runner.graphs is not None, max_batch_size=max_batch_size) else None
         # one row per utterance: the model attends each group of beam rows to its utterance's row
         grouped = self.spec.utterance_rows == "utterance" and bool(self.spec.utterance_inputs)
         self.lanes = LaneInputs(self.spec, array_module(self.session.provider), grouped=grouped, io_map=self.io_map)
@@ -176,7 +190,7 @@ class OnnxDecoderScorer(LabelScorer):
     def release(self, groups) -> None:
         """Frees the state slots of the lanes of ``groups``."""
         ctx = self._ctx
-        if ctx is None:
+        if ctx is None or isinstance(ctx, DenseContext):  # dense states hold no slots
             return
         xp = self.states.xp
         lanes = xp.asarray(self.layout.lanes_of(groups))
@@ -192,7 +206,12 @@ class OnnxDecoderScorer(LabelScorer):
         """Lanes of ``groups`` restart from ``start_labels``; the other lanes keep ``ctx``."""
         xp, num_lanes = self.states.xp, self.layout.num_lanes
         self._group_bound[np.asarray(groups, dtype=np.int64)] = 0
-        if ctx is None:
+        if self.dense is not None:
+            context = self._dense_initial_context(groups, ctx)
+            reset = None if ctx is None else xp.zeros(num_lanes, dtype=bool)
+            if reset is not None:
+                reset[xp.asarray(self.layout.lanes_of(groups))] = True
+        elif ctx is None:
             context = self._ctx = DecoderContext(self.states.initial_histories(num_lanes),
                                                  xp.full(num_lanes, self.start_labels[0], dtype=np.int64))
             reset = None
@@ -217,6 +236,19 @@ class OnnxDecoderScorer(LabelScorer):
             context = self.extend(context, xp.arange(num_lanes), labels)
         return context
 
+    def _dense_initial_context(self, groups, ctx) -> DenseContext:
+        """The dense states' start: every lane (``ctx`` None) or the lanes of ``groups``."""
+        xp, num_lanes = self.states.xp, self.layout.num_lanes
+        if ctx is None:
+            context = DenseContext(self.dense.zeros(num_lanes), xp.full(num_lanes, self.start_labels[0], dtype=np.int64))
+        else:
+            lanes = xp.asarray(self.layout.lanes_of(groups))
+            next_labels = ctx.next_labels.copy()
+            next_labels[lanes] = self.start_labels[0]
+            context = DenseContext(self.dense.reset(ctx.states, lanes), next_labels)
+        self._ctx = context
+        return context
+
     def _chunks(self) -> list[slice]:
         """The rows of the model calls of one step: a few, never one per hypothesis. With one
         input row per utterance a chunk holds whole utterances (``max_batch_size`` rounded down
@@ -234,6 +266,9 @@ class OnnxDecoderScorer(LabelScorer):
         With CUDA graphs and one chunk, a view of the graphs' shared output buffer: the next
         ``score()`` overwrites it (the base class's contract)."""
         self._row_maxima = None
+        if isinstance(ctx, DenseContext):
+            raw, ctx.new_states = self.runner.run_dense(ctx.states, ctx.next_labels)
+            return self._log_probs(raw, copy=False)
         lanes = self._subset()
         if lanes is not None:
             return self._score_subset(ctx, lanes)
@@ -348,6 +383,8 @@ class OnnxDecoderScorer(LabelScorer):
     def extend(self, ctx: DecoderContext, parents, labels) -> DecoderContext:
         """Children continue their parents' histories with the parents' new token states."""
         xp = self.states.xp
+        if isinstance(ctx, DenseContext):
+            return self._dense_extend(ctx, parents, labels)
         if ctx.new_slots is None:
             raise AssertionError("extend() before score(): the parents' new token states are unknown")
         parents = self._on_states(parents).astype(np.int64, copy=False)
@@ -360,6 +397,18 @@ class OnnxDecoderScorer(LabelScorer):
         histories = self.states.extend_retained(ctx.histories, ctx.new_slots, parents, append=append,
                                                 width=int(self._group_bound.max()))
         self._ctx = DecoderContext(histories, next_labels)
+        return self._ctx
+
+    def _dense_extend(self, ctx: DenseContext, parents, labels) -> DenseContext:
+        """Children of dense states: the parent's new state where a label was fed, else its own."""
+        xp = self.states.xp
+        if ctx.new_states is None:
+            raise AssertionError("extend() before score(): the parents' new states are unknown")
+        parents = xp.asarray(parents).astype(np.int64, copy=False)
+        labels = xp.asarray(labels).astype(np.int64, copy=False)
+        append = labels >= 0
+        self._ctx = DenseContext(self.dense.children(ctx.states, ctx.new_states, parents, append),
+                                 xp.where(append, labels, ctx.next_labels[parents]))
         return self._ctx
 
     def _on_states(self, array):

@@ -119,6 +119,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
             max_batch_size=max_batch_size, state_patterns=state_patterns,
             utterance_patterns=utterance_patterns, graphs=graphs, fixed_frames=fixed_frames,
         )
+        self.dense = None  # a prompt's prefill writes histories into the pool
         prefill_scores_kind = prefill_scores_kind or scores_kind
         if prefill_scores_kind not in defaults.SCORES_KINDS:
             raise ValueError(f"prefill_scores_kind: expected one of {', '.join(defaults.SCORES_KINDS)}, "

@@ -241,6 +241,25 @@ class StepModelRunner:
         scores, states, _ = self._plain_step(histories, labels, slice(0, index.size), lanes, time_size, index)
         return (scores, self.states.split(states)) + ((index,) if any_order else ())
 
+    def run_dense(self, states: dict, labels):
+        """The model on dense states (``gpudecode.states.dense``): ``states`` input name -> the
+        lanes' state arrays, ``labels`` [N] the labels fed. Returns (raw scores, the new states by
+        state input name)."""
+        names, xp = self.spec.hypothesis_inputs, self.states.xp
+        num_rows = int(labels.shape[0])
+        feeds = dict(states)
+        feeds[self.label_name] = labels.astype(self.label_dtype, copy=False)[:, None]
+        if "token-length" in names:
+            ones = self._dense_ones
+            if ones is None or ones.shape[0] != num_rows:
+                ones = self._dense_ones = xp.ones(num_rows, dtype=self._input_dtype("token-length"))
+            feeds[names["token-length"]] = ones
+        outputs = self.session.run(feeds, self._output_names({}))
+        new_states = {v.input_name: outputs[v.output_name] for v in self.spec.state_variables}
+        return outputs[self.spec.scores_output], new_states
+
+    _dense_ones = None  # [N] token-length ones of the dense runs
+
     def _run_by_length(self, histories: StateHistory, labels, rows: slice, lanes):
         """A model that takes no lengths: one plain call per history length among the rows, each
         with T = that length, so no row is padded (rows of length 0 — lanes without a history, whose

@@ -1,0 +1,130 @@
+"""Recurrent states kept dense per lane (``gpudecode.states.dense``): the same n-best as the slot
+pool for an LSTM LM (CTC, transducer and label-synchronous searches) and a stateful prediction
+network. On CUDA the scorers take this path by themselves; on the CPU the tests switch it on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpudecode.scorers import onnx_decoder
+from gpudecode.scorers.onnx_decoder import DenseContext, RecurrentLmScorer
+from gpudecode.search import CtcPrefixOptions, TransducerOptions, ctc_prefix_search, transducer_search
+from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
+from gpudecode.scorers.base import UtteranceBatch
+from gpudecode.session import SessionOptions
+from gpudecode.states.dense import DenseRecurrentStates, dense_states_apply
+from gpudecode.states.options import StateManagerOptions
+from gpudecode.testing import build_lstm_lm
+from tests.test_ctc_search import random_log_probs
+from tests.test_transducer_search import make_models, random_encoder_states
+
+
+def _lm(reference, device="cpu", **kw):
+    return RecurrentLmScorer(model=reference.serialized(), vocab_size=reference.vocab_size, start_labels=[0],
+                             state_manager=StateManagerOptions(type=f"lstm-{device}"),
+                             session_options=SessionOptions(device=device, use_tf32=False), **kw)
+
+
+@pytest.fixture
+def dense_on_cpu(monkeypatch):
+    """Every recurrent scorer built in the test keeps dense states (numpy arrays on the CPU)."""
+    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
+
+
+def _nbest(results):
+    return [[(tuple(h.labels), tuple(h.frames or ()), h.score, tuple(sorted(h.scores.items()))) for h in n]
+            for n in results]
+
+
+def _ctc(lm):
+    log_probs = random_log_probs(31, 4, 25, 9, sharpness=2.0, blank_bias=1.0)
+    return ctc_prefix_search(log_probs, np.array([25, 19, 3, 25]), CtcPrefixOptions(beam_size=6, sentence_end=2),
+                             [("lm", lm, 0.5)])
+
+
+def test_children_take_the_new_state_where_a_label_was_fed():
+    from gpudecode.spec import StateVariable
+    from gpudecode.states.layout import VariableLayout
+
+    stacked = VariableLayout.of(StateVariable(input_name="h", output_name="new-h", dtype=np.float32, shape=(2, None, 3), batch_axis=1), np.float32)
+    flat = VariableLayout.of(StateVariable(input_name="c", output_name="new-c", dtype=np.float32, shape=(None, 3)), np.float32)
+    dense = DenseRecurrentStates([stacked, flat], np)
+    states = dense.zeros(4)
+    assert states["h"].shape == (2, 4, 3) and states["c"].shape == (4, 3) and not states["h"].any()
+    states = {"h": np.arange(24, dtype=np.float32).reshape(2, 4, 3), "c": np.arange(12, dtype=np.float32).reshape(4, 3)}
+    new = {"h": -states["h"], "c": -states["c"]}
+    parents, append = np.array([2, 2, 0, 3]), np.array([True, False, True, False])
+    children = dense.children(states, new, parents, append)
+    for lane, (p, fed) in enumerate(zip(parents, append)):
+        source = new if fed else states
+        np.testing.assert_array_equal(children["h"][:, lane], source["h"][:, p])
+        np.testing.assert_array_equal(children["c"][lane], source["c"][p])
+    reset = dense.reset(children, np.array([1, 3]))
+    assert not reset["h"][:, [1, 3]].any() and not reset["c"][[1, 3]].any()
+    np.testing.assert_array_equal(reset["c"][[0, 2]], children["c"][[0, 2]])
+    assert children["c"][1].any()  # reset copied: the children are unchanged
+
+
+def test_only_an_lstm_manager_on_cuda_keeps_dense_states():
+    lm = _lm(build_lstm_lm(3, vocab_size=9))
+    assert lm.dense is None  # the CPU: the pool (and its subset runs)
+    assert not dense_states_apply(lm.states, lm.spec, graphs=False, max_batch_size=None)
+
+
+def test_ctc_search_with_dense_lm_states_equals_the_pool(monkeypatch):
+    reference = build_lstm_lm(7, vocab_size=9)
+    pool = _nbest(_ctc(_lm(reference)))
+    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
+    lm = _lm(reference)
+    assert lm.dense is not None
+    assert _nbest(_ctc(lm)) == pool
+    assert isinstance(lm._ctx, DenseContext) and lm.states.statistics().live_slots == 0
+
+
+@pytest.mark.parametrize("stateless", [False, True])
+def test_transducer_search_with_dense_states_equals_the_pool(monkeypatch, stateless):
+    models = make_models(12, 8, stateless=stateless, sharpness=3.0)
+    states = random_encoder_states(12, 3, 10)
+    lengths = np.array([10, 6, 2])
+    reference = build_lstm_lm(12, vocab_size=8)
+    options = TransducerOptions(beam_size=5, max_symbols_per_frame=2, sentence_end=1)
+
+    def search():
+        return _nbest(transducer_search(states, lengths, models.prediction(), models.joint(), options,
+                                        [("lm", _lm(reference), 0.4)]))
+
+    pool = search()
+    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
+    assert search() == pool
+
+
+def test_label_sync_search_with_dense_lm_states_equals_the_pool(monkeypatch):
+    reference = build_lstm_lm(4, vocab_size=11)
+    batch = UtteranceBatch(ids=["a", "b", "c"], input_lengths=np.array([6, 6, 6]))
+    options = LabelSyncOptions(beam_size=4, sentence_end=1, max_labels=7, nbest=3)
+
+    def search():
+        return _nbest(label_sync_search([("lm", _lm(reference), 1.0)], batch, options))
+
+    pool = search()
+    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
+    assert search() == pool
+
+
+@pytest.mark.gpu
+def test_dense_states_on_cuda_equal_the_pool_on_cuda_and_the_cpu():
+    cupy = pytest.importorskip("cupy")
+    reference = build_lstm_lm(7, vocab_size=9)
+    cpu = _nbest(_ctc(_lm(reference)))
+    log_probs = random_log_probs(31, 4, 25, 9, sharpness=2.0, blank_bias=1.0)
+    options = CtcPrefixOptions(beam_size=6, sentence_end=2)
+    dense = _lm(reference, "cuda")
+    assert dense.dense is not None
+    pool = _lm(reference, "cuda")
+    pool.dense = None
+    results = [_nbest(ctc_prefix_search(cupy.asarray(log_probs), np.array([25, 19, 3, 25]), options,
+                                        [("lm", lm, 0.5)], xp=cupy)) for lm in (dense, pool)]
+    for got in results:
+        assert [[h[:2] for h in n] for n in got] == [[h[:2] for h in n] for n in cpu]
+        assert max(abs(a[2] - b[2]) for n, m in zip(got, cpu) for a, b in zip(n, m)) < 1e-4

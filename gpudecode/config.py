@@ -167,6 +167,7 @@ class CudaGraphsConfig(_Section):
             values["enabled"] = enabled
         if values["enabled"] == "auto":
             values["enabled"] = device == "cuda"
+            values["auto"] = True
         return GraphOptions(**values)
 
 

@@ -84,7 +84,7 @@ SEARCH_BATCH_FRAMES: int | None = None
 SEARCH_BATCH_FRAMES_CUDA = 262_144
 # on CUDA with search.batch_size unset, the first batch holds at most this many utterances, so the
 # first results come early (the search's one-time set-up runs on a small batch)
-SEARCH_FIRST_BATCH_SIZE_CUDA = 128
+SEARCH_FIRST_BATCH_SIZE_CUDA = 32
 # Continuous batching: lane groups in flight within one search call (None: all of the batch at once,
 # static batching); finished utterances' groups are refilled from the batch in this order.
 MAX_ACTIVE_UTTERANCES = None

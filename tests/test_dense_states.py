@@ -128,3 +128,24 @@ def test_dense_states_on_cuda_equal_the_pool_on_cuda_and_the_cpu():
     for got in results:
         assert [[h[:2] for h in n] for n in got] == [[h[:2] for h in n] for n in cpu]
         assert max(abs(a[2] - b[2]) for n, m in zip(got, cpu) for a, b in zip(n, m)) < 1e-4
+
+
+def test_graphs_auto_is_marked_so_that_dense_states_may_take_over():
+    from gpudecode.config import CudaGraphsConfig
+
+    auto = CudaGraphsConfig(enabled="auto").to_options(device="cuda")
+    assert auto.enabled and auto.auto
+    assert not CudaGraphsConfig(enabled=True).to_options(device="cuda").auto
+    assert not CudaGraphsConfig(enabled="auto").to_options(True, device="cuda").auto  # a scorer's own switch
+    assert not CudaGraphsConfig(enabled="auto").to_options(device="cpu").enabled
+
+
+@pytest.mark.gpu
+def test_on_cuda_graphs_auto_gives_way_to_dense_states_and_explicit_graphs_do_not():
+    from gpudecode.session.graphs import GraphOptions
+
+    reference = build_lstm_lm(7, vocab_size=9)
+    auto = _lm(reference, "cuda", graphs=GraphOptions(enabled=True, auto=True))
+    assert auto.dense is not None and auto.runner.graphs is None
+    explicit = _lm(reference, "cuda", graphs=GraphOptions(enabled=True))
+    assert explicit.dense is None and explicit.runner.graphs is not None

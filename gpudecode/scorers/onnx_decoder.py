@@ -150,11 +150,14 @@ class OnnxDecoderScorer(LabelScorer):
             replace(state_manager, history_alignment=self.spec.history_alignment), self.spec.state_variables,
             execution_provider=self.session.provider,
         )
+        dense = dense_states_apply(self.states, self.spec, graphs=False, max_batch_size=max_batch_size)
+        if dense and graphs.enabled and graphs.auto:  # graphs "auto": dense states run faster than captured pool steps
+            graphs = replace(graphs, enabled=False)
         self.graph_options = graphs
         self.runner = StepModelRunner(self.session, self.spec, self.states, graphs)
         #: recurrent states kept per lane as dense arrays (no pool), where they can be
-        self.dense = DenseRecurrentStates(self.states.layouts, self.states.xp) if dense_states_apply(
-            self.states, self.spec, graphs=self.runner.graphs is not None, max_batch_size=max_batch_size) else None
+        self.dense = DenseRecurrentStates(self.states.layouts, self.states.xp) if (
+            dense and self.runner.graphs is None) else None
         # one row per utterance: the model attends each group of beam rows to its utterance's row
         grouped = self.spec.utterance_rows == "utterance" and bool(self.spec.utterance_inputs)
         self.lanes = LaneInputs(self.spec, array_module(self.session.provider), grouped=grouped, io_map=self.io_map)

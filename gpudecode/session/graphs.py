@@ -39,7 +39,9 @@ class GraphOptions:
     ``min_rows``: the smallest row bucket. ``shared_buffers``: one buffer per tensor name across
     buckets (False: one per bucket and tensor, only to measure what sharing saves).
     ``warm_up_time``: capture every bucket up to this history length when a batch begins
-    (0: capture lazily on first use).
+    (0: capture lazily on first use). ``auto``: ``enabled`` came from ``"auto"``; a recurrent
+    model whose states can stay dense then runs without graphs (``gpudecode.states.dense``: its
+    plain steps cost less host time than the captured pool steps).
     """
 
     enabled: bool = defaults.GRAPHS_ENABLED
@@ -47,6 +49,7 @@ class GraphOptions:
     min_rows: int = defaults.GRAPH_MIN_ROWS
     shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
     warm_up_time: int = defaults.GRAPH_WARM_UP_TIME
+    auto: bool = False
 
     def __post_init__(self) -> None:
         for name in ("time_step", "min_rows"):

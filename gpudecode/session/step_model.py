@@ -254,11 +254,28 @@ class StepModelRunner:
             if ones is None or ones.shape[0] != num_rows:
                 ones = self._dense_ones = xp.ones(num_rows, dtype=self._input_dtype("token-length"))
             feeds[names["token-length"]] = ones
-        outputs = self.session.run(feeds, self._output_names({}))
+        outputs = self.session.run(feeds, self._output_names({}), outputs=self._dense_buffers(states, num_rows))
         new_states = {v.input_name: outputs[v.output_name] for v in self.spec.state_variables}
         return outputs[self.spec.scores_output], new_states
 
     _dense_ones = None  # [N] token-length ones of the dense runs
+    _dense_outputs: tuple = (-1, {})  # (N, output name -> buffer) of the dense runs on CUDA
+
+    def _dense_buffers(self, states: dict, num_rows: int) -> dict:
+        """Output buffers of a dense run on CUDA, made once per row count and written again by
+        every run (its scores and new states are read before the next run: the scorer's contract);
+        none on the CPU."""
+        if self.states.device != "cuda":
+            return {}
+        if self._dense_outputs[0] != num_rows:
+            xp = self.states.xp
+            buffers = {v.output_name: xp.empty_like(states[v.input_name]) for v in self.spec.state_variables}
+            scores = self.session.tensors.output(self.spec.scores_output)
+            shape = [num_rows if axis == 0 else d for axis, d in enumerate(scores.shape)]
+            if all(isinstance(d, int) for d in shape):  # a dynamic axis besides the rows: the runtime allocates
+                buffers[self.spec.scores_output] = xp.empty(tuple(shape), dtype=scores.dtype)
+            self._dense_outputs = (num_rows, buffers)
+        return self._dense_outputs[1]
 
     def _run_by_length(self, histories: StateHistory, labels, rows: slice, lanes):
         """A model that takes no lengths: one plain call per history length among the rows, each

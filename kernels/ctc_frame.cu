@@ -3,7 +3,8 @@
 // frame_end) — utterances never interact — with the lanes' state in shared memory. A full frame is
 // candidates, recombination with the collision check, score threshold, top-beam and the new lanes;
 // a blank-only frame (every active utterance skips it) only moves all mass to the blank ending.
-// Without label scorers every frame is one launch; with scorers (lm_term not null) a launch ends
+// Without label scorers every frame is one launch (ctc_prefix_frames_<K>); with scorers
+// (ctc_prefix_frames_scored_<K>) a launch ends
 // with one full frame, ranked with the scorers' terms, and says per new lane where it came from, so
 // that the host can run the scorers on the lanes that emitted before the next full frame.
 //
@@ -82,7 +83,8 @@ struct Frame {
 };
 
 // KEPT (8, 16 or 32, >= beam): the per-thread candidate list, held in registers (unrolled).
-template <int KEPT>
+// SCORED: ranked with the scorers' terms (ctc_prefix_frames_scored_<K>; lm_term and the new_* not null).
+template <int KEPT, bool SCORED>
 __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_probs, int num_frames, int vocab_size, int blank,
                   const signed char* __restrict__ frame_kinds, const long long* __restrict__ lengths,
                   const unsigned char* __restrict__ skip, int beam,
@@ -99,6 +101,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     __shared__ Lanes cur, next;
     __shared__ float s_total[CTC_MAX_BEAM], s_stay_blank[CTC_MAX_BEAM], s_stay_label[CTC_MAX_BEAM];
     __shared__ float s_x_last[CTC_MAX_BEAM];  // x(last label), lane by lane
+    __shared__ float s_lm_total[CTC_MAX_BEAM];  // SCORED: lm_total of the lanes
     __shared__ int s_kill_lane[CTC_MAX_BEAM], s_kill_label[CTC_MAX_BEAM];
     __shared__ bool s_retime[CTC_MAX_BEAM], s_tie[CTC_MAX_BEAM];
     __shared__ int s_top_label[CTC_MAX_TOP];  // the frame's listed labels and their x
@@ -127,7 +130,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     }
     __syncthreads();
 
-    const bool lm = lm_term != nullptr;
+    constexpr bool lm = SCORED;
     long long full_index = full_begin;  // k: full frames so far
     for (int t = frame_begin; t < frame_end; ++t) {
         const int kind = frame_kinds[t];
@@ -163,6 +166,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
             s_x_last[i_own] = x_last;
             s_stay_blank[i_own] = total + frame.x(blank);
             s_stay_label[i_own] = cur.last[i_own] >= 0 ? cur.label[i_own] + x_last : neg_inf();
+            if (lm) s_lm_total[i_own] = lm_total[first + i_own];
         } else if (listed && k_own >= 0 && k_own < num_top) {
             const long long at = ((long long)u * num_frames + t) * num_top + k_own;
             s_top_label[k_own] = top_labels[at];
@@ -224,10 +228,9 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         if (full_scan) {
             auto candidate = [&](int i, int v) -> float {  // column c = i * V + v
                 if (lm) {  // ranked with the scorers: (emit + lm_total) + lm_term, stay + lm_total
-                    const long long lane = first + i;
-                    if (v == blank) return stay(i) + lm_total[lane];
+                    if (v == blank) return stay(i) + s_lm_total[i];
                     if (killed(i, v)) return neg_inf();
-                    return (emit_x(i, v, frame.x(v)) + lm_total[lane]) + lm_term[lane * vocab_size + v];
+                    return (emit_x(i, v, frame.x(v)) + s_lm_total[i]) + lm_term[(first + i) * vocab_size + v];
                 }
                 if (v == blank) return stay(i);
                 return killed(i, v) ? neg_inf() : emit_x(i, v, frame.x(v));
@@ -305,8 +308,8 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     }
 }
 
-#define CTC_ENTRY(KEPT)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(CTC_THREADS) ctc_prefix_frames_##KEPT(                   \
+#define CTC_ENTRY(NAME, KEPT, SCORED, MIN_BLOCKS)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(CTC_THREADS, MIN_BLOCKS) NAME(       \
         const float* __restrict__ log_probs, int num_frames, int vocab_size, int blank,                   \
         const signed char* __restrict__ frame_kinds, const long long* __restrict__ lengths,               \
         const unsigned char* __restrict__ skip, int beam, float* __restrict__ blank_logp,                 \
@@ -319,16 +322,19 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         long long full_begin, const float* __restrict__ lm_term, const float* __restrict__ lm_total,      \
         long long* __restrict__ new_parent, long long* __restrict__ new_label,                            \
         signed char* __restrict__ new_transition) {                                                       \
-        prefix_frames<KEPT>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
+        prefix_frames<KEPT, SCORED>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
                             blank_logp, label_logp, last, length, hash, prev_hash, node, node_parent,     \
                             node_label, compare_steps, has_threshold, threshold, hash_multiplier,         \
                             hash_modulus, unresolved, row_in_shared, top_labels, top_values, num_top,     \
                             frame_begin, frame_end, full_begin, lm_term, lm_total, new_parent,            \
                             new_label, new_transition);                                                   \
     }
-CTC_ENTRY(8)
-CTC_ENTRY(16)
-CTC_ENTRY(32)
+CTC_ENTRY(ctc_prefix_frames_8, 8, false, 0)
+CTC_ENTRY(ctc_prefix_frames_16, 16, false, 0)
+CTC_ENTRY(ctc_prefix_frames_32, 32, false, 0)
+CTC_ENTRY(ctc_prefix_frames_scored_8, 8, true, 1)
+CTC_ENTRY(ctc_prefix_frames_scored_16, 16, true, 1)
+CTC_ENTRY(ctc_prefix_frames_scored_32, 32, true, 1)
 
 // The label prefilter: per row of log_probs [rows, V], its P best labels other than blank, best
 // first (larger log-prob, then lower label; NaN ranks like -inf), into top_labels [rows, P], and

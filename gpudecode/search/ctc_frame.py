@@ -7,7 +7,8 @@ Without label scorers utterances never interact, so every frame runs in one laun
 (:func:`search_kernel`). With scorers a launch runs up to one full frame, ranking with the
 scorers' cached terms, and reports each new lane's parent, label and transition; the search then
 moves the scorer contexts and scores the lanes that emitted before the next launch
-(:class:`FrameLauncher`) — a handful of launches per frame, none reading back to the host.
+(:class:`FrameLauncher`, ``ctc_prefix_frames_scored_<K>``) — a handful of launches per frame,
+none reading back to the host.
 ``gpudecode.testing.search_reference.full_frame_reference`` is a full frame written utterance by
 utterance and lane by lane in Python (what each thread block does per frame), the oracle of the
 kernel's structure; the tests check it against the array version.
@@ -67,7 +68,8 @@ def use_kernel(xp, beam_size: int) -> bool:
 
 
 class FrameLauncher:
-    """Launches of ``ctc_prefix_frames_<K>`` over one search's inputs, each on a range of frames.
+    """Launches of ``ctc_prefix_frames_<K>`` (with scorers ``ctc_prefix_frames_scored_<K>``) over one
+    search's inputs, each on a range of frames.
 
     ``log_probs`` [U, T, V] (already label-pruned where ``options.token_min_logp`` is set:
     ``ctc.prune_labels``) and ``lengths`` [U] (device), ``skip`` [U, T] bool (blank-skipped
@@ -91,7 +93,8 @@ class FrameLauncher:
         self.options, self.beam_size = options, beam_size
         self.unresolved = cupy.zeros((), dtype=bool)
         kept = next(k for k in (8, 16, 32) if k >= beam_size)  # the kernel's per-thread list
-        self.kernel = load_module("ctc_frame", (), self.log_probs.device.id).get_function(f"ctc_prefix_frames_{kept}")
+        name = f"ctc_prefix_frames_scored_{kept}" if with_scorers else f"ctc_prefix_frames_{kept}"
+        self.kernel = load_module("ctc_frame", (), self.log_probs.device.id).get_function(name)
         rows = num_utts * num_frames
         self.num_top = top_label_count(beam_size, vocab_size, prefilter and not with_scorers) if rows else 0
         self.top_labels = self.top_values = np.uint64(0)  # null: no prefilter

@@ -313,6 +313,7 @@ class StateManagerConfig(_Section):
     state_compression_bits: Literal[8, 16] = 8
     state_compression_scale: PositiveFloat | None = None
     cpu_in_place: bool = True
+    dense_recurrent: bool | None = None
 
     @model_validator(mode="after")
     def _check(self) -> StateManagerConfig:

@@ -1,13 +1,13 @@
 """Recurrent states kept dense per lane (``gpudecode.states.dense``): the same n-best as the slot
 pool for an LSTM LM (CTC, transducer and label-synchronous searches) and a stateful prediction
-network. On CUDA the scorers take this path by themselves; on the CPU the tests switch it on."""
+network. On CUDA the scorers take this path by themselves; on the CPU ``dense_recurrent=True``
+switches it on."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gpudecode.scorers import onnx_decoder
 from gpudecode.scorers.onnx_decoder import DenseContext, RecurrentLmScorer
 from gpudecode.search import CtcPrefixOptions, TransducerOptions, ctc_prefix_search, transducer_search
 from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
@@ -15,21 +15,16 @@ from gpudecode.scorers.base import UtteranceBatch
 from gpudecode.session import SessionOptions
 from gpudecode.states.dense import DenseRecurrentStates, dense_states_apply
 from gpudecode.states.options import StateManagerOptions
+from gpudecode.scorers.transducer import StatefulPredictionNetwork
 from gpudecode.testing import build_lstm_lm
 from tests.test_ctc_search import random_log_probs
 from tests.test_transducer_search import make_models, random_encoder_states
 
 
-def _lm(reference, device="cpu", **kw):
+def _lm(reference, device="cpu", dense=None, **kw):
     return RecurrentLmScorer(model=reference.serialized(), vocab_size=reference.vocab_size, start_labels=[0],
-                             state_manager=StateManagerOptions(type=f"lstm-{device}"),
+                             state_manager=StateManagerOptions(type=f"lstm-{device}", dense_recurrent=dense),
                              session_options=SessionOptions(device=device, use_tf32=False), **kw)
-
-
-@pytest.fixture
-def dense_on_cpu(monkeypatch):
-    """Every recurrent scorer built in the test keeps dense states (numpy arrays on the CPU)."""
-    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
 
 
 def _nbest(results):
@@ -72,44 +67,51 @@ def test_only_an_lstm_manager_on_cuda_keeps_dense_states():
     assert not dense_states_apply(lm.states, lm.spec, graphs=False, max_batch_size=None)
 
 
-def test_ctc_search_with_dense_lm_states_equals_the_pool(monkeypatch):
+def test_ctc_search_with_dense_lm_states_equals_the_pool():
     reference = build_lstm_lm(7, vocab_size=9)
     pool = _nbest(_ctc(_lm(reference)))
-    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
-    lm = _lm(reference)
+    lm = _lm(reference, dense=True)
     assert lm.dense is not None
     assert _nbest(_ctc(lm)) == pool
     assert isinstance(lm._ctx, DenseContext) and lm.states.statistics().live_slots == 0
 
 
 @pytest.mark.parametrize("stateless", [False, True])
-def test_transducer_search_with_dense_states_equals_the_pool(monkeypatch, stateless):
+def test_transducer_search_with_dense_states_equals_the_pool(stateless):
     models = make_models(12, 8, stateless=stateless, sharpness=3.0)
     states = random_encoder_states(12, 3, 10)
     lengths = np.array([10, 6, 2])
     reference = build_lstm_lm(12, vocab_size=8)
     options = TransducerOptions(beam_size=5, max_symbols_per_frame=2, sentence_end=1)
 
-    def search():
-        return _nbest(transducer_search(states, lengths, models.prediction(), models.joint(), options,
-                                        [("lm", _lm(reference), 0.4)]))
+    def search(dense):
+        prediction = models.prediction()
+        if not stateless:  # the prediction network's own states dense too
+            prediction = StatefulPredictionNetwork(
+                model=models.prediction_ref.serialized(), blank=0,
+                state_manager=StateManagerOptions(type="lstm-cpu", dense_recurrent=dense),
+                session_options=SessionOptions(device="cpu", use_tf32=False))
+            assert (prediction.decoder.dense is not None) == bool(dense)
+        return _nbest(transducer_search(states, lengths, prediction, models.joint(), options,
+                                        [("lm", _lm(reference, dense=dense), 0.4)]))
 
-    pool = search()
-    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
-    assert search() == pool
+    assert search(True) == search(None)
 
 
-def test_label_sync_search_with_dense_lm_states_equals_the_pool(monkeypatch):
+def test_label_sync_search_with_dense_lm_states_equals_the_pool():
     reference = build_lstm_lm(4, vocab_size=11)
     batch = UtteranceBatch(ids=["a", "b", "c"], input_lengths=np.array([6, 6, 6]))
     options = LabelSyncOptions(beam_size=4, sentence_end=1, max_labels=7, nbest=3)
 
-    def search():
-        return _nbest(label_sync_search([("lm", _lm(reference), 1.0)], batch, options))
+    def search(dense):
+        return _nbest(label_sync_search([("lm", _lm(reference, dense=dense), 1.0)], batch, options))
 
-    pool = search()
-    monkeypatch.setattr(onnx_decoder, "dense_states_apply", lambda *a, **k: True)
-    assert search() == pool
+    assert search(True) == search(None)
+
+
+def test_dense_recurrent_false_keeps_the_pool():
+    lm = _lm(build_lstm_lm(3, vocab_size=9), dense=False)
+    assert lm.dense is None
 
 
 @pytest.mark.gpu
@@ -121,8 +123,8 @@ def test_dense_states_on_cuda_equal_the_pool_on_cuda_and_the_cpu():
     options = CtcPrefixOptions(beam_size=6, sentence_end=2)
     dense = _lm(reference, "cuda")
     assert dense.dense is not None
-    pool = _lm(reference, "cuda")
-    pool.dense = None
+    pool = _lm(reference, "cuda", dense=False)
+    assert pool.dense is None
     results = [_nbest(ctc_prefix_search(cupy.asarray(log_probs), np.array([25, 19, 3, 25]), options,
                                         [("lm", lm, 0.5)], xp=cupy)) for lm in (dense, pool)]
     for got in results:

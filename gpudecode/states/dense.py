@@ -20,11 +20,13 @@ _ROW_INPUTS = frozenset({"token", "token-length"})
 
 
 def dense_states_apply(states, spec, *, graphs: bool, max_batch_size: int | None) -> bool:
-    """Whether a step model's states can be kept dense (:class:`DenseRecurrentStates`): an ``lstm``
-    state manager on CUDA storing the model's dtype, a RASR model fed only the label (and its
-    length) besides its states, no per-utterance inputs, no CUDA graphs, no ``max_batch_size``
-    chunks."""
-    return (states.family == "lstm" and states.device == "cuda" and not graphs and max_batch_size is None
+    """Whether a step model's states are kept dense (:class:`DenseRecurrentStates`): an ``lstm``
+    state manager on CUDA (or anywhere with ``dense_recurrent`` True; never with False) storing the
+    model's dtype, a RASR model fed only the label (and its length) besides its states, no
+    per-utterance inputs, no CUDA graphs, no ``max_batch_size`` chunks."""
+    setting = states.options.dense_recurrent
+    on_device = states.device == "cuda" if setting is None else setting
+    return (states.family == "lstm" and on_device and not graphs and max_batch_size is None
             and spec.convention == "rasr" and not spec.utterance_inputs and not spec.in_place_outputs
             and set(spec.hypothesis_inputs) <= _ROW_INPUTS
             and all(layout.storage_dtype == layout.model_dtype for layout in states.layouts))

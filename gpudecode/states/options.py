@@ -59,6 +59,10 @@ class StateManagerOptions:
       the merged states between steps (:mod:`gpudecode.states.resident`), so that a step copies
       only the rows a beam reorders instead of gathering every history from the pool (False:
       every step merges from the pool). The results are the same either way.
+    - ``dense_recurrent``: ``lstm`` managers — keep the states as dense per-lane arrays fed to the
+      model as they are instead of the slot pool (:mod:`gpudecode.states.dense`). None: on CUDA,
+      where the model allows it; True: on the host too (numpy arrays); False: never. The results
+      are the same either way.
     """
 
     type: str = DEFAULT_TYPE
@@ -72,6 +76,7 @@ class StateManagerOptions:
     device_id: int = 0
     history_alignment: str = "right"
     cpu_in_place: bool = True
+    dense_recurrent: bool | None = None
 
     def __post_init__(self) -> None:
         if self.history_alignment not in ("right", "left"):

@@ -151,3 +151,34 @@ def test_kernel_selection_with_scorers_equals_numpy_on_cuda():
     import cupy
 
     assert scorer_mismatches(cupy, exact=False, prediction_device="cuda") == []
+
+
+@needs_gxx
+def test_one_symbol_per_frame_reads_nothing_back_per_frame_in_emulation():
+    """On CuPy with one symbol per frame neither search reads back per frame (beam with an LM)."""
+    code = """
+import cupy, numpy as np
+from examples.custom_scorer import BigramScorer
+from gpudecode.search import TransducerOptions, transducer_greedy_search, transducer_search
+from gpudecode.search.stats import SearchStats
+from tests.test_transducer_search import bigram_table, make_models, random_encoder_states
+counts = []
+stats = SearchStats(on_transfer=lambda arrays: counts.append(len(arrays)))
+models = make_models(5, 7, sharpness=2.0)
+seen = []
+for frames in (4, 12):
+    states = cupy.asarray(random_encoder_states(5, 2, frames))
+    counts.clear()
+    transducer_search(states, np.array([frames, 3]), models.prediction(), models.joint(),
+                      TransducerOptions(beam_size=3, max_symbols_per_frame=1), [("lm", BigramScorer(log_probs=bigram_table(5, 7)), 0.5)],
+                      xp=cupy, stats=stats)
+    beam = len(counts)
+    counts.clear()
+    transducer_greedy_search(states, np.array([frames, 3]), models.prediction(), models.joint(), xp=cupy,
+                             max_symbols_per_frame=1, stats=stats)
+    seen.append((beam, len(counts)))
+print(seen)
+raise SystemExit(0 if seen[0] == seen[1] else 1)
+"""
+    run = _emulate(code)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

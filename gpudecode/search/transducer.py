@@ -37,7 +37,9 @@ extend a scorer's context, ``BLANK`` carries it; unchanged contexts keep their s
 batched over utterances.
 
 No Python loop over utterances, lanes or labels in the frame/step loops; one device→host transfer
-per symbol step (did any lane emit, is any lane still active), none without a step.
+per symbol step (did any lane emit, is any lane still active), except on CuPy for a frame's last
+symbol step (the frame ends there anyway; the models run as if some lane emitted), so that with
+one symbol per frame the GPU never waits for the host.
 """
 
 from __future__ import annotations
@@ -191,9 +193,10 @@ def transducer_greedy_search(encoder_states, lengths, prediction: PredictionNetw
                     labels = xp.where(emitted, best, -1)
                     steps.append(labels)
                     step_frames.append(t)
-                    (any_emitted,) = read(emitted.any())
-                    if not any_emitted:
-                        break
+                    if xp is np or s < max_symbols_per_frame - 1:  # on CuPy the last step reads nothing back
+                        (any_emitted,) = read(emitted.any())
+                        if not any_emitted:
+                            break
                     ctx = prediction.extend(ctx, lanes, labels)
                     new_out = _on_xp(xp, prediction.output(ctx)).astype(np.float32, copy=False)
                     pred_out = xp.where(emitted[:, None], new_out, pred_out)
@@ -383,8 +386,13 @@ class _TransducerSearch:
         else:
             parents, labels, alive_new, emitted = self._select(t, s, forced, logp, exact)
         is_stay = ~emitted
-        (flags,) = self.read(xp.stack([emitted.any(), (alive_new & ~self.done).any()]))  # one small transfer
-        any_emitted, any_active = bool(flags[0]), bool(flags[1])
+        if xp is not np and s == options.max_symbols_per_frame - 1:
+            # the frame's last symbol step: the frame ends whatever is active, and the models are run
+            # as if some lane emitted (lanes that did not carry their vectors), so the GPU never waits
+            any_emitted, any_active = True, False
+        else:
+            (flags,) = self.read(xp.stack([emitted.any(), (alive_new & ~self.done).any()]))  # one small transfer
+            any_emitted, any_active = bool(flags[0]), bool(flags[1])
         step_labels = xp.where(emitted, labels, -1)
 
         # the prediction network: new vectors for the lanes that emitted

@@ -25,8 +25,7 @@ CUDNN_CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 # per new shape costs more than it saves.
 CUDNN_CONV_ALGO_SEARCH = "HEURISTIC"
 PREFETCH_BATCHES = 2  # batches read (and through the front end) ahead in a thread; 0: no thread
-WRITER_QUEUE = 4096  # results queued for the writer thread (four CUDA batches of SEARCH_BATCH_SIZE_CUDA: the
-# loop decodes on while a batch is written); 0: written in the decoding loop
+WRITER_QUEUE = 256  # results queued for the writer thread; 0: written in the decoding loop
 
 # --- models: front end (log-mel features from audio) ---------------------------------------
 SAMPLE_RATE_HZ = 16000

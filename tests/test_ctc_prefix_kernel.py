@@ -205,18 +205,22 @@ def _emulate(code: str) -> subprocess.CompletedProcess:
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel emulator compiles with g++")
 
 
+def assert_none_in_emulation(module: str, function: str) -> None:
+    """``module.function(cupy)`` run with the kernel emulator's CuPy returns its problems (a list or
+    a string); they must be none."""
+    run = _emulate(f"import cupy; from {module} import {function}; bad = {function}(cupy); "
+                   "print(bad if isinstance(bad, str) else (len(bad), bad[:10])); raise SystemExit(1 if bad else 0)")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
 @needs_gxx
 def test_the_kernels_equal_the_array_version_bit_for_bit_in_emulation():
-    run = _emulate("import cupy; from tests.test_ctc_prefix_kernel import mismatches; bad = mismatches(cupy); "
-                   "print(len(bad), bad[:20]); raise SystemExit(1 if bad else 0)")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert_none_in_emulation("tests.test_ctc_prefix_kernel", "mismatches")
 
 
 @needs_gxx
 def test_a_joint_search_gives_the_numpy_nbest_in_emulation():
-    run = _emulate("import cupy; from tests.test_ctc_prefix_kernel import search_mismatch; "
-                   "bad = search_mismatch(cupy); print(bad); raise SystemExit(1 if bad else 0)")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert_none_in_emulation("tests.test_ctc_prefix_kernel", "search_mismatch")
 
 
 @pytest.mark.gpu

@@ -468,7 +468,7 @@ class _PrefixSearch:
             self._extend_contexts(parents, xp.where(emitted, labels, -1), transitions, emitted)
 
     def _kernel_frames(self, frame_kinds: np.ndarray) -> None:
-        """The frame loop with scorers as launches of ``ctc_prefix_frames_<K>``: each runs the
+        """The frame loop with scorers as launches of ``ctc_prefix_frames_scored_<K>``: each runs the
         frames up to and including the next full frame (ranked with the scorers' cached terms) and
         reports its moves; between launches the scorer contexts move and the lanes that emitted
         are scored. No host synchronisation: the contexts are extended after every full frame."""

@@ -29,6 +29,11 @@ Writes under ``--out``::
     {split}/feats.ark, feats.scp   Kaldi archive and script (absolute paths) of the same features
     {split}/wav/*.wav, wav.scp     16-bit 8 kHz audio (only for --wav-splits)
 
+With ``--synthetic-recordings DIR --num-synthetic-train N`` (``synth_speakers.py``'s espeak-ng
+speakers) the train split gets N more utterances, spoken by those synthetic speakers from their
+training-range recordings, after the FSDD ones (which stay exactly as without them); dev and test
+never hear them, and the normalisation statistics cover the whole train split.
+
 Everything is a function of --seed and the sizes. The data carries FSDD's license, CC BY-SA 4.0.
 """
 
@@ -69,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_DATA_DIR, help="output folder")
     p.add_argument("--test-speaker", default=None, metavar="NAME",
                    help="a leave-one-speaker-out fold: test only NAME, train and dev the others")
+    p.add_argument("--synthetic-recordings", type=Path, default=None, metavar="DIR",
+                   help="synthetic speakers' recordings (synth_speakers.py), for training only")
+    p.add_argument("--num-synthetic-train", type=int, default=0,
+                   help="training utterances spoken by the synthetic speakers, after the FSDD ones")
     p.add_argument("--seed", type=int, default=20240502)
     p.add_argument("--num-train", type=int, default=3000)
     p.add_argument("--num-dev", type=int, default=500)
@@ -225,7 +234,11 @@ class Hdf5Writer:
 
 
 def write_split(split: str, num_utterances: int, recordings: Recordings, front_end, args,
-                seed_seq: np.random.SeedSequence) -> dict:
+                seed_seq: np.random.SeedSequence, synthetic: tuple[Recordings, int] | None = None) -> dict:
+    """Writes ``split``: ``num_utterances`` spoken by the split's FSDD speakers, then (``synthetic``:
+    the synthetic speakers' recordings and a count) that many by synthetic speakers, drawn with
+    their own random streams. Returns the recordings used (FSDD and synthetic apart) and the
+    features' sums."""
     import kaldiio
     import soundfile
 
@@ -241,16 +254,23 @@ def write_split(split: str, num_utterances: int, recordings: Recordings, front_e
     feat_sq_sum = np.zeros(front_end.num_features)
     num_frames = 0
     used_recordings: set[str] = set()
+    synthetic_recordings: set[str] = set()
     speakers = split_speakers(split, recordings.speakers, args.test_speaker)
+    plan = [(number, recordings, speakers, text_rng, audio_rng, "", used_recordings)
+            for number in range(num_utterances)]
+    if synthetic is not None:  # their own streams: the FSDD utterances stay as they are without them
+        synthetic_text_rng, synthetic_audio_rng = (np.random.default_rng(s) for s in seed_seq.spawn(2))
+        plan += [(number, synthetic[0], synthetic[0].speakers, synthetic_text_rng, synthetic_audio_rng, "s",
+                  synthetic_recordings) for number in range(synthetic[1])]
     with (open(out / "text", "w", encoding="utf-8") as text,
           open(out / "manifest.jsonl", "w", encoding="utf-8") as manifest,
           open(out / "wav.scp", "w", encoding="utf-8") if write_wav else _null() as wav_scp,
           kaldiio.WriteHelper(f"ark,scp:{out / 'feats.ark'},{out / 'feats.scp'}") as ark):
-        for number in range(num_utterances):
+        for number, source, source_speakers, text_rng, audio_rng, prefix, used_here in plan:
             category, digits = grammar.sample(text_rng)
-            speaker = speakers[int(text_rng.integers(len(speakers)))]
-            utt_id = f"{split}-{number:05d}-{speaker}"
-            pcm, record = make_utterance(digits, speaker, split, recordings, audio_rng, args)
+            speaker = source_speakers[int(text_rng.integers(len(source_speakers)))]
+            utt_id = f"{split}-{prefix}{number:05d}-{speaker}"
+            pcm, record = make_utterance(digits, speaker, split, source, audio_rng, args)
             features = front_end(pcm.astype(np.float64) / 32768.0)
             words = grammar.digits_to_words(digits)
             text.write(f"{utt_id} {' '.join(words)}\n")
@@ -262,15 +282,15 @@ def write_split(split: str, num_utterances: int, recordings: Recordings, front_e
                 wav_path = wav_dir / f"{utt_id}.wav"
                 soundfile.write(wav_path, pcm, recordings.sample_rate_hz, subtype="PCM_16")
                 wav_scp.write(f"{utt_id} wav/{wav_path.name}\n")
-            used_recordings.update(record["recordings"])
+            used_here.update(record["recordings"])
             feat_sum += features.sum(axis=0)
             feat_sq_sum += np.square(features.astype(np.float64)).sum(axis=0)
             num_frames += features.shape[0]
     hdf5.close()
     if not write_wav:
         (out / "wav.scp").unlink(missing_ok=True)
-    return {"recordings": used_recordings, "sum": feat_sum, "sq_sum": feat_sq_sum,
-            "num_frames": num_frames}
+    return {"recordings": used_recordings, "synthetic_recordings": synthetic_recordings, "sum": feat_sum,
+            "sq_sum": feat_sq_sum, "num_frames": num_frames}
 
 
 class _null:
@@ -306,6 +326,14 @@ def main(argv=None) -> None:
         raise SystemExit(f"--test-speaker {args.test_speaker}: not a speaker of {args.recordings} "
                          f"({', '.join(recordings.speakers)})")
     check_splits_disjoint(recordings.speakers, args.test_speaker)
+    synthetic = None
+    if args.num_synthetic_train:
+        if args.synthetic_recordings is None:
+            raise SystemExit("--num-synthetic-train needs --synthetic-recordings (synth_speakers.py's output)")
+        synthetic = (Recordings(args.synthetic_recordings, int(FRONT_END["sample_rate_hz"])), args.num_synthetic_train)
+        shared = set(synthetic[0].speakers) & set(recordings.speakers)
+        if shared:
+            raise SystemExit(f"{args.synthetic_recordings}: speakers {sorted(shared)} are FSDD speakers")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "vocab.txt").write_text("\n".join(VOCABULARY) + "\n", encoding="utf-8")
     write_json(args.out / "front_end.json", FRONT_END)
@@ -314,8 +342,12 @@ def main(argv=None) -> None:
     sizes = {"train": args.num_train, "dev": args.num_dev, "test": args.num_test}
     used: dict[str, set[str]] = {}
     for split in SPLITS:
-        result = write_split(split, sizes[split], recordings, front_end, args, seeds[split])
+        result = write_split(split, sizes[split], recordings, front_end, args, seeds[split],
+                             synthetic if split == "train" else None)
         used[split] = result["recordings"]
+        if result["synthetic_recordings"]:
+            print(f"{split}: {args.num_synthetic_train} more utterances by {len(synthetic[0].speakers)} synthetic "
+                  f"speakers ({len(result['synthetic_recordings'])} recordings)", flush=True)
         check_recordings_in_split(split, used[split], recordings.speakers, args.test_speaker)
         fold = (f", speakers {','.join(split_speakers(split, recordings.speakers, args.test_speaker))}"
                 if args.test_speaker else "")

@@ -14,6 +14,7 @@ from gpudecode.search import CtcPrefixOptions, TransducerOptions, ctc_prefix_sea
 from gpudecode.search import ctc as ctc_module
 from gpudecode.search import ctc_cpu, transducer_cpu
 from gpudecode.search import transducer as transducer_module
+from gpudecode.search.stats import SearchStats
 from gpudecode.search.tuning import SearchTuning
 from tests.test_ctc_frame import CASES, _inputs
 from tests.test_transducer_search import make_models, random_encoder_states
@@ -102,10 +103,12 @@ def test_compiled_ctc_loop_with_nan_and_infinite_log_probs():
 
 
 def test_the_loops_run_only_where_they_apply():
-    for module in (ctc_cpu, transducer_cpu):
-        assert module.use_loop(np, 0, COMPILED)
-        assert not module.use_loop(np, 1, COMPILED)  # scorers: the array version
-        assert not module.use_loop(np, 0, ARRAYS)
+    assert transducer_cpu.use_loop(np, 0, COMPILED)
+    assert not transducer_cpu.use_loop(np, 1, COMPILED)  # scorers: the array version
+    assert not transducer_cpu.use_loop(np, 0, ARRAYS)
+    assert ctc_cpu.use_loop(np, COMPILED)  # with or without scorers (a call per full frame with them)
+    assert not ctc_cpu.use_loop(np, ARRAYS)
+    assert not ctc_cpu.use_loop(np, COMPILED, SearchStats(on_top_k=lambda keys, k: None))  # top-k observed
 
 
 # --- transducer ------------------------------------------------------------------------------------

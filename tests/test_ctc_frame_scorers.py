@@ -106,3 +106,17 @@ def test_the_kernel_and_the_array_version_agree_on_cuda():
         kernel = _summary(_search(cupy, case))
         arrays = _summary(_search(cupy, case, tuning=SearchTuning(fused_ctc_frames=False)))
         assert [[h[:2] for h in hyps] for hyps in kernel] == [[h[:2] for h in hyps] for hyps in arrays]
+
+
+def test_compiled_cpu_frames_with_scorers_equal_the_array_version_bit_for_bit():
+    """On numpy with numba (the ``cpu-jit`` extra) a search with scorers runs a compiled call per
+    full frame (``ctc_cpu.ScoredFrameLoop``), on one thread or several; the n-best lists are the
+    array version's, bit for bit."""
+    from gpudecode.search import ctc_cpu
+
+    if not ctc_cpu.available():
+        pytest.skip("numba is not installed (the cpu-jit extra)")
+    for case in CASES:
+        arrays = _summary(_search(np, case, tuning=SearchTuning(compiled_cpu_loops=False)))
+        assert _summary(_search(np, case)) == arrays
+        assert _summary(_search(np, case, tuning=SearchTuning(cpu_threads=2))) == arrays

@@ -275,13 +275,14 @@ class _PrefixSearch:
         vocab_size, blank = self.log_probs.shape[2], options.blank
         in_kernel = self.tuning.fused_ctc_frames and ctc_frame.use_kernel(xp, beam)
         fused = in_kernel and not self.entries  # every frame in one launch
-        compiled = not in_kernel and ctc_cpu.use_loop(xp, len(self.entries), self.tuning)  # one compiled call
+        in_loop = not in_kernel and ctc_cpu.use_loop(xp, self.tuning, self.stats)
+        compiled = in_loop and not self.entries  # every frame in one compiled call
         self.lengths_dev = xp.asarray(self.lengths)
         # per utterance the largest frame log-prob (NaN or +inf: non-finite scores), before pruning
         self.input_max = _frame_maxima(self.log_probs, self.lengths_dev, xp)
-        # label pruning: the compiled loop prunes each frame itself; the others search pruned log-probs
-        self.prune_in_loop = compiled and options.token_min_logp is not None
-        if options.token_min_logp is not None and not compiled:
+        # label pruning: the compiled loops prune each frame themselves; the others search pruned log-probs
+        self.prune_in_loop = in_loop and options.token_min_logp is not None
+        if options.token_min_logp is not None and not in_loop:
             self.log_probs = prune_labels(self.log_probs, options.token_min_logp, xp)
         frame_kinds = self._frame_kinds()  # host [T]: 0 idle, 1 blank only, 2 full
         num_full = int((frame_kinds == 2).sum())
@@ -335,7 +336,13 @@ class _PrefixSearch:
             self.rescore = bool(self.entries)  # host: some lane's context is new
 
             if in_kernel:  # a launch per full frame, the scorers run between them
-                self._kernel_frames(frame_kinds)
+                self._kernel_frames(frame_kinds, ctc_frame.FrameLauncher(
+                    self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds, options, beam,
+                    prefilter=self.tuning.ctc_prefilter, with_scorers=True), sync=False)
+            elif in_loop:  # a compiled call per full frame
+                self._kernel_frames(frame_kinds, ctc_cpu.ScoredFrameLoop(
+                    self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds, options, beam,
+                    threads=self.tuning.cpu_threads), sync=True)
             else:
                 for t, kind in enumerate(frame_kinds.tolist()):
                     if kind == 1:
@@ -467,15 +474,14 @@ class _PrefixSearch:
                                             int(Transition.LOOP), int(Transition.BLANK)))
             self._extend_contexts(parents, xp.where(emitted, labels, -1), transitions, emitted)
 
-    def _kernel_frames(self, frame_kinds: np.ndarray) -> None:
-        """The frame loop with scorers as launches of ``ctc_prefix_frames_scored_<K>``: each runs the
-        frames up to and including the next full frame (ranked with the scorers' cached terms) and
-        reports its moves; between launches the scorer contexts move and the lanes that emitted
-        are scored. No host synchronisation: the contexts are extended after every full frame."""
+    def _kernel_frames(self, frame_kinds: np.ndarray, launcher, sync: bool) -> None:
+        """The frame loop with scorers as calls of ``launcher`` (``ctc_frame.FrameLauncher``: the
+        CUDA kernel ``ctc_prefix_frames_scored_<K>``; ``ctc_cpu.ScoredFrameLoop``: its compiled CPU
+        loop): each runs the frames up to and including the next full frame (ranked with the
+        scorers' cached terms) and reports its moves; between calls the scorer contexts move and
+        the lanes that emitted are scored. ``sync`` False (CuPy): the contexts are extended after
+        every full frame, without reading back whether any lane emitted."""
         xp, num_lanes = self.xp, self.layout.num_lanes
-        launcher = ctc_frame.FrameLauncher(self.log_probs, self.lengths_dev, getattr(self, "skip", None),
-                                           frame_kinds, self.options, self.layout.beam_size,
-                                           prefilter=self.tuning.ctc_prefilter, with_scorers=True)
         state = tuple(xp.ascontiguousarray(getattr(self, name)) for name in ctc_frame.LANE_STATE)
         lanes = xp.arange(num_lanes)
         begin = 0
@@ -484,7 +490,7 @@ class _PrefixSearch:
             lm_term = xp.ascontiguousarray(combine_scores(self.cache, self.scales))
             lm_total = xp.ascontiguousarray(combine_scores(self.lm_scores, self.scales))
             launcher.launch(state, self.node_parent, self.node_label, begin, t + 1, k, lm_term, lm_total)
-            if self.stats is not None:
+            if self.stats is not None and isinstance(launcher, ctc_frame.FrameLauncher):
                 self.stats.fused_launches += 1
             self.node_frames.append(t)
             begin = t + 1
@@ -494,7 +500,7 @@ class _PrefixSearch:
             self.cache = [c[parents] for c in self.cache]
             gained = xp.stack([xp.where(emitted, c[lanes, safe_labels], np.float32(0)) for c in self.cache])
             self.lm_scores = self.lm_scores[:, parents] + gained
-            self._extend_contexts(parents, labels, launcher.transitions, emitted, sync=False)
+            self._extend_contexts(parents, labels, launcher.transitions, emitted, sync=sync)
         if begin < launcher.num_frames:  # blank-only frames after the last full one
             launcher.launch(state, self.node_parent, self.node_label, begin, launcher.num_frames,
                             len(self.node_frames))

@@ -1,4 +1,6 @@
-"""The CTC prefix beam search without label scorers as one compiled CPU loop (numba).
+"""The CTC prefix beam search as compiled CPU loops (numba): without label scorers one call for
+every frame, with scorers a call per full frame (ranked with the scorers' cached terms, as the
+scored CUDA kernel does).
 
 :meth:`gpudecode.search.ctc._PrefixSearch._full_frame` runs a frame as ~80 numpy operations; for
 one utterance per call, or small beams, their fixed cost dominates. Without label scorers the
@@ -38,10 +40,65 @@ def available() -> bool:
     return True
 
 
-def use_loop(xp, num_scorers: int, tuning) -> bool:
-    """Whether a prefix search runs as the compiled loop: numpy, no scorers, numba importable and
-    ``SearchTuning.compiled_cpu_loops`` on."""
-    return xp is np and num_scorers == 0 and tuning.compiled_cpu_loops and available()
+def use_loop(xp, tuning, stats=None) -> bool:
+    """Whether a prefix search runs as the compiled loop: numpy, numba importable,
+    ``SearchTuning.compiled_cpu_loops`` on and no top-k observer (``SearchStats.on_top_k``: only the
+    array version ranks through top-k calls) — without scorers every frame in one call
+    (:func:`search_frames`), with scorers a call per full frame (:class:`ScoredFrameLoop`)."""
+    return (xp is np and tuning.compiled_cpu_loops and (stats is None or stats.on_top_k is None)
+            and available())
+
+
+class ScoredFrameLoop:
+    """The compiled frames of a prefix search with scorers, a call per full frame: what
+    ``ctc_frame.FrameLauncher`` launches on CUDA (the same ``launch`` and moves), on numpy arrays,
+    the utterances spread over ``threads`` of numba's threads. Arguments as for :func:`search_frames`;
+    the log-probs are pruned in the loop (``options.token_min_logp``)."""
+
+    def __init__(self, log_probs, lengths, skip, frame_kinds: np.ndarray, options, beam_size: int, *,
+                 threads: int = 1) -> None:
+        import numba
+
+        self.log_probs = np.ascontiguousarray(log_probs, dtype=np.float32)
+        num_utts, self.num_frames, _ = self.log_probs.shape
+        self.lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+        self.has_skip = skip is not None
+        self.skip = np.ascontiguousarray(skip, dtype=np.bool_) if self.has_skip else np.zeros((1, 1), np.bool_)
+        self.kinds = np.ascontiguousarray(frame_kinds, dtype=np.int8)
+        self.options, self.beam_size = options, int(beam_size)
+        self.threads = max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS, num_utts))
+        num_lanes = num_utts * self.beam_size
+        self.parents = np.zeros(num_lanes, dtype=np.int64)
+        self.labels = np.full(num_lanes, -1, dtype=np.int64)
+        self.transitions = np.zeros(num_lanes, dtype=np.int8)
+
+    def launch(self, state, node_parent, node_label, frame_begin: int, frame_end: int, full_begin: int,
+               lm_term=None, lm_total=None) -> None:
+        """``FrameLauncher.launch`` on the host: ``state`` (C-contiguous numpy arrays in
+        :data:`LANE_STATE` order) updated in place; without ``lm_term`` the frames hold no full one."""
+        import numba
+
+        from gpudecode.search import ctc_cpu_jit
+
+        options = self.options
+        threshold, token_min = options.score_threshold, options.token_min_logp
+        if lm_term is None:  # blank-only frames after the last full one: no term is read
+            lm_term, lm_total = np.zeros((1, 1), np.float32), np.zeros(1, np.float32)
+        run = ctc_cpu_jit.scored_frames_threaded if self.threads > 1 else ctc_cpu_jit.scored_frames
+        previous = numba.get_num_threads()
+        if self.threads > 1:
+            numba.set_num_threads(self.threads)
+        try:
+            run(
+                self.log_probs, self.lengths, self.skip, self.has_skip, self.kinds, self.beam_size,
+                int(options.blank), threshold is not None, np.float32(threshold or 0), token_min is not None,
+                np.float32(token_min or 0), np.int64(HASH_MULTIPLIER), np.int64(options.hash_modulus), *state,
+                node_parent, node_label, int(frame_begin), int(frame_end), int(full_begin),
+                np.ascontiguousarray(lm_term, dtype=np.float32), np.ascontiguousarray(lm_total, dtype=np.float32),
+                self.parents, self.labels, self.transitions)
+        finally:
+            if self.threads > 1:
+                numba.set_num_threads(previous)
 
 
 def search_frames(log_probs, lengths, skip, frame_kinds: np.ndarray, state: tuple, node_parent, node_label,

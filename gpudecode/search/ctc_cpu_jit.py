@@ -94,9 +94,13 @@ def best_columns(ranks, width, beam, order, order_rank):
 @njit(cache=True)
 def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
                token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent,
-               node_label):
-    """Every frame of utterance ``u``: its lanes' state and its lanes' emission nodes (node
-    ``1 + k · N + lane`` of the k-th full frame), updated in place; no other utterance's."""
+               node_label, frame_begin, frame_end, k_begin, scored, lm_term, lm_total, new_parent, new_label,
+               new_transition):
+    """Frames [``frame_begin``, ``frame_end``) (-1: to the end) of utterance ``u``: its lanes' state
+    and its lanes' emission nodes (node ``1 + k · N + lane`` of the k-th full frame, from
+    ``k_begin``), updated in place; no other utterance's. ``scored``: ranked with the scorers'
+    terms (``lm_term`` [N, V], ``lm_total`` [N], as ``kernels/ctc_frame.cu``'s scored frames), the
+    full frame's moves written to ``new_parent``, ``new_label`` (-1: none), ``new_transition``."""
     num_utts, num_frames, vocab = log_probs.shape
     num_lanes = num_utts * beam
     width = beam * vocab
@@ -119,8 +123,9 @@ def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_th
     old_prev = np.empty(beam, np.int64)
     old_node = np.empty(beam, np.int64)
     first = u * beam
-    k = 0
-    for t in range(num_frames):
+    k = k_begin
+    end = num_frames if frame_end < 0 else frame_end
+    for t in range(frame_begin, end):
         kind = kinds[t]
         if kind == 0:
             continue
@@ -191,6 +196,15 @@ def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_th
                 ranks[match[j] * vocab + max(old_last[j], 0)] = NEG_INF
         for i in range(beam):
             ranks[i * vocab + blank] = logaddexp(stay_blank[i], stay_label[i])
+        if scored:  # (extension + lm_total) + lm_term, stay + lm_total: the array version's order
+            for i in range(beam):
+                lane = first + i
+                row = i * vocab
+                for v in range(vocab):
+                    if v == blank:
+                        ranks[row + v] = np.float32(ranks[row + v] + lm_total[lane])
+                    else:
+                        ranks[row + v] = np.float32(np.float32(ranks[row + v] + lm_total[lane]) + lm_term[lane, v])
         if use_threshold:
             drop_below_threshold(ranks, width, threshold)
         best_columns(ranks, width, beam, order, order_rank)
@@ -216,13 +230,19 @@ def _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_th
                 length[lane] = old_length[p]
             else:
                 blank_logp[lane] = NEG_INF
-                label_logp[lane] = ranks[column] if not (old_last[p] >= 0 and label == old_last[p]) \
-                    else np.float32(old_b[p] + x[label])
+                if old_last[p] >= 0 and label == old_last[p]:
+                    label_logp[lane] = np.float32(old_b[p] + x[label])
+                else:  # the extension's own path score (a scored rank holds the scorers' terms)
+                    label_logp[lane] = np.float32(total[p] + x[label]) if scored else ranks[column]
                 node[lane] = base + lane
                 prev_hash[lane] = old_hash[p]
                 hsh[lane] = (old_hash[p] * multiplier + label + 1) % modulus
                 last[lane] = label
                 length[lane] = old_length[p] + 1
+            if scored:
+                new_parent[lane] = first + p
+                new_label[lane] = -1 if stay else label
+                new_transition[lane] = 0 if not stay else (2 if stay_label[p] > stay_blank[p] else 1)
 
 
 @njit(cache=True)
@@ -230,10 +250,11 @@ def frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold
            multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node, node_parent, node_label):
     """Every frame of the prefix search (``ctc_cpu.search_frames``), utterance after utterance, the
     lane state updated in place."""
+    terms, totals, moves, kinds_out = _no_terms()
     for u in range(log_probs.shape[0]):
         _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
                    token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
-                   node_parent, node_label)
+                   node_parent, node_label, 0, -1, 0, False, terms, totals, moves, moves, kinds_out)
 
 
 @njit(cache=True, parallel=True)
@@ -241,7 +262,41 @@ def frames_threaded(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_
                     token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
                     node_parent, node_label):
     """:func:`frames` with the utterances spread over numba's threads (they share no lane and no node)."""
+    terms, totals, moves, kinds_out = _no_terms()
     for u in prange(log_probs.shape[0]):
         _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
                    token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
-                   node_parent, node_label)
+                   node_parent, node_label, 0, -1, 0, False, terms, totals, moves, moves, kinds_out)
+
+
+@njit(cache=True)
+def _no_terms():
+    """Placeholders of the scored arguments for a search without scorers (never read or written)."""
+    return (np.zeros((1, 1), np.float32), np.zeros(1, np.float32), np.zeros(1, np.int64), np.zeros(1, np.int8))
+
+
+@njit(cache=True)
+def scored_frames(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
+                  token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
+                  node_parent, node_label, frame_begin, frame_end, k_begin, lm_term, lm_total, new_parent, new_label,
+                  new_transition):
+    """Frames [``frame_begin``, ``frame_end``) of every utterance, ranked with the scorers' terms
+    (``_utterance``'s ``scored``), utterance after utterance."""
+    for u in range(log_probs.shape[0]):
+        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
+                   token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
+                   node_parent, node_label, frame_begin, frame_end, k_begin, True, lm_term, lm_total, new_parent,
+                   new_label, new_transition)
+
+
+@njit(cache=True, parallel=True)
+def scored_frames_threaded(log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold,
+                           use_token_min, token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh,
+                           prev_hash, node, node_parent, node_label, frame_begin, frame_end, k_begin, lm_term,
+                           lm_total, new_parent, new_label, new_transition):
+    """:func:`scored_frames` with the utterances spread over numba's threads."""
+    for u in prange(log_probs.shape[0]):
+        _utterance(u, log_probs, lengths, skip, has_skip, kinds, beam, blank, use_threshold, threshold, use_token_min,
+                   token_min, multiplier, modulus, blank_logp, label_logp, last, length, hsh, prev_hash, node,
+                   node_parent, node_label, frame_begin, frame_end, k_begin, True, lm_term, lm_total, new_parent,
+                   new_label, new_transition)

@@ -37,9 +37,9 @@ class SearchTuning:
     - ``ctc_prefilter``: the fused CTC kernel lists each frame's best labels first instead of
       scanning every label (off: the full scan);
     - ``host_wait``: how the host waits for the GPU (:class:`gpudecode.backend.HostWait`);
-    - ``compiled_cpu_loops``: on numpy, run the CTC prefix search without scorers, the
-      transducer search's selection and the label-synchronous step's selection as compiled
-      loops (numba, the ``cpu-jit`` extra: ``gpudecode.search.ctc_cpu``,
+    - ``compiled_cpu_loops``: on numpy, run the CTC prefix search's frames (without scorers all in
+      one call, with scorers a call per frame), the transducer search's selection and the
+      label-synchronous step's selection as compiled loops (numba, the ``cpu-jit`` extra: ``gpudecode.search.ctc_cpu``,
       ``gpudecode.search.transducer_cpu``, ``gpudecode.search.label_sync_cpu``) where numba
       imports (off, or without numba: the array versions);
     - ``cpu_threads``: the compiled CTC loop's threads (numba's), utterances spread over them

@@ -335,14 +335,13 @@ class _PrefixSearch:
             self.changed = xp.ones(num_lanes, dtype=bool)  # lanes whose scorer context is new
             self.rescore = bool(self.entries)  # host: some lane's context is new
 
+            frames = (self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds, options, beam)
             if in_kernel:  # a launch per full frame, the scorers run between them
                 self._kernel_frames(frame_kinds, ctc_frame.FrameLauncher(
-                    self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds, options, beam,
-                    prefilter=self.tuning.ctc_prefilter, with_scorers=True), sync=False)
+                    *frames, prefilter=self.tuning.ctc_prefilter, with_scorers=True), sync=False)
             elif in_loop:  # a compiled call per full frame
-                self._kernel_frames(frame_kinds, ctc_cpu.ScoredFrameLoop(
-                    self.log_probs, self.lengths_dev, getattr(self, "skip", None), frame_kinds, options, beam,
-                    threads=self.tuning.cpu_threads), sync=True)
+                self._kernel_frames(frame_kinds, ctc_cpu.ScoredFrameLoop(*frames, threads=self.tuning.cpu_threads),
+                                    sync=True)
             else:
                 for t, kind in enumerate(frame_kinds.tolist()):
                     if kind == 1:

@@ -17,6 +17,7 @@ from gpudecode.states.dense import DenseRecurrentStates, dense_states_apply
 from gpudecode.states.options import StateManagerOptions
 from gpudecode.scorers.transducer import StatefulPredictionNetwork
 from gpudecode.testing import build_lstm_lm
+from tests.test_ctc_prefix_kernel import assert_none_in_emulation, needs_gxx
 from tests.test_ctc_search import random_log_probs
 from tests.test_transducer_search import make_models, random_encoder_states
 
@@ -38,20 +39,28 @@ def _ctc(lm):
                              [("lm", lm, 0.5)])
 
 
-def test_children_take_the_new_state_where_a_label_was_fed():
+def _children_case(xp, dtype=np.float32, width=3, lanes=4):
+    """Dense states of two variables ([2, N, width] and [N, width]) over ``lanes`` lanes, on ``xp``."""
     from gpudecode.spec import StateVariable
     from gpudecode.states.layout import VariableLayout
 
-    stacked = VariableLayout.of(StateVariable(input_name="h", output_name="new-h", dtype=np.float32, shape=(2, None, 3), batch_axis=1), np.float32)
-    flat = VariableLayout.of(StateVariable(input_name="c", output_name="new-c", dtype=np.float32, shape=(None, 3)), np.float32)
-    dense = DenseRecurrentStates([stacked, flat], np)
+    stacked = VariableLayout.of(StateVariable(input_name="h", output_name="new-h", dtype=dtype, shape=(2, None, width),
+                                              batch_axis=1), dtype)
+    flat = VariableLayout.of(StateVariable(input_name="c", output_name="new-c", dtype=dtype, shape=(None, width)), dtype)
+    return DenseRecurrentStates([stacked, flat], xp)
+
+
+def test_children_take_the_new_state_where_a_label_was_fed():
+    dense = _children_case(np)
     states = dense.zeros(4)
     assert states["h"].shape == (2, 4, 3) and states["c"].shape == (4, 3) and not states["h"].any()
     states = {"h": np.arange(24, dtype=np.float32).reshape(2, 4, 3), "c": np.arange(12, dtype=np.float32).reshape(4, 3)}
     new = {"h": -states["h"], "c": -states["c"]}
-    parents, append = np.array([2, 2, 0, 3]), np.array([True, False, True, False])
-    children = dense.children(states, new, parents, append)
-    for lane, (p, fed) in enumerate(zip(parents, append)):
+    parents, labels = np.array([2, 2, 0, 3]), np.array([5, -1, 7, -1])
+    next_labels = np.array([10, 11, 12, 13])
+    children, following = dense.children(states, new, parents, labels, next_labels)
+    assert following.tolist() == [5, 12, 7, 13]
+    for lane, (p, fed) in enumerate(zip(parents, labels >= 0)):
         source = new if fed else states
         np.testing.assert_array_equal(children["h"][:, lane], source["h"][:, p])
         np.testing.assert_array_equal(children["c"][lane], source["c"][p])
@@ -59,6 +68,42 @@ def test_children_take_the_new_state_where_a_label_was_fed():
     assert not reset["h"][:, [1, 3]].any() and not reset["c"][[1, 3]].any()
     np.testing.assert_array_equal(reset["c"][[0, 2]], children["c"][[0, 2]])
     assert children["c"][1].any()  # reset copied: the children are unchanged
+
+
+def children_mismatches(cupy) -> list:
+    """The children kernel (``kernels/dense_states.cu``) against the numpy version on ``cupy``,
+    bit for bit, over dtypes and row widths that take every copy unit (16, 8, 4, 2 and 1 bytes)."""
+    bad = []
+    rng = np.random.default_rng(5)
+    for dtype, width, lanes in [(np.float32, 8, 12), (np.float32, 3, 7), (np.float16, 3, 5), (np.float16, 4, 9),
+                                (np.float32, 2, 6), (np.float64, 5, 4), (np.uint8, 3, 6), (np.float32, 64, 33)]:
+        host, device = _children_case(np, dtype, width, lanes), _children_case(cupy, dtype, width, lanes)
+        states = {"h": rng.standard_normal((2, lanes, width)).astype(dtype),
+                  "c": rng.standard_normal((lanes, width)).astype(dtype)}
+        new = {k: rng.standard_normal(v.shape).astype(dtype) for k, v in states.items()}
+        parents = rng.integers(0, lanes, lanes).astype(np.int64)
+        labels = np.where(rng.random(lanes) < 0.5, rng.integers(0, 50, lanes), -1).astype(np.int64)
+        next_labels = rng.integers(0, 50, lanes).astype(np.int64)
+        expected, expected_next = host.children(states, new, parents, labels, next_labels)
+        got, got_next = device.children({k: cupy.asarray(v) for k, v in states.items()},
+                                        {k: cupy.asarray(v) for k, v in new.items()}, cupy.asarray(parents),
+                                        cupy.asarray(labels), cupy.asarray(next_labels))
+        if cupy.asnumpy(got_next).tolist() != expected_next.tolist():
+            bad.append((str(np.dtype(dtype)), width, "next labels"))
+        for name in states:
+            if cupy.asnumpy(got[name]).tobytes() != expected[name].tobytes():
+                bad.append((str(np.dtype(dtype)), width, name))
+    return bad
+
+
+@needs_gxx
+def test_the_children_kernel_equals_the_numpy_version_in_emulation():
+    assert_none_in_emulation("tests.test_dense_states", "children_mismatches")
+
+
+@pytest.mark.gpu
+def test_the_children_kernel_equals_the_numpy_version_on_cuda():
+    assert children_mismatches(pytest.importorskip("cupy")) == []
 
 
 def test_only_an_lstm_manager_on_cuda_keeps_dense_states():

@@ -407,11 +407,10 @@ class OnnxDecoderScorer(LabelScorer):
         xp = self.states.xp
         if ctx.new_states is None:
             raise AssertionError("extend() before score(): the parents' new states are unknown")
-        parents = xp.asarray(parents).astype(np.int64, copy=False)
-        labels = xp.asarray(labels).astype(np.int64, copy=False)
-        append = labels >= 0
-        self._ctx = DenseContext(self.dense.children(ctx.states, ctx.new_states, parents, append),
-                                 xp.where(append, labels, ctx.next_labels[parents]))
+        parents = xp.ascontiguousarray(xp.asarray(parents), dtype=np.int64)
+        labels = xp.ascontiguousarray(xp.asarray(labels), dtype=np.int64)
+        states, next_labels = self.dense.children(ctx.states, ctx.new_states, parents, labels, ctx.next_labels)
+        self._ctx = DenseContext(states, next_labels)
         return self._ctx
 
     def _on_states(self, array):

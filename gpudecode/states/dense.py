@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
+from gpudecode.kernels import load_module
 from gpudecode.states.layout import VariableLayout
 
 #: The per-row inputs of a recurrent step model besides the label and its states (RASR convention).
@@ -56,19 +59,49 @@ class DenseRecurrentStates:
             reset[layout.name] = array
         return reset
 
-    def children(self, states: Mapping, new_states: Mapping, parents, append) -> dict:
-        """Lane i's state: its parent ``parents[i]``'s new state where ``append[i]``, else the
-        parent's own (``parents`` [N] int64, ``append`` [N] bool, both on ``xp``)."""
+    def children(self, states: Mapping, new_states: Mapping, parents, labels, next_labels, *,
+                 out: Mapping | None = None, next_out=None) -> tuple[dict, object]:
+        """(The child lanes' states, the labels they feed next): lane i's state is its parent
+        ``parents[i]``'s new state where it was fed a label (``labels[i] >= 0``), else the parent's
+        own; its next label is ``labels[i]`` where fed, else the parent's ``next_labels``
+        (``parents``, ``labels``, ``next_labels`` [N] int64 on ``xp``). On CuPy one launch per
+        state variable (``kernels/dense_states.cu``) writes into ``out`` / ``next_out`` where given
+        (buffers that alias none of the inputs), else into new arrays."""
         xp = self.xp
+        if xp is np:
+            return self._children_on_host(states, new_states, parents, labels, next_labels, out, next_out)
+        children = {}
+        if next_out is None:
+            next_out = xp.empty_like(next_labels)
+        for index, layout in enumerate(self.layouts):
+            old, new = states[layout.name], new_states[layout.name]
+            target = xp.empty_like(old) if out is None else out[layout.name]
+            launch_children(xp, parents, labels, old, new, target, layout.variable.batch_axis,
+                            next_labels if index == 0 else None, next_out if index == 0 else None)
+            children[layout.name] = target
+        if not self.layouts:
+            next_out[...] = xp.where(labels >= 0, labels, next_labels[parents])
+        return children, next_out
+
+    def _children_on_host(self, states, new_states, parents, labels, next_labels, out, next_out):
+        """:meth:`children` in numpy (the oracle of the kernel)."""
+        append = labels >= 0
         children = {}
         for layout in self.layouts:
             axis = layout.variable.batch_axis
             old, new = states[layout.name], new_states[layout.name]
             shape = [1] * old.ndim
             shape[axis] = -1
-            children[layout.name] = xp.where(append.reshape(shape), xp.take(new, parents, axis=axis),
-                                             xp.take(old, parents, axis=axis))
-        return children
+            child = np.where(append.reshape(shape), np.take(new, parents, axis=axis), np.take(old, parents, axis=axis))
+            if out is not None:
+                out[layout.name][...] = child
+                child = out[layout.name]
+            children[layout.name] = child
+        following = np.where(append, labels, next_labels[parents])
+        if next_out is not None:
+            next_out[...] = following
+            following = next_out
+        return children, following
 
     @staticmethod
     def _shape(layout: VariableLayout, num_lanes: int) -> tuple[int, ...]:
@@ -77,3 +110,30 @@ class DenseRecurrentStates:
         shape[variable.batch_axis] = num_lanes
         return tuple(shape)
 
+
+
+_THREADS = 256  # threads per block of the children launches
+_UNITS = (16, 8, 4, 2, 1)  # copy unit bytes of kernels/dense_states.cu, widest first
+
+
+def launch_children(cupy, parents, labels, old, new, out, batch_axis: int, next_in=None, next_out=None) -> None:
+    """One ``dense_children_<unit>`` launch (``kernels/dense_states.cu``): ``out`` [.., N, ..]
+    from ``old`` / ``new`` of the same shape and dtype (C-contiguous); with ``next_out`` also the
+    child lanes' next labels from ``next_in``."""
+    if not (old.shape == new.shape == out.shape and old.dtype == new.dtype == out.dtype):
+        raise ValueError(f"dense children: states {old.shape} {old.dtype}, new states {new.shape} {new.dtype} "
+                         f"and output {out.shape} {out.dtype} differ")
+    if not (old.flags.c_contiguous and new.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError("dense children: the state arrays must be C-contiguous")
+    num_lanes = int(old.shape[batch_axis])
+    pre = int(np.prod(old.shape[:batch_axis], dtype=np.int64))
+    row_bytes = int(np.prod(old.shape[batch_axis + 1:], dtype=np.int64)) * old.dtype.itemsize
+    addresses = (old.data.ptr, new.data.ptr, out.data.ptr)
+    unit = next(u for u in _UNITS if row_bytes % u == 0 and all(a % u == 0 for a in addresses))
+    total = pre * num_lanes * (row_bytes // unit)
+    blocks = max(1, min(-(-max(total, num_lanes) // _THREADS), 65_535))
+    null = np.uint64(0)
+    module = load_module("dense_states", (), old.device.id)
+    module.get_function(f"dense_children_{unit}")((blocks,), (_THREADS,), (
+        parents, labels, old, new, out, np.int64(pre), np.int64(num_lanes), np.int64(row_bytes // unit),
+        null if next_out is None else next_in, null if next_out is None else next_out))

@@ -1,4 +1,5 @@
-"""Kaldi archives (``.ark``) and script files (``.scp``) through kaldiio."""
+"""Kaldi archives (``.ark``) and script files (``.scp``) through kaldiio; uncompressed binary
+matrices at a plain offset are read straight from the archive (``_MatrixReader``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from gpudecode.io.features import FeatureSource
 
 class KaldiArkSource(FeatureSource):
     """An ``.ark``: one sequential pass indexes the ids, frame counts and byte offsets; then
-    each utterance is read on demand from its offset."""
+    each utterance is read on demand from its offset (``_MatrixReader``, else kaldiio)."""
 
     format = "kaldi-ark"
 
@@ -22,6 +23,7 @@ class KaldiArkSource(FeatureSource):
         super().__init__(path, **kwargs)
         import kaldiio
 
+        self._matrices = _MatrixReader()
         if not self.path.is_file():
             raise FeatureError("file does not exist", path=self.path)
         self._offsets: dict[str, int] = {}
@@ -51,15 +53,22 @@ class KaldiArkSource(FeatureSource):
     def _load(self, utt_id: str) -> np.ndarray:
         import kaldiio
 
-        return kaldiio.load_mat(f"{self.path}:{self._offsets[utt_id]}")
+        offset = self._offsets[utt_id]
+        matrix = self._matrices.read(str(self.path), offset)
+        return kaldiio.load_mat(f"{self.path}:{offset}") if matrix is None else matrix
 
     def _num_frames(self, utt_id: str) -> int:
         return self._frames[utt_id]
 
+    def close(self) -> None:
+        """Close the archive that reading matrices left open."""
+        self._matrices.close()
+
 
 class KaldiScpSource(FeatureSource):
-    """An ``.scp`` (``<id> <ark-path>:<offset>`` per line), read lazily by kaldiio. Frame counts
-    come from the matrix headers alone where the entry is a plain ``<ark-path>:<offset>``."""
+    """An ``.scp`` (``<id> <ark-path>:<offset>`` per line), read lazily: uncompressed binary
+    matrices of a plain ``<ark-path>:<offset>`` entry by ``_MatrixReader``, the rest by kaldiio.
+    Frame counts come from the matrix headers alone where the entry is a plain one."""
 
     format = "kaldi-scp"
 
@@ -76,6 +85,7 @@ class KaldiScpSource(FeatureSource):
                                path=self.path) from exc
         self._order = list(self._entries)
         self._ark: tuple[str, BinaryIO] | None = None  # the archive open while lengths() reads
+        self._matrices = _MatrixReader()
 
     def _keys(self) -> list[str]:
         return self._order
@@ -83,7 +93,10 @@ class KaldiScpSource(FeatureSource):
     def _load(self, utt_id: str) -> np.ndarray:
         import kaldiio
 
-        return kaldiio.load_mat(self._entries[utt_id])
+        entry = self._entries[utt_id]
+        located = _ark_offset(entry)
+        matrix = None if located is None else self._matrices.read(*located)
+        return kaldiio.load_mat(entry) if matrix is None else matrix
 
     def _num_frames(self, utt_id: str) -> int:
         located = _ark_offset(self._entries[utt_id])
@@ -98,10 +111,11 @@ class KaldiScpSource(FeatureSource):
             self.close()
 
     def close(self) -> None:
-        """Close the archive that reading headers left open."""
+        """Close the archives that reading headers and matrices left open."""
         if self._ark is not None:
             self._ark[1].close()
             self._ark = None
+        self._matrices.close()
 
     def _header_rows(self, ark: str, offset: int) -> int | None:
         """Rows from the matrix header at ``offset`` of ``ark`` (None: not a known header)."""
@@ -143,6 +157,22 @@ def _ark_offset(entry: str) -> tuple[str, int] | None:
 # "\0B", the type token and its space, then (FM/DM) "\4" rows "\4" cols or (CM*) 4 floats/ints.
 _HEADER_BYTES = 2 + 4 + 16
 _COMPRESSED = (b"CM ", b"CM2 ", b"CM3 ")
+# An uncompressed matrix: "\0B", "FM " or "DM ", "\4" rows "\4" cols; its data follows.
+_PLAIN_HEADER_BYTES = 2 + 3 + 2 * 5
+_PLAIN_DTYPES = {b"FM ": np.dtype("<f4"), b"DM ": np.dtype("<f8")}
+
+
+def _plain_matrix(header: bytes) -> tuple[np.dtype, int, int] | None:
+    """``(dtype, rows, cols)`` of the uncompressed binary matrix (``FM``/``DM``, little-endian)
+    whose first bytes are ``header``; None for anything else, a header cut short or a negative
+    size."""
+    dtype = _PLAIN_DTYPES.get(header[2:5]) if header[:2] == b"\0B" else None
+    if dtype is None or len(header) < _PLAIN_HEADER_BYTES:
+        return None
+    rows_size, rows, cols_size, cols = struct.unpack_from("<BiBi", header, 5)
+    if rows_size != 4 or cols_size != 4 or rows < 0 or cols < 0:
+        return None
+    return dtype, rows, cols
 
 
 def _matrix_rows(header: bytes) -> int | None:
@@ -151,13 +181,52 @@ def _matrix_rows(header: bytes) -> int | None:
     header: min, range, rows, cols); None for anything else (text, vectors, audio, …)."""
     if header[:2] != b"\0B":
         return None
-    if header[2:5] in (b"FM ", b"DM "):
-        if header[5:6] != b"\4" or header[10:11] != b"\4":
-            return None
-        rows = struct.unpack_from("<i", header, 6)[0]
-    else:
-        token = next((t for t in _COMPRESSED if header[2:2 + len(t)] == t), None)
-        if token is None or len(header) < 2 + len(token) + 16:
-            return None
-        rows = struct.unpack_from("<i", header, 2 + len(token) + 8)[0]
+    if header[2:5] in _PLAIN_DTYPES:
+        layout = _plain_matrix(header)
+        return None if layout is None else layout[1]
+    token = next((t for t in _COMPRESSED if header[2:2 + len(t)] == t), None)
+    if token is None or len(header) < 2 + len(token) + 16:
+        return None
+    rows = struct.unpack_from("<i", header, 2 + len(token) + 8)[0]
     return rows if rows >= 0 else None
+
+
+class _MatrixReader:
+    """Reads uncompressed binary matrices (``FM``/``DM``) straight from archives, a header and
+    a data ``os.pread`` each, keeping the last archive open (kaldiio opens the archive and parses
+    in Python per matrix). One thread at a time reads through it."""
+
+    def __init__(self):
+        self._ark: tuple[str, BinaryIO, int] | None = None  # path, open file, size when opened
+
+    def read(self, ark: str, offset: int) -> np.ndarray | None:
+        """The ``FM``/``DM`` matrix at ``offset`` of ``ark`` as ``kaldiio.load_mat`` gives it (a
+        read-only array over the bytes read); None for anything else, data cut short, or a file
+        that cannot be opened or read: the caller then loads it through kaldiio."""
+        if not hasattr(os, "pread"):
+            return None
+        try:
+            if self._ark is None or self._ark[0] != ark:
+                self.close()
+                file = open(ark, "rb", buffering=0)
+                self._ark = (ark, file, os.fstat(file.fileno()).st_size)
+            _, file, size = self._ark
+            layout = _plain_matrix(os.pread(file.fileno(), _PLAIN_HEADER_BYTES, offset))
+            if layout is None:
+                return None
+            dtype, rows, cols = layout
+            start, data_bytes = offset + _PLAIN_HEADER_BYTES, rows * cols * dtype.itemsize
+            if start + data_bytes > size:  # cut short; checked first, as pread allocates the size
+                return None
+            data = os.pread(file.fileno(), data_bytes, start)
+        except OSError:
+            return None
+        if len(data) != data_bytes:
+            return None
+        return np.frombuffer(data, dtype=dtype).reshape(rows, cols)
+
+    def close(self) -> None:
+        """Close the archive left open."""
+        if self._ark is not None:
+            self._ark[1].close()
+            self._ark = None

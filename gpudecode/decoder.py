@@ -23,6 +23,7 @@ from gpudecode.scorers import UtteranceBatch, create_scorer
 from gpudecode.scorers.registry import ScorerTypeError, scorer_class
 from gpudecode.search.registry import SearchSetup, SearchTypeError, search_type
 from gpudecode.session import EncoderLayout, ModelError, ModelSpec, OnnxSession, SessionOptions, discover_encoder
+from gpudecode.session.graphs import GraphOptions
 from gpudecode.session.pairs import check_cross_inputs, check_vocab_sizes, last_dim
 from gpudecode.states.options import StateManagerOptions
 
@@ -117,10 +118,11 @@ class Decoder:
         from gpudecode.scorers.transducer import JointNetwork, StatefulPredictionNetwork, StatelessPredictionNetwork
 
         if models.context_size is None:
+            graphs = self.config.runtime.cuda_graphs.to_options(device=self.config.runtime.device)
             prediction = StatefulPredictionNetwork(
                 model=models.prediction, blank=self.blank, session_options=self.session_options,
                 state_manager=models.state_manager.to_options(self.config.runtime.device_id),
-                io_map=models.prediction_io_map)
+                io_map=models.prediction_io_map, graphs=graphs if graphs.auto else GraphOptions())
         else:
             prediction = StatelessPredictionNetwork(
                 model=models.prediction, blank=self.blank, context_size=models.context_size,

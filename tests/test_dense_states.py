@@ -13,6 +13,7 @@ from gpudecode.search import CtcPrefixOptions, TransducerOptions, ctc_prefix_sea
 from gpudecode.search.label_sync import LabelSyncOptions, label_sync_search
 from gpudecode.scorers.base import UtteranceBatch
 from gpudecode.session import SessionOptions
+from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.dense import DenseRecurrentStates, dense_states_apply
 from gpudecode.states.options import StateManagerOptions
 from gpudecode.scorers.transducer import StatefulPredictionNetwork
@@ -193,6 +194,86 @@ def test_on_cuda_graphs_auto_gives_way_to_dense_states_and_explicit_graphs_do_no
 
     reference = build_lstm_lm(7, vocab_size=9)
     auto = _lm(reference, "cuda", graphs=GraphOptions(enabled=True, auto=True))
-    assert auto.dense is not None and auto.runner.graphs is None
+    assert auto.dense is not None and auto.runner.graphs is None and auto.dense_graphs is not None
     explicit = _lm(reference, "cuda", graphs=GraphOptions(enabled=True))
     assert explicit.dense is None and explicit.runner.graphs is not None
+
+
+_AUTO = GraphOptions(enabled=True, auto=True)
+
+
+def test_ctc_search_with_captured_dense_steps_equals_the_pool():
+    """Graphs "auto": the dense steps run on the two ping-pong input sets (plain runs on the CPU,
+    replayed graphs on CUDA); the children are written straight into the other set."""
+    reference = build_lstm_lm(7, vocab_size=9)
+    pool = _nbest(_ctc(_lm(reference)))
+    lm = _lm(reference, dense=True, graphs=_AUTO)
+    assert lm.dense is not None and lm.dense_graphs is not None and lm.runner.graphs is None
+    assert _nbest(_ctc(lm)) == pool
+    placed = lm.dense_graphs._sets[lm._ctx.version[0]]
+    assert lm._ctx.version is not None and all(lm._ctx.states[name] is placed[name] for name in lm._ctx.states)
+
+
+@pytest.mark.parametrize("stateless", [False, True])
+def test_transducer_search_with_captured_dense_steps_equals_the_pool(stateless):
+    models = make_models(12, 8, stateless=stateless, sharpness=3.0)
+    states = random_encoder_states(12, 3, 10)
+    lengths = np.array([10, 6, 2])
+    reference = build_lstm_lm(12, vocab_size=8)
+    options = TransducerOptions(beam_size=5, max_symbols_per_frame=2, sentence_end=1)
+
+    def search(dense, graphs):
+        prediction = models.prediction()
+        if not stateless:
+            prediction = StatefulPredictionNetwork(
+                model=models.prediction_ref.serialized(), blank=0,
+                state_manager=StateManagerOptions(type="lstm-cpu", dense_recurrent=dense),
+                session_options=SessionOptions(device="cpu", use_tf32=False), graphs=graphs)
+            assert (prediction.decoder.dense_graphs is not None) == bool(dense)
+        return _nbest(transducer_search(states, lengths, prediction, models.joint(), options,
+                                        [("lm", _lm(reference, dense=dense, graphs=graphs), 0.4)]))
+
+    assert search(True, _AUTO) == search(None, GraphOptions())
+
+
+def test_label_sync_search_with_captured_dense_steps_equals_the_pool():
+    reference = build_lstm_lm(4, vocab_size=11)
+    batch = UtteranceBatch(ids=["a", "b", "c"], input_lengths=np.array([6, 6, 6]))
+    options = LabelSyncOptions(beam_size=4, sentence_end=1, max_labels=7, nbest=3)
+
+    def search(**kw):
+        return _nbest(label_sync_search([("lm", _lm(reference, **kw), 1.0)], batch, options))
+
+    assert search(dense=True, graphs=_AUTO) == search()
+
+
+def test_a_dense_context_fed_after_its_buffers_were_written_again_is_refused():
+    from gpudecode.scorers.base import LaneLayout
+    from gpudecode.session.dense_graphs import StaleDenseStates
+
+    lm = _lm(build_lstm_lm(3, vocab_size=9), dense=True, graphs=_AUTO)
+    lm.begin(LaneLayout(num_groups=2, beam_size=2))
+    start = lm.initial_context(np.arange(2))
+    lm.score(start)
+    first = lm.extend(start, np.arange(4), np.array([3, -1, 4, 5]))
+    lm.score(first)
+    again = lm.extend(start, np.arange(4), np.array([6, 6, 6, 6]))  # a second child of the start: same set
+    lm.score(again)
+    with pytest.raises(StaleDenseStates, match="written again"):
+        lm.score(first)
+
+
+@pytest.mark.gpu
+def test_captured_dense_steps_on_cuda_equal_the_cpu():
+    """The dense steps replayed as CUDA graphs (graphs "auto"): the CPU's n-best, graphs captured."""
+    cupy = pytest.importorskip("cupy")
+    reference = build_lstm_lm(7, vocab_size=9)
+    cpu = _nbest(_ctc(_lm(reference)))
+    lm = _lm(reference, "cuda", graphs=_AUTO)
+    assert lm.dense_graphs is not None and lm.session.cuda_graphs
+    log_probs = random_log_probs(31, 4, 25, 9, sharpness=2.0, blank_bias=1.0)
+    got = _nbest(ctc_prefix_search(cupy.asarray(log_probs), np.array([25, 19, 3, 25]),
+                                   CtcPrefixOptions(beam_size=6, sentence_end=2), [("lm", lm, 0.5)], xp=cupy))
+    assert lm.dense_graphs.captures == 2  # one graph per input set
+    assert [[h[:2] for h in n] for n in got] == [[h[:2] for h in n] for n in cpu]
+    assert max(abs(a[2] - b[2]) for n, m in zip(got, cpu) for a, b in zip(n, m)) < 1e-4

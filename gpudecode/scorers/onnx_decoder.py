@@ -24,6 +24,7 @@ from gpudecode.scorers.lanes import LaneInputs
 from gpudecode.scorers.registry import register_scorer
 from gpudecode.session import OnnxSession, SessionOptions
 from gpudecode.session.conventions import load_step_model_spec, resolve_model_path
+from gpudecode.session.dense_graphs import DenseStepGraphs
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.session.pairs import check_state_kind
 from gpudecode.session.step_model import StepModelRunner
@@ -88,6 +89,9 @@ class DenseContext:
     states: dict
     next_labels: Any  # [N] int64
     new_states: dict | None = None
+    #: with captured dense steps: (input set, serial) of the buffers ``states`` are, or (a start
+    #: or reset) of the context they were made from (``gpudecode.session.dense_graphs``)
+    version: tuple | None = None
 
 
 @register_scorer("onnx-decoder")
@@ -151,13 +155,19 @@ class OnnxDecoderScorer(LabelScorer):
             execution_provider=self.session.provider,
         )
         dense = dense_states_apply(self.states, self.spec, graphs=False, max_batch_size=max_batch_size)
-        if dense and graphs.enabled and graphs.auto:  # graphs "auto": dense states run faster than captured pool steps
+        # graphs "auto": dense states, their steps captured, instead of captured pool steps
+        captured_dense = dense and graphs.enabled and graphs.auto
+        if captured_dense:
             graphs = replace(graphs, enabled=False)
         self.graph_options = graphs
         self.runner = StepModelRunner(self.session, self.spec, self.states, graphs)
         #: recurrent states kept per lane as dense arrays (no pool), where they can be
         self.dense = DenseRecurrentStates(self.states.layouts, self.states.xp) if (
             dense and self.runner.graphs is None) else None
+        #: the dense steps in CUDA graphs on two ping-pong input sets (plain runs where not captured)
+        self.dense_graphs = DenseStepGraphs(self.session, self.spec, self.states.layouts, self.states.xp,
+                                            self.runner.label_name, self.runner.label_dtype) if (
+            self.dense is not None and captured_dense) else None
         # one row per utterance: the model attends each group of beam rows to its utterance's row
         grouped = self.spec.utterance_rows == "utterance" and bool(self.spec.utterance_inputs)
         self.lanes = LaneInputs(self.spec, array_module(self.session.provider), grouped=grouped, io_map=self.io_map)
@@ -248,7 +258,7 @@ class OnnxDecoderScorer(LabelScorer):
             lanes = xp.asarray(self.layout.lanes_of(groups))
             next_labels = ctx.next_labels.copy()
             next_labels[lanes] = self.start_labels[0]
-            context = DenseContext(self.dense.reset(ctx.states, lanes), next_labels)
+            context = DenseContext(self.dense.reset(ctx.states, lanes), next_labels, version=ctx.version)
         self._ctx = context
         return context
 
@@ -270,7 +280,11 @@ class OnnxDecoderScorer(LabelScorer):
         ``score()`` overwrites it (the base class's contract)."""
         self._row_maxima = None
         if isinstance(ctx, DenseContext):
-            raw, ctx.new_states = self.runner.run_dense(ctx.states, ctx.next_labels)
+            if self.dense_graphs is not None:
+                raw, ctx.new_states, ctx.version, ctx.states = self.dense_graphs.run(ctx.states, ctx.next_labels,
+                                                                                     ctx.version)
+            else:
+                raw, ctx.new_states = self.runner.run_dense(ctx.states, ctx.next_labels)
             return self._log_probs(raw, copy=False)
         lanes = self._subset()
         if lanes is not None:
@@ -409,8 +423,12 @@ class OnnxDecoderScorer(LabelScorer):
             raise AssertionError("extend() before score(): the parents' new states are unknown")
         parents = xp.ascontiguousarray(xp.asarray(parents), dtype=np.int64)
         labels = xp.ascontiguousarray(xp.asarray(labels), dtype=np.int64)
-        states, next_labels = self.dense.children(ctx.states, ctx.new_states, parents, labels, ctx.next_labels)
-        self._ctx = DenseContext(states, next_labels)
+        out = next_out = version = None
+        if self.dense_graphs is not None:  # written into the other input set of the captured steps
+            out, next_out, version = self.dense_graphs.targets(ctx.version)
+        states, next_labels = self.dense.children(ctx.states, ctx.new_states, parents, labels, ctx.next_labels,
+                                                  out=out, next_out=next_out)
+        self._ctx = DenseContext(states, next_labels, version=version)
         return self._ctx
 
     def _on_states(self, array):
@@ -423,6 +441,8 @@ class OnnxDecoderScorer(LabelScorer):
         """Returns the state pool's and the graph buffers' memory."""
         self.states.close()
         self.runner.close()
+        if self.dense_graphs is not None:
+            self.dense_graphs.close()
 
 
 @register_scorer("recurrent-lm")

@@ -5,6 +5,7 @@ batched over all lanes of a search."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
 from gpudecode.session import OnnxSession, SessionOptions
+from gpudecode.session.graphs import GraphOptions
 from gpudecode.states.options import StateManagerOptions
 
 
@@ -60,14 +62,18 @@ class StatefulPredictionNetwork(PredictionNetwork):
 
     Driven by an :class:`~gpudecode.scorers.onnx_decoder.OnnxDecoderScorer` (the output read
     as-is), so merge/split, slot reference counting and ``max_batch_size`` chunks are the LM's.
-    ``start_label`` (default: ``blank``) is fed first.
+    ``start_label`` (default: ``blank``) is fed first; ``graphs``: the decoder's CUDA graphs (with
+    ``auto``, its dense steps captured).
     """
 
     def __init__(self, *, model, blank: int = 0, start_label: int | None = None,
                  state_manager: StateManagerOptions = StateManagerOptions(type="lstm"),
                  session_options: SessionOptions = SessionOptions(), io_map: Mapping[str, str] | None = None,
-                 max_batch_size: int | None = None, state_patterns: Sequence[tuple[str, str]] = ()) -> None:
+                 max_batch_size: int | None = None, state_patterns: Sequence[tuple[str, str]] = (),
+                 graphs: GraphOptions = GraphOptions()) -> None:
         io_map = {"scores": "prediction", **dict(io_map or {})}
+        if graphs.enabled:
+            session_options = replace(session_options, cuda_graphs=True)
         session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
         output = session.tensors.output(io_map["scores"])
         if output is None:
@@ -78,7 +84,7 @@ class StatefulPredictionNetwork(PredictionNetwork):
         self.decoder = OnnxDecoderScorer(
             model=session, vocab_size=self.output_size or 0, start_labels=[blank if start_label is None else start_label],
             state_manager=state_manager, io_map=io_map, scores_kind="log-probs", max_batch_size=max_batch_size,
-            state_patterns=state_patterns)
+            state_patterns=state_patterns, graphs=graphs)
 
     @property
     def states(self):

@@ -125,6 +125,8 @@ def launch_children(cupy, parents, labels, old, new, out, batch_axis: int, next_
                          f"and output {out.shape} {out.dtype} differ")
     if not (old.flags.c_contiguous and new.flags.c_contiguous and out.flags.c_contiguous):
         raise ValueError("dense children: the state arrays must be C-contiguous")
+    if out.data.ptr in (old.data.ptr, new.data.ptr) or (next_out is not None and next_out.data.ptr == next_in.data.ptr):
+        raise ValueError("dense children: the output aliases an input (the lanes would read rows already written)")
     num_lanes = int(old.shape[batch_axis])
     pre = int(np.prod(old.shape[:batch_axis], dtype=np.int64))
     row_bytes = int(np.prod(old.shape[batch_axis + 1:], dtype=np.int64)) * old.dtype.itemsize

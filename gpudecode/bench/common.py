@@ -44,7 +44,15 @@ def lstm_lm_scorer(device: str, vocab_size: int, *, start_label: int, hidden_dim
                               num_layers=num_layers)
     return RecurrentLmScorer(model=reference.serialized(), vocab_size=vocab_size, start_labels=[start_label],
                              state_manager=StateManagerOptions(type=f"lstm-{device}", slots_per_chunk=65536),
-                             session_options=SessionOptions(device=device, use_tf32=False))
+                             session_options=SessionOptions(device=device, use_tf32=False),
+                             graphs=default_graphs(device))
+
+
+def default_graphs(device: str):
+    """The CUDA graph options a run on ``device`` gets by default (``runtime.cuda_graphs``)."""
+    from gpudecode.config import CudaGraphsConfig
+
+    return CudaGraphsConfig().to_options(device=device)
 
 
 def write_results(results: dict, output_dir, name: str, plot: Callable[[dict, Path], str | None]) -> dict:

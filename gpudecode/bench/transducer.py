@@ -17,11 +17,13 @@ the GPU only).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 
 import numpy as np
 
 from gpudecode.backend import array_module
-from gpudecode.bench.common import fastest, lstm_lm_scorer, pyplot, save_figure, write_results
+from gpudecode.bench.common import default_graphs, fastest, lstm_lm_scorer, pyplot, save_figure, write_results
 
 BLANK = 0
 LM_SCALE = 0.3  # the fused LM's weight in the LM cell
@@ -38,16 +40,19 @@ def _models(device: str, *, encoder_dim: int, vocab_size: int, prediction_dim: i
     from gpudecode.states.options import StateManagerOptions
     from gpudecode.testing import build_joint_network, build_prediction_network
 
+    graphs = default_graphs(device)
     session_options = SessionOptions(device=device, use_tf32=False)
     prediction_ref = build_prediction_network(0, vocab_size=vocab_size, embed_dim=prediction_embed_dim,
                                               hidden_dim=prediction_hidden_dim, output_dim=prediction_dim)
     joint_ref = build_joint_network(0, encoder_dim=encoder_dim, prediction_dim=prediction_dim, joint_dim=joint_dim,
                                     vocab_size=vocab_size, blank=BLANK, blank_bias=blank_bias)
-    prediction_session = OnnxSession(prediction_ref.serialized(), session_options)
+    prediction_session = OnnxSession(prediction_ref.serialized(),
+                                     replace(session_options, cuda_graphs=graphs.enabled))
 
     def prediction():
         return StatefulPredictionNetwork(model=prediction_session, blank=BLANK,
-                                         state_manager=StateManagerOptions(type=f"lstm-{device}", slots_per_chunk=65536))
+                                         state_manager=StateManagerOptions(type=f"lstm-{device}", slots_per_chunk=65536),
+                                         graphs=graphs)
 
     return prediction, JointNetwork(model=joint_ref.serialized(), session_options=session_options)
 

@@ -23,6 +23,7 @@ cupy.cuda.set_pinned_memory_allocator(None)
 
 from gpudecode.spec import StateVariable  # noqa: E402
 from gpudecode.states import StateManagerOptions, create_state_manager  # noqa: E402
+from tests.test_dense_states import children_mismatches  # noqa: E402
 from tests.test_state_managers import (  # noqa: E402
     Reference,
     Scenario,
@@ -76,6 +77,8 @@ def main() -> int:
         for layered in (False, True):
             variables = lstm_variables(np.float32, layered)
             run("lstm", variables, Reference(variables, lstm=True), steps=6, slots_per_chunk=4)
+        bad = children_mismatches(cupy)  # kernels/dense_states.cu, every copy unit
+        assert not bad, f"dense children: {bad}"
     except AssertionError as error:
         print(f"MISMATCH: {error}", file=sys.stderr)
         return 2

@@ -58,6 +58,7 @@ from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest,
 from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
+from gpudecode.search.scorer_cache import refreshed, scorer_moves, scorer_terms
 from gpudecode.search import ctc_cpu, ctc_frame
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -482,24 +483,20 @@ class _PrefixSearch:
         every full frame, without reading back whether any lane emitted."""
         xp, num_lanes = self.xp, self.layout.num_lanes
         state = tuple(xp.ascontiguousarray(getattr(self, name)) for name in ctc_frame.LANE_STATE)
-        lanes = xp.arange(num_lanes)
         begin = 0
         for k, t in enumerate(np.flatnonzero(frame_kinds == 2).tolist()):
-            self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
-            lm_term = xp.ascontiguousarray(combine_scores(self.cache, self.scales))
-            lm_total = xp.ascontiguousarray(combine_scores(self.lm_scores, self.scales))
-            launcher.launch(state, self.node_parent, self.node_label, begin, t + 1, k, lm_term, lm_total)
+            lm_term, lm_total = self._score_contexts(xp.full(num_lanes, t, dtype=np.int64), terms=True)
+            launcher.launch(state, self.node_parent, self.node_label, begin, t + 1, k,
+                            xp.ascontiguousarray(lm_term), xp.ascontiguousarray(lm_total))
             if self.stats is not None and isinstance(launcher, ctc_frame.FrameLauncher):
                 self.stats.fused_launches += 1
             self.node_frames.append(t)
             begin = t + 1
             parents, labels = launcher.parents, launcher.labels
-            emitted = labels >= 0
-            safe_labels = xp.maximum(labels, 0)
-            self.cache = [c[parents] for c in self.cache]
-            gained = xp.stack([xp.where(emitted, c[lanes, safe_labels], np.float32(0)) for c in self.cache])
-            self.lm_scores = self.lm_scores[:, parents] + gained
-            self._extend_contexts(parents, labels, launcher.transitions, emitted, sync=sync)
+            self.cache, self.lm_scores, moved_changed, scorer_parents = scorer_moves(
+                xp, self.cache, self.lm_scores, self.changed, self.scorer_lane, parents, labels)
+            self._extend_contexts(parents, labels, launcher.transitions, labels >= 0, sync=sync,
+                                  moved=(scorer_parents, moved_changed))
         if begin < launcher.num_frames:  # blank-only frames after the last full one
             launcher.launch(state, self.node_parent, self.node_label, begin, launcher.num_frames,
                             len(self.node_frames))
@@ -534,37 +531,44 @@ class _PrefixSearch:
         return match_lane, matched
 
     # --- scorers ---------------------------------------------------------------------------------
-    def _score_contexts(self, frames) -> None:
-        """New score vectors for the lanes whose context changed (all lanes without the cache)."""
-        if not self.rescore:
-            return
+    def _score_contexts(self, frames, terms: bool = False):
+        """New score vectors for the lanes whose context changed (all lanes without the cache);
+        with ``terms`` returns (lm_term [N, V], lm_total [N]) of the refreshed cache
+        (:func:`gpudecode.search.scorer_cache.scorer_terms`)."""
         xp, num_lanes = self.xp, self.layout.num_lanes
-        vocab_size = self.log_probs.shape[2]
-        live = (self.blank_logp > _NEG_INF) | (self.label_logp > _NEG_INF)
-        scores = [checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)), num_lanes,
-                                 vocab_size, xp) for entry, ctx in zip(self.entries, self.contexts)]
-        self.lm_max = folded_group_maxima(self.lm_max, scores, self.layout.num_groups, xp, live=live)
-        for s, log_probs in enumerate(scores):
-            if self.cache_enabled:
-                self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
-            else:
-                self.cache[s] = log_probs
-        self.rescore = False
-        self.changed = xp.zeros(num_lanes, dtype=bool)
+        scores = None
+        if self.rescore:
+            vocab_size = self.log_probs.shape[2]
+            live = (self.blank_logp > _NEG_INF) | (self.label_logp > _NEG_INF)
+            scores = [checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)), num_lanes,
+                                     vocab_size, xp) for entry, ctx in zip(self.entries, self.contexts)]
+            self.lm_max = folded_group_maxima(self.lm_max, scores, self.layout.num_groups, xp, live=live)
+        changed = self.changed if self.cache_enabled else None
+        result = None
+        if terms:  # on CuPy one launch, the cache refreshed in place
+            self.cache, lm_term, lm_total = scorer_terms(xp, self.cache, self.scales, self.lm_scores, scores, changed)
+            result = lm_term, lm_total
+        elif scores is not None:
+            self.cache = refreshed(xp, self.cache, scores, changed)
+        if scores is not None:
+            self.rescore = False
+            self.changed = xp.zeros(num_lanes, dtype=bool)
+        return result
 
-    def _extend_contexts(self, parents, labels, transitions, emitted, sync: bool = True) -> None:
+    def _extend_contexts(self, parents, labels, transitions, emitted, sync: bool = True, moved=None) -> None:
         """Scorer contexts of the new lanes: extended where a lane emitted (the cache decides
         whether unchanged lanes only move their mapping; ``sync`` False: extended always, without
-        reading whether any lane emitted)."""
+        reading whether any lane emitted). ``moved``: (the scorer rows, the changed flags) of the
+        new lanes where :func:`~gpudecode.search.scorer_cache.scorer_moves` made them."""
         xp = self.xp
-        scorer_parents = self.scorer_lane[parents]
+        scorer_parents = self.scorer_lane[parents] if moved is None else moved[0]
         if self.cache_enabled:
             if sync:
                 (any_emitted,) = self.read(emitted.any())
                 if not any_emitted:
                     self.scorer_lane = scorer_parents
                     return
-            self.changed = self.changed[parents] | emitted
+            self.changed = self.changed[parents] | emitted if moved is None else moved[1]
         self.contexts = [e.scorer.extend_transitions(c, scorer_parents, labels, transitions)
                          for e, c in zip(self.entries, self.contexts)]
         self.scorer_lane = xp.arange(self.layout.num_lanes, dtype=np.int64)

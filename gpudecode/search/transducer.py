@@ -68,6 +68,7 @@ from gpudecode.search.options import (
 )
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
+from gpudecode.search.scorer_cache import refreshed, scorer_moves, scorer_terms
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -362,20 +363,17 @@ class _TransducerSearch:
         vocab_size = logp.shape[1]
         if t == 0 and s == 0:
             self._check_vocabulary(vocab_size)
-        if self.rescore:
-            self._score_contexts(xp.full(num_lanes, t, dtype=np.int64))
+        beam = self.layout.beam_size
+        fused = self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, beam)
+        # the kernel ranks with the scorers' terms (the compiled loop runs without scorers)
+        terms = self._score_contexts(xp.full(num_lanes, t, dtype=np.int64), terms=fused and bool(self.entries))
         # every lane's joint row is a real hypothesis's (dead lanes hold copies): checked in frame
         self.joint_max = folded_group_maxima(self.joint_max[None], [logp], logp.shape[0], xp, live=self.in_frame)[0]
 
-        beam = self.layout.beam_size
-        fused = self.tuning.fused_transducer_step and transducer_step.use_kernel(xp, beam)
         if fused or transducer_cpu.use_loop(xp, len(self.entries), self.tuning):  # one launch, or one compiled call
             base = self._new_nodes(t)
             select = transducer_step.select_kernel if fused else transducer_cpu.select
-            terms = {}
-            if self.entries:  # only the kernel takes them (the compiled loop runs without scorers)
-                terms = dict(lm_term=combine_scores(self.cache, self.scales),
-                             lm_total=combine_scores(self.lm_scores, self.scales))
+            terms = {} if terms is None else dict(zip(("lm_term", "lm_total"), terms))  # the kernel's only
             state, self.unresolved, (parents, labels, alive_new, emitted) = select(
                 logp, (self.score, self.done, self.node, self.last, self.length, self.hash, self.prev_hash),
                 self.node_parent, self.node_label, base, self.unresolved, options, beam, symbol=s, forced=forced,
@@ -385,7 +383,6 @@ class _TransducerSearch:
                 self.stats.fused_launches += 1
         else:
             parents, labels, alive_new, emitted = self._select(t, s, forced, logp, exact)
-        is_stay = ~emitted
         if xp is not np and s == options.max_symbols_per_frame - 1:
             # the frame's last symbol step: the frame ends whatever is active, and the models are run
             # as if some lane emitted (lanes that did not carry their vectors), so the GPU never waits
@@ -410,16 +407,13 @@ class _TransducerSearch:
                 self.cut = self.cut | _cut_short(self.joint, frames_t, self.pred_out, emitted, options.blank, xp)
 
         if self.entries:
-            safe_labels = xp.where(is_stay, 0, labels)
-            self.cache = [c[parents] for c in self.cache]
-            gained = xp.stack([xp.where(is_stay, np.float32(0), c[lanes, safe_labels]) for c in self.cache])
-            self.lm_scores = self.lm_scores[:, parents] + gained
-            scorer_parents = self.scorer_lane[parents]
+            self.cache, self.lm_scores, moved_changed, scorer_parents = scorer_moves(
+                xp, self.cache, self.lm_scores, self.changed, self.scorer_lane, parents, step_labels)
             if self.cache_enabled and not any_emitted:
                 self.scorer_lane = scorer_parents
             else:
                 if self.cache_enabled:
-                    self.changed = self.changed[parents] | emitted
+                    self.changed = moved_changed
                 transitions = xp.where(emitted, int(Transition.LABEL), int(Transition.BLANK))
                 self.contexts = [e.scorer.extend_transitions(c, scorer_parents, step_labels, transitions)
                                  for e, c in zip(self.entries, self.contexts)]
@@ -546,22 +540,31 @@ class _TransducerSearch:
         return self.xp.asarray(equal)
 
     # --- scorers ---------------------------------------------------------------------------------
-    def _score_contexts(self, frames) -> None:
-        """New score vectors for the lanes whose context changed (all lanes without the cache)."""
-        if not self.rescore:
-            return
+    def _score_contexts(self, frames, terms: bool = False):
+        """New score vectors for the lanes whose context changed (all lanes without the cache);
+        with ``terms`` returns (lm_term [N, V], lm_total [N]) of the refreshed cache
+        (:func:`gpudecode.search.scorer_cache.scorer_terms`: on CuPy one launch)."""
         xp, num_lanes = self.xp, self.layout.num_lanes
-        live = self.score > _NEG_INF
-        for s, (entry, ctx) in enumerate(zip(self.entries, self.contexts)):
-            log_probs = checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
-                                       num_lanes, int(entry.scorer.vocab_size), xp)
-            self.lm_max[s] = folded_group_maxima(self.lm_max[s][None], [log_probs], self.layout.num_groups, xp, live=live)[0]
-            if self.cache_enabled and self.cache[s] is not None:
-                self.cache[s] = xp.where(self.changed[:, None], log_probs, self.cache[s])
-            else:  # kept until the next rescore, or across it with the cache
-                self.cache[s] = log_probs.copy() if self.cache_enabled else log_probs
-        self.rescore = False
-        self.changed = xp.zeros(num_lanes, dtype=bool)
+        scores = None
+        if self.rescore:
+            live = self.score > _NEG_INF
+            scores = [checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)),
+                                     num_lanes, int(entry.scorer.vocab_size), xp)
+                      for entry, ctx in zip(self.entries, self.contexts)]
+            self.lm_max = folded_group_maxima(self.lm_max, scores, self.layout.num_groups, xp, live=live)
+            # the first scores: a cache of zeros refreshed on every lane (changed starts all set)
+            self.cache = [xp.zeros(n.shape, dtype=np.float32) if c is None else c for c, n in zip(self.cache, scores)]
+        changed = self.changed if self.cache_enabled else None
+        result = None
+        if terms:
+            self.cache, lm_term, lm_total = scorer_terms(xp, self.cache, self.scales, self.lm_scores, scores, changed)
+            result = lm_term, lm_total
+        elif scores is not None:
+            self.cache = refreshed(xp, self.cache, scores, changed)
+        if scores is not None:
+            self.rescore = False
+            self.changed = xp.zeros(num_lanes, dtype=bool)
+        return result
 
     # --- results ---------------------------------------------------------------------------------
     def _nbest(self, exact: bool):

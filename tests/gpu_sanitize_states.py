@@ -24,6 +24,7 @@ cupy.cuda.set_pinned_memory_allocator(None)
 from gpudecode.spec import StateVariable  # noqa: E402
 from gpudecode.states import StateManagerOptions, create_state_manager  # noqa: E402
 from tests.test_dense_states import children_mismatches  # noqa: E402
+from tests.test_scorer_cache import scorer_cache_mismatches  # noqa: E402
 from tests.test_state_managers import (  # noqa: E402
     Reference,
     Scenario,
@@ -79,6 +80,8 @@ def main() -> int:
             run("lstm", variables, Reference(variables, lstm=True), steps=6, slots_per_chunk=4)
         bad = children_mismatches(cupy)  # kernels/dense_states.cu, every copy unit
         assert not bad, f"dense children: {bad}"
+        bad = scorer_cache_mismatches(cupy)  # kernels/scorer_cache.cu
+        assert not bad, f"scorer cache: {bad}"
     except AssertionError as error:
         print(f"MISMATCH: {error}", file=sys.stderr)
         return 2

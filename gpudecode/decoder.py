@@ -17,7 +17,7 @@ import numpy as np
 from gpudecode.backend import array_module, to_host
 from gpudecode.config import Config, ConfigError, ScorerConfig, load_config, validate_config
 from gpudecode.io.vocabulary import Vocabulary
-from gpudecode.io.features import bucket_by_length
+from gpudecode.io.features import bucket_by_length, pad_features as _pad  # _pad: the one padding rule
 from gpudecode.hypothesis import Hypothesis
 from gpudecode.scorers import UtteranceBatch, create_scorer
 from gpudecode.scorers.registry import ScorerTypeError, scorer_class
@@ -117,8 +117,8 @@ class Decoder:
         """(prediction network, joint network) of ``models.transducer``."""
         from gpudecode.scorers.transducer import JointNetwork, StatefulPredictionNetwork, StatelessPredictionNetwork
 
+        graphs = self.config.runtime.cuda_graphs.to_options(device=self.config.runtime.device)
         if models.context_size is None:
-            graphs = self.config.runtime.cuda_graphs.to_options(device=self.config.runtime.device)
             prediction = StatefulPredictionNetwork(
                 model=models.prediction, blank=self.blank, session_options=self.session_options,
                 state_manager=models.state_manager.to_options(self.config.runtime.device_id),
@@ -128,7 +128,7 @@ class Decoder:
                 model=models.prediction, blank=self.blank, context_size=models.context_size,
                 session_options=self.session_options, io_map=models.prediction_io_map)
         joint = JointNetwork(model=models.joint, session_options=self.session_options, io_map=models.joint_io_map,
-                             scores_kind=models.joint_scores_kind)
+                             scores_kind=models.joint_scores_kind, graphs=graphs if graphs.auto else GraphOptions())
         return prediction, joint
 
     @property
@@ -248,13 +248,21 @@ class Decoder:
                              expected_vocab_size=len(self.vocabulary), **options)
 
     def encode(self, ids: Sequence[str], features: Sequence[np.ndarray] | None,
-               prompts: Sequence[Sequence[int]] | None = None) -> UtteranceBatch:
+               prompts: Sequence[Sequence[int]] | None = None, *,
+               padded: np.ndarray | None = None) -> UtteranceBatch:
         """Runs the encoder once over the padded batch; its outputs become per-utterance inputs,
         each with its sizes. ``prompts`` (label indices per utterance) become the ``prompt`` input
         [U, P] with their own sizes. Without features (a model without an encoder) the utterances
-        are their prompts, each decoded up to ``search.max_labels`` labels."""
+        are their prompts, each decoded up to ``search.max_labels`` labels.
+
+        ``padded``: ``features`` already padded by :func:`~gpudecode.io.features.pad_features`
+        ([U, T_max, F] float32, e.g. a :class:`~gpudecode.io.features.PaddedBatch`'s, padded where
+        it was read), taken instead of padding them here; one of another shape, dtype or layout
+        is refused (ValueError)."""
         if features is None and self.encoder is not None:
             raise ConfigError("models.encoder: the encoder needs features; give features with the prompts")
+        if features is None and padded is not None:
+            raise ValueError("padded features without features")
         prompt_inputs, prompt_sizes = self._prompt_inputs(ids, prompts)
         if features is None:
             if prompts is None:
@@ -265,7 +273,7 @@ class Decoder:
             raise ValueError(f"{len(ids)} utterance ids but {len(features)} feature arrays")
         lengths = np.array([f.shape[0] for f in features], dtype=np.int32)
         if self.encoder is None:
-            inputs = {"encoder-states": self.xp.asarray(_pad(features))}
+            inputs = {"encoder-states": self.xp.asarray(_padded(features, lengths, padded))}
             sizes = lengths.astype(np.int64)
         else:
             spec = self.encoder_spec
@@ -275,7 +283,7 @@ class Decoder:
                 raise ValueError(f"utterance {ids[bad]!r}: {int(lengths[bad])} feature frames; the encoder takes "
                                  f"exactly {layout.fixed_frames} (models.encoder.layout.fixed_frames; the whisper "
                                  "front end gives 3000)")
-            padded = _pad(features)
+            padded = _padded(features, lengths, padded)
             feeds = {names["features"]: np.ascontiguousarray(padded.transpose(0, 2, 1))
                      if layout.channels_first else padded}
             if spec.has_lengths:
@@ -334,16 +342,18 @@ class Decoder:
         return self._subsampling
 
     def decode_batch(self, ids: Sequence[str], features: Sequence[np.ndarray] | None,
-                     prompts: Sequence[Sequence[int]] | None = None) -> list[list[Hypothesis]]:
+                     prompts: Sequence[Sequence[int]] | None = None, *,
+                     padded: np.ndarray | None = None) -> list[list[Hypothesis]]:
         """N-best lists of one batch of utterances decoded together (``prompts``: label indices per
-        utterance, or None; ``features`` None for a model without an encoder).
+        utterance, or None; ``features`` None for a model without an encoder; ``padded``: the
+        features already padded, see :meth:`encode`).
 
         For time-synchronous searches, ``Hypothesis.frames`` are encoder frames (see :attr:`subsampling`).
         """
         if self.timings is None:
-            return self.search_type.decode(self.search_setup, self.encode(ids, features, prompts))
+            return self.search_type.decode(self.search_setup, self.encode(ids, features, prompts, padded=padded))
         start = time.perf_counter()
-        batch = self.encode(ids, features, prompts)
+        batch = self.encode(ids, features, prompts, padded=padded)
         encoded = time.perf_counter()
         try:
             return self.search_type.decode(self.search_setup, batch)
@@ -419,10 +429,16 @@ def _probe_subsampling(session: OnnxSession, spec, frames: int = 96) -> int:
     return max(1, round(frames / max(int(to_host(out[names["encoder-states-size"]])[0]), 1)))
 
 
-def _pad(features: Sequence[np.ndarray]) -> np.ndarray:
-    """[U, T_max, F] float32, zero-padded at the end of time."""
-    num_features = features[0].shape[1]
-    batch = np.zeros((len(features), max(f.shape[0] for f in features), num_features), np.float32)
-    for i, f in enumerate(features):  # once per utterance at admission, not per search step
-        batch[i, : f.shape[0]] = f
-    return batch
+def _padded(features: Sequence[np.ndarray], lengths: np.ndarray, padded: np.ndarray | None) -> np.ndarray:
+    """``features`` padded (:func:`_pad`, the one padding rule), or ``padded`` when it has their
+    shape [U, T_max, F] as float32 C-contiguous host memory (else ValueError: never another array)."""
+    if padded is None:
+        return _pad(features)
+    want = (len(features), int(lengths.max()), int(features[0].shape[1]))
+    if not isinstance(padded, np.ndarray) or padded.shape != want or padded.dtype != np.float32 \
+            or not padded.flags.c_contiguous:
+        got = (f"{type(padded).__name__} {getattr(padded, 'shape', '?')} {getattr(padded, 'dtype', '?')}"
+               + ("" if not isinstance(padded, np.ndarray) or padded.flags.c_contiguous else " not C-contiguous"))
+        raise ValueError(f"padded features: {got}; the batch's features pad to {want} float32 "
+                         "(utterances, longest frames, features; C-contiguous)")
+    return padded

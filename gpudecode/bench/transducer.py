@@ -54,7 +54,7 @@ def _models(device: str, *, encoder_dim: int, vocab_size: int, prediction_dim: i
                                          state_manager=StateManagerOptions(type=f"lstm-{device}", slots_per_chunk=65536),
                                          graphs=graphs)
 
-    return prediction, JointNetwork(model=joint_ref.serialized(), session_options=session_options)
+    return prediction, JointNetwork(model=joint_ref.serialized(), session_options=session_options, graphs=graphs)
 
 
 def run_transducer_bench(*, num_utts: int = 64, encoder_frames: int = 1000, encoder_layers: int = 12,

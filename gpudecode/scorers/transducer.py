@@ -13,7 +13,7 @@ from gpudecode.backend import array_module, to_host
 from gpudecode.scorers.base import LaneLayout, UtteranceBatch
 from gpudecode.scorers.onnx_decoder import OnnxDecoderScorer
 from gpudecode.session import OnnxSession, SessionOptions
-from gpudecode.session.graphs import GraphOptions
+from gpudecode.session.graphs import FixedShapeGraphs, GraphOptions
 from gpudecode.states.options import StateManagerOptions
 
 
@@ -173,11 +173,17 @@ class JointNetwork:
     (``scores_kind``: log-probabilities, or ``logits`` that get a log-softmax). One session call."""
 
     def __init__(self, *, model, session_options: SessionOptions = SessionOptions(),
-                 io_map: Mapping[str, str] | None = None, scores_kind: str = "log-probs") -> None:
+                 io_map: Mapping[str, str] | None = None, scores_kind: str = "log-probs",
+                 graphs: GraphOptions = GraphOptions()) -> None:
         if scores_kind not in ("log-probs", "logits"):
             raise ValueError(f"scores_kind: expected 'log-probs' or 'logits', got {scores_kind!r}")
         io_map = dict(io_map or {})
+        if graphs.enabled:
+            session_options = replace(session_options, cuda_graphs=True)
         self.session = model if isinstance(model, OnnxSession) else OnnxSession(model, session_options)
+        #: with graphs: each lane count's run captured (the inputs copied into bound buffers; the
+        #: scores a view of a shared buffer, valid until the next call)
+        self.graphs = FixedShapeGraphs(self.session) if graphs.enabled else None
         self.names = {k: io_map.get(k, k) for k in ("encoder-frame", "prediction", "log-probs")}
         for kind, key in (("input", "encoder-frame"), ("input", "prediction"), ("output", "log-probs")):
             found = (self.session.tensors.input if kind == "input" else self.session.tensors.output)(self.names[key])
@@ -191,14 +197,20 @@ class JointNetwork:
 
     def __call__(self, encoder_frames, prediction):
         names = self.names
-        result = self.session.run({names["encoder-frame"]: encoder_frames.astype(self._dtypes["encoder-frame"], copy=False),
-                                   names["prediction"]: prediction.astype(self._dtypes["prediction"], copy=False)},
-                                  [names["log-probs"]])[names["log-probs"]]
+        feeds = {names["encoder-frame"]: encoder_frames.astype(self._dtypes["encoder-frame"], copy=False),
+                 names["prediction"]: prediction.astype(self._dtypes["prediction"], copy=False)}
+        run = self.session.run if self.graphs is None else self.graphs.run
+        result = run(feeds, [names["log-probs"]])[names["log-probs"]]
         if self.scores_kind == "logits":
             xp = array_module(self.session.provider)
             scores = xp.asarray(result).astype(np.float32)
             shifted = scores - scores.max(axis=-1, keepdims=True)
             return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
         return result
+
+    def close(self) -> None:
+        """Returns the graphs' buffers."""
+        if self.graphs is not None:
+            self.graphs.close()
 
 

@@ -305,3 +305,33 @@ class GraphBuckets:
         """Forgets every graph and returns the buffers' memory."""
         self.runs.clear()
         self.buffers.close()
+
+
+class FixedShapeGraphs:
+    """Runs of a whole model (no states) whose input shapes repeat, one CUDA graph per set of
+    input shapes: each run copies its inputs into buffers bound once (one per input name, shared
+    across shapes, :class:`GraphBuffers`) and replays the graph (plain runs where the session
+    cannot capture). The outputs are views of shared buffers, valid until the next run."""
+
+    def __init__(self, session):
+        self.buffers = GraphBuffers(session.provider, session.options.device_id)
+        self.runs = (StepGraphs if session.cuda_graphs else PaddedRuns)(session, self.buffers)
+
+    def run(self, inputs: Mapping[str, Any], output_names) -> dict:
+        key = tuple((name, tuple(value.shape), str(value.dtype)) for name, value in inputs.items())
+        views = {}
+        for name, value in inputs.items():
+            view = self.buffers.view(f"in:{name}", value.dtype, tuple(value.shape))
+            view[...] = value
+            views[name] = view
+        return self.runs.run(key, views, output_names,
+                             lambda name, dtype, shape: self.buffers.view(f"out:{name}", dtype, shape))
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far (0 for plain runs)."""
+        return self.runs.captures
+
+    def close(self) -> None:
+        self.runs.clear()
+        self.buffers.close()

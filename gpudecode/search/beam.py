@@ -525,7 +525,7 @@ def _scores(entries, contexts, layout: LaneLayout, options: LabelSyncOptions, vo
         scattered[rows, candidates] = part
         log_probs[i] = scattered
         if entry.scale != 0:
-            combined = combined + np.float32(entry.scale) * scattered
+            combined = combined + scattered * np.float32(entry.scale)  # the array's own product (on CuPy no numpy ufunc)
     return log_probs, [(combined, 1.0)]
 
 

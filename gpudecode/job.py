@@ -8,6 +8,7 @@ it imports neither.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from gpudecode import backend
 from gpudecode.config import Config, ConfigError
 from gpudecode.decoder import Decoder
 from gpudecode.io import PromptedSource, PromptSource, open_features, read_prompts
+from gpudecode.io.features import PaddedBatch
 from gpudecode.search.nonfinite import NonFiniteScores
 
 _NAMED = 10  # utterance ids a warning names before "and N more"
@@ -194,21 +196,44 @@ class OutOfMemory(RuntimeError):
     """One utterance alone does not fit in GPU memory."""
 
 
+def whole_batch_padding(batch):
+    """The features of ``batch`` as padded where it was read (a :class:`PaddedBatch` decoded
+    whole), or None: pad them again. The halves of a batch split after running out of memory and
+    the rest after a drop are plain lists: None."""
+    if isinstance(batch, PaddedBatch) and batch.padded is not None and len(batch.padded) == len(batch):
+        return batch.padded
+    return None
+
+
+def _takes_padded(decoder) -> bool:
+    """Whether ``decoder.decode_batch`` takes ``padded=`` (a :class:`Decoder`'s does; a stand-in's may not)."""
+    try:
+        parameters = inspect.signature(decoder.decode_batch).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "padded" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: str):
     """(utterance, n-best) pairs of ``batch``; on GPU out-of-memory the cached free memory is
     released (never live states) and the batch is decoded in halves; an utterance that fails
     alone is reported (``stop``) or skipped (``skip``). Utterances with non-finite scores
     (:class:`NonFiniteScores`) are reported, or skipped and the others decoded again. Utterances
-    whose best hypothesis is truncated are noted in ``summary.truncated``."""
+    whose best hypothesis is truncated are noted in ``summary.truncated``.
+
+    A batch decoded whole takes the features as padded where it was read
+    (:func:`whole_batch_padding`); its halves and its rest are padded again."""
     try:
         features = None if batch[0].features is None else [u.features for u in batch]
+        padded = whole_batch_padding(batch)
+        extra = {"padded": padded} if padded is not None and _takes_padded(decoder) else {}
         if batch[0].prompt is None:
-            nbests = decoder.decode_batch([u.id for u in batch], features)
+            nbests = decoder.decode_batch([u.id for u in batch], features, **extra)
         else:
-            nbests = decoder.decode_batch([u.id for u in batch], features, [u.prompt for u in batch])
+            nbests = decoder.decode_batch([u.id for u in batch], features, [u.prompt for u in batch], **extra)
     except NonFiniteScores as error:
         bad = set(error.utterance_ids)
-        rest = [u for u in batch if u.id not in bad]
+        rest = [u for u in batch if u.id not in bad]  # a plain list: padded again
         if on_bad_input != "skip" or len(rest) == len(batch):
             raise
         summary.skipped += [f"utterance {u.id!r}: {error.what}" for u in batch if u.id in bad]
@@ -227,9 +252,9 @@ def decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: s
                 return
             raise OutOfMemory(message) from error
         summary.retried_batches += 1
-        half = len(batch) // 2
-        yield from decode_fitting(decoder, batch[:half], summary, on_bad_input)
-        yield from decode_fitting(decoder, batch[half:], summary, on_bad_input)
+        half = len(batch) // 2  # the halves: plain lists (list slices), padded again
+        yield from decode_fitting(decoder, list(batch[:half]), summary, on_bad_input)
+        yield from decode_fitting(decoder, list(batch[half:]), summary, on_bad_input)
         return
     for utterance, nbest in zip(batch, nbests):
         summary.count_truncated(utterance.id, nbest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,42 @@ def bucket_by_length(utterance_lengths: Mapping[str, int] | Iterable[tuple[str, 
     return batches
 
 
+def pad_features(features: Sequence[np.ndarray]) -> np.ndarray:
+    """[U, T_max, F] float32, zero-padded at the end of time (C-contiguous): a batch's encoder input.
+
+    The one home of the padding rule: a source's batches are padded by it where they are read
+    (:class:`PaddedBatch`), the decoder pads with it what comes without."""
+    num_features = features[0].shape[1]
+    batch = np.zeros((len(features), max(f.shape[0] for f in features), num_features), np.float32)
+    for i, f in enumerate(features):  # once per utterance at admission, not per search step
+        batch[i, : f.shape[0]] = f
+    return batch
+
+
+class PaddedBatch(list):
+    """A batch of utterances (a ``list[Utterance]``) that also carries ``padded``: their features
+    padded by :func:`pad_features` ([U, T_max, F] float32), or None when an utterance has none.
+
+    Built by :meth:`of` where the batch is read (the reader thread of ``gpudecode decode``), so the
+    decoding loop need not pad it. Each utterance's ``features`` then is a view of its row of
+    ``padded`` (its own frames, C-contiguous float32 as read): the batch holds its features once.
+    ``padded`` is the batch as built; a slice or a filtered copy of it is a plain list."""
+
+    def __init__(self, utterances: Iterable[Utterance] = (), padded: np.ndarray | None = None):
+        super().__init__(utterances)
+        self.padded = padded
+
+    @classmethod
+    def of(cls, utterances: Iterable[Utterance]) -> PaddedBatch:
+        """``utterances`` with their features padded (none when one of them has no features)."""
+        utterances = list(utterances)
+        if not utterances or any(u.features is None for u in utterances):
+            return cls(utterances)
+        padded = pad_features([u.features for u in utterances])
+        return cls([dataclasses.replace(u, features=padded[i, : u.features.shape[0]])
+                    for i, u in enumerate(utterances)], padded)
+
+
 class FeatureSource:
     """Utterances of one feature file or folder, read lazily and checked as they are read.
 
@@ -245,16 +282,17 @@ class FeatureSource:
                 yield utt
 
     def batches(self, batch_size: int | BatchSizing, *, exclude: Iterable[str] = (),
-                longest_first: bool = True) -> Iterator[list[Utterance]]:
+                longest_first: bool = True) -> Iterator[PaddedBatch]:
         """Length-bucketed batches of validated utterances (``batch_size``: see
         :func:`bucket_by_length`), leaving out ``exclude`` (e.g. the ids already decoded when
-        resuming). Features are read one batch at a time."""
+        resuming). Features are read one batch at a time, and padded for the encoder as the
+        batch is read (:class:`PaddedBatch`; in ``gpudecode decode``'s reader thread)."""
         excluded = set(exclude)
         lengths = [(u, n) for u, n in self.lengths().items() if u not in excluded]
         for batch_ids in bucket_by_length(lengths, batch_size, longest_first=longest_first):
             batch = [u for u in map(self._read_or_skip, batch_ids) if u is not None]
             if batch:
-                yield batch
+                yield PaddedBatch.of(batch)
 
     def close(self) -> None:
         """Release open files (a no-op for formats that keep none open)."""

@@ -8,7 +8,6 @@ it imports neither.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -205,15 +204,6 @@ def whole_batch_padding(batch):
     return None
 
 
-def _takes_padded(decoder) -> bool:
-    """Whether ``decoder.decode_batch`` takes ``padded=`` (a :class:`Decoder`'s does; a stand-in's may not)."""
-    try:
-        parameters = inspect.signature(decoder.decode_batch).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "padded" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
 def decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: str):
     """(utterance, n-best) pairs of ``batch``; on GPU out-of-memory the cached free memory is
     released (never live states) and the batch is decoded in halves; an utterance that fails
@@ -226,7 +216,7 @@ def decode_fitting(decoder: Decoder, batch, summary: RunSummary, on_bad_input: s
     try:
         features = None if batch[0].features is None else [u.features for u in batch]
         padded = whole_batch_padding(batch)
-        extra = {"padded": padded} if padded is not None and _takes_padded(decoder) else {}
+        extra = {} if padded is None else {"padded": padded}
         if batch[0].prompt is None:
             nbests = decoder.decode_batch([u.id for u in batch], features, **extra)
         else:

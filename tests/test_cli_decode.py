@@ -212,11 +212,11 @@ def test_out_of_memory_splits_batches_and_names_the_utterance_that_never_fits(tm
     calls = []
     original = Decoder.decode_batch
 
-    def decode_batch(self, ids, features):
+    def decode_batch(self, ids, features, **kwargs):
         calls.append(len(ids))
         if len(ids) > 1 or "example-0" in ids:
             raise FakeOutOfMemory("out of memory allocating 1 GiB")
-        return original(self, ids, features)
+        return original(self, ids, features, **kwargs)
 
     monkeypatch.setattr(Decoder, "decode_batch", decode_batch)
     result = decode(EXAMPLE, "--output", tmp_path / "skip", "-o", "io.on_bad_input=skip")

@@ -156,22 +156,6 @@ def test_decode_fitting_passes_the_readers_padding_and_changes_no_result(tmp_pat
     assert len(spy.calls) == len(batches)
 
 
-def test_a_decoder_without_padded_is_still_called_as_before(tmp_path, decoders):
-    """A stand-in whose decode_batch takes no ``padded`` (as tests' fakes) is called without it."""
-    calls = []
-
-    class Plain:
-        def decode_batch(self, ids, features):
-            calls.append(list(ids))
-            return decoders["aed"].decode_batch(ids, features)
-
-    utts = random_utterances(5, seed=4)
-    with open_features(WRITERS["npy-dir"](tmp_path, utts)) as source:
-        (batch,) = list(source.batches(100))
-    got = list(decode_fitting(Plain(), batch, RunSummary(), "stop"))
-    assert len(got) == 5 and calls == [[u.id for u in batch]]
-
-
 class FakeOutOfMemory(RuntimeError):
     pass
 

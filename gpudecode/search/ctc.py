@@ -58,7 +58,7 @@ from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest,
 from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
-from gpudecode.search.scorer_cache import refreshed, scorer_moves, scorer_terms
+from gpudecode.search.scorer_cache import refresh, scorer_moves
 from gpudecode.search import ctc_cpu, ctc_frame
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -543,13 +543,8 @@ class _PrefixSearch:
             scores = [checked_scores(entry, entry.scorer.score(entry.scorer.at_frames(ctx, frames)), num_lanes,
                                      vocab_size, xp) for entry, ctx in zip(self.entries, self.contexts)]
             self.lm_max = folded_group_maxima(self.lm_max, scores, self.layout.num_groups, xp, live=live)
-        changed = self.changed if self.cache_enabled else None
-        result = None
-        if terms:  # on CuPy one launch, the cache refreshed in place
-            self.cache, lm_term, lm_total = scorer_terms(xp, self.cache, self.scales, self.lm_scores, scores, changed)
-            result = lm_term, lm_total
-        elif scores is not None:
-            self.cache = refreshed(xp, self.cache, scores, changed)
+        self.cache, result = refresh(xp, self.cache, self.scales, self.lm_scores, scores,
+                                     self.changed if self.cache_enabled else None, terms=terms)
         if scores is not None:
             self.rescore = False
             self.changed = xp.zeros(num_lanes, dtype=bool)

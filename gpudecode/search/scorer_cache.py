@@ -43,6 +43,17 @@ def scorer_terms(xp, cache: list, scales: Sequence[float], lm_scores, new_scores
     return cache, combine_scores(cache, scales), combine_scores(lm_scores, scales)
 
 
+def refresh(xp, cache: list, scales: Sequence[float], lm_scores, new_scores: Sequence | None, changed, *,
+            terms: bool) -> tuple[list, tuple | None]:
+    """(cache, (lm_term, lm_total) or None): the cache refreshed with ``new_scores`` (None: no new
+    scores this step) where ``changed``; with ``terms`` also the fused terms (:func:`scorer_terms`:
+    on CuPy one launch does both)."""
+    if terms:
+        cache, lm_term, lm_total = scorer_terms(xp, cache, scales, lm_scores, new_scores, changed)
+        return cache, (lm_term, lm_total)
+    return (cache if new_scores is None else refreshed(xp, cache, new_scores, changed)), None
+
+
 def refreshed(xp, cache: list, new_scores: Sequence, changed) -> list:
     """The cache with ``new_scores`` where ``changed`` [N] bool (None: the new scores themselves)."""
     return [n if changed is None else xp.where(changed[:, None], n, c) for c, n in zip(cache, new_scores)]

@@ -68,7 +68,7 @@ from gpudecode.search.options import (
 )
 from gpudecode.scorers.transducer import PredictionNetwork
 from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
-from gpudecode.search.scorer_cache import refreshed, scorer_moves, scorer_terms
+from gpudecode.search.scorer_cache import refresh, scorer_moves
 from gpudecode.search.results import Hypothesis
 from gpudecode.search.prune import best_first, prune
 from gpudecode.search.stats import SearchStats, read_back
@@ -554,13 +554,8 @@ class _TransducerSearch:
             self.lm_max = folded_group_maxima(self.lm_max, scores, self.layout.num_groups, xp, live=live)
             # the first scores: a cache of zeros refreshed on every lane (changed starts all set)
             self.cache = [xp.zeros(n.shape, dtype=np.float32) if c is None else c for c, n in zip(self.cache, scores)]
-        changed = self.changed if self.cache_enabled else None
-        result = None
-        if terms:
-            self.cache, lm_term, lm_total = scorer_terms(xp, self.cache, self.scales, self.lm_scores, scores, changed)
-            result = lm_term, lm_total
-        elif scores is not None:
-            self.cache = refreshed(xp, self.cache, scores, changed)
+        self.cache, result = refresh(xp, self.cache, self.scales, self.lm_scores, scores,
+                                     self.changed if self.cache_enabled else None, terms=terms)
         if scores is not None:
             self.rescore = False
             self.changed = xp.zeros(num_lanes, dtype=bool)

@@ -97,28 +97,45 @@ def _decode_all(decoder: Decoder, source, writer: ResultWriter, config: Config, 
     """Decode the batches of ``source`` (less ``exclude``) and write their results in order.
 
     Batches are read ``runtime.prefetch_batches`` ahead by a thread and results written by another
-    (``runtime.writer_queue``); an utterance counts in ``summary`` once its lines are flushed
-    (``progress`` counts those handed to the writer). On an error or an interrupt every result
-    handed over before it is written, then the error goes on (an error of the writer itself, such
-    as a full disk, first: the run would have stopped there).
+    (``runtime.writer_queue``), a batch's results handed over together; an utterance counts in
+    ``summary`` once its lines are flushed (``progress`` counts those handed to the writer). On an
+    error or an interrupt every result decoded before it (in its batch too) is written, then the
+    error goes on (an error of the writer itself, such as a full disk, first: the run would have
+    stopped there).
     """
     timings, on_bad_input = summary.timings, config.io.on_bad_input
 
-    def write(item) -> None:
-        utterance, nbest = item
-        written = time.perf_counter()
-        writer.write(UtteranceResult(id=utterance.id, nbest=nbest))
-        timings.writing_s += time.perf_counter() - written
-        if timings.first_result_at is None:
-            timings.first_result_at = time.time()
-        summary.frames += utterance.num_frames
-        summary.decoded += 1
+    def write(items: list) -> None:
+        """Write (utterance, n-best) ``items`` and count those flushed (the run's first alone: its
+        time is measured)."""
+        if timings.first_result_at is None and len(items) > 1:
+            write(items[:1])
+            items = items[1:]
+        written, before = time.perf_counter(), writer.num_written
+        try:
+            writer.write_many([UtteranceResult(id=utterance.id, nbest=nbest) for utterance, nbest in items])
+        finally:  # those written before a failure are done
+            timings.writing_s += time.perf_counter() - written
+            done = items[:writer.num_written - before]
+            if done and timings.first_result_at is None:
+                timings.first_result_at = time.time()
+            summary.frames += sum(utterance.num_frames for utterance, _ in done)
+            summary.decoded += len(done)
 
     batches = prefetched(timed_batches(source.batches(config.batch_sizing, exclude=exclude), timings),
                          config.runtime.prefetch_batches, name="gpudecode-reader")
     queue_depth = config.runtime.writer_queue
     output = WriterThread(write, queue_depth) if queue_depth else None
-    put = write if output is None else output.put
+
+    def hand_over(items: list) -> None:
+        """Write ``items`` or queue them for the writer thread."""
+        waited = time.perf_counter()
+        if output is None:
+            write(items)
+        else:
+            output.put(items, len(items))
+        timings.output_wait_s += time.perf_counter() - waited
+
     handed, handed_frames = 0, 0  # results handed to the writer (what progress counts)
     try:
         while True:
@@ -127,11 +144,15 @@ def _decode_all(decoder: Decoder, source, writer: ResultWriter, config: Config, 
             timings.input_wait_s += time.perf_counter() - waited
             if batch is None:
                 break
-            for item in decode_fitting(decoder, batch, summary, on_bad_input):
-                waited = time.perf_counter()
-                put(item)
-                timings.output_wait_s += time.perf_counter() - waited
-                handed, handed_frames = handed + 1, handed_frames + item[0].num_frames
+            items = []
+            try:
+                for item in decode_fitting(decoder, batch, summary, on_bad_input):
+                    items.append(item)
+            finally:  # what was decoded before an error too
+                if items:
+                    hand_over(items)
+            handed += len(items)
+            handed_frames += sum(utterance.num_frames for utterance, _ in items)
             if progress:
                 summary.seconds = time.perf_counter() - start
                 audio = handed_frames * summary.frame_shift_s

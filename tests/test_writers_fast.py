@@ -18,8 +18,12 @@ LABELS = ["<blank>", "<s>", "</s>", "<unk>", "▁he", "llo", "▁world", "▁a",
 SHIFT = 0.04
 
 
-def _vocab() -> Vocabulary:
-    return Vocabulary(LABELS, blank=0, sentence_begin=1, sentence_end=2, unknown=3)
+def _vocab(labels=LABELS) -> Vocabulary:
+    return Vocabulary(labels, blank=0, sentence_begin=1, sentence_end=2, unknown=3)
+
+
+#: no label with a quote (the JSON words of each token as a word are then cut from the JSON tokens)
+QUOTELESS = [label.replace('"', "'") for label in LABELS]
 
 
 def _json_float(value):
@@ -62,11 +66,17 @@ def _reference(results, vocab, mode) -> dict[str, bytes]:
             "hyp.ctm": "".join(ctm).encode()}
 
 
-def _written(tmp_path, results, vocab, mode) -> dict[str, bytes]:
+def _written(tmp_path, results, vocab, mode, chunk=None) -> dict[str, bytes]:
+    """The files written one result at a time (``write``), or ``chunk`` at a time (``write_many``)."""
     with ResultWriter(tmp_path, vocab, formats=("text", "jsonl", "ctm"), word_merging=mode,
                       frame_shift_s=SHIFT) as writer:
-        for res in results:
-            writer.write(res)
+        if chunk is None:
+            for res in results:
+                writer.write(res)
+        else:
+            for start in range(0, len(results), chunk):
+                writer.write_many(results[start:start + chunk])
+        assert writer.num_written == len(results)
         paths = writer.paths
     return {path.name: path.read_bytes() for path in paths.values()}
 
@@ -124,16 +134,30 @@ def _random_cases(seed: int, count: int) -> list[UtteranceResult]:
     return results
 
 
+@pytest.mark.parametrize("labels", [LABELS, QUOTELESS], ids=["quote", "quoteless"])
+@pytest.mark.parametrize("chunk", [None, 1, 7])
 @pytest.mark.parametrize("mode", ["none", "sentencepiece", "bpe"])
-def test_files_equal_the_reference_byte_for_byte(tmp_path, mode):
-    vocab = _vocab()
+def test_files_equal_the_reference_byte_for_byte(tmp_path, mode, chunk, labels):
+    vocab = _vocab(labels)
     results = _cases() + _random_cases(seed=len(mode), count=200)
-    written = _written(tmp_path, results, vocab, mode)
+    written = _written(tmp_path, results, vocab, mode, chunk)
     expected = _reference(results, vocab, mode)
     for name in ("text", "nbest.jsonl", "hyp.ctm"):
         assert written[name] == expected[name], name
     assert b'"nbest": []' in written["nbest.jsonl"] and b"NaN" not in written["nbest.jsonl"]
     assert b'"truncated": true' in written["nbest.jsonl"]
+
+
+def test_write_many_stops_at_a_failing_utterance_and_counts_those_before(tmp_path):
+    good = [UtteranceResult(id=f"u{i}", nbest=[_hyp([4, 5], frames=[0, 1])]) for i in range(3)]
+    bad = UtteranceResult(id="bad", nbest=[_hyp([4, len(LABELS)], frames=[0, 1])])  # outside the vocabulary
+    with ResultWriter(tmp_path, _vocab(), formats=("ctm", "text", "jsonl"), frame_shift_s=SHIFT) as writer:
+        with pytest.raises(IndexError):
+            writer.write_many([*good[:2], bad, good[2]])
+        assert (writer.num_written, writer.done_ids) == (2, {"u0", "u1"})
+    expected = _reference(good[:2], _vocab(), "none")
+    for name in ("text", "nbest.jsonl", "hyp.ctm"):
+        assert (tmp_path / name).read_bytes() == expected[name], name
 
 
 def test_a_new_vocabulary_is_used_at_once(tmp_path):

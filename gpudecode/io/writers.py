@@ -1,10 +1,12 @@
 """Result writers: plain text, JSON lines (n-best), CTM — incremental and resumable.
 
-Each finished utterance is written to every requested file and flushed at once, so a killed
-run loses nothing already decoded. Files are written in the order CTM, text, JSON lines: the
-last one written (``nbest.jsonl`` if requested, else ``text``) marks an utterance as done, and
-``read_done_ids`` reads it back for ``--resume``. On resume, every file is first cut back to
-the done utterances (dropping a truncated last line), then appended to.
+Each finished utterance is written to every requested file and flushed at once (``write_many``:
+a batch's utterances together, one write and one flush per file), so a killed run loses nothing
+already decoded. Files are written in the order CTM, text, JSON lines: the last one written
+(``nbest.jsonl`` if requested, else ``text``) marks an utterance as done, and ``read_done_ids``
+reads it back for ``--resume``. On resume, every file is first cut back to the done utterances
+(dropping a truncated last line), then appended to. A write that fails (a full disk) counts none
+of its batch done; resume keeps those of them whose lines all made it.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
@@ -35,37 +37,97 @@ class UtteranceResult:
 
 
 class _Lookup:
-    """Per-label strings the writer needs, made once per vocabulary and word merging: the token,
-    its JSON string, and its piece for word merging (``sentinel`` marks a word boundary)."""
+    """Strings the writer needs, made once per vocabulary, word merging and frame shift: per label
+    the token, its JSON string and its piece for word merging, raw and JSON-escaped (``sentinel``,
+    a character in none of them, marks a word boundary); per label or frame index its text, and
+    per frame count its seconds as the CTM writes them."""
 
-    def __init__(self, vocabulary: Vocabulary, word_merging: str):
-        self.key = (vocabulary, word_merging)
+    def __init__(self, vocabulary: Vocabulary, word_merging: str, frame_shift_s: float | None):
+        self.key = (vocabulary, word_merging, frame_shift_s)
         self.merging = word_merging
         self.tokens = vocabulary.labels
         self.non_word = vocabulary.non_word_indices
         self.json_tokens = tuple(map(encode_basestring, self.tokens))
-        self.sentinel = None if word_merging == "none" else _unused_char(self.tokens)
+        self.sentinel = None if word_merging == "none" else _unused_char(self.tokens + self.json_tokens)
         self.pieces = tuple(_piece(t, word_merging, self.sentinel) for t in self.tokens)
+        # JSON escapes character by character: the escaped pieces merge into the escaped words
+        self.json_pieces = tuple(_piece(t[1:-1], word_merging, self.sentinel) for t in self.json_tokens)
+        # each token a word, and no quote in any: the JSON words are the JSON tokens without quotes
+        self.words_are_tokens = self.sentinel is None and not any('"' in t for t in self.tokens)
+        self.ints = _Texts(lambda n: str(int(n)))  # a label or frame (numpy integers too): its text
+        self.seconds = _Texts(lambda n: f"{n * frame_shift_s:.3f}")
 
-    def render(self, nbest: Sequence[Hypothesis]) -> list[_Rendered]:
-        """Per hypothesis its labels and frames as lists of ints, the labels that are tokens of
-        words (and their frames) and its words, as ``merge_words`` makes them."""
-        non_word, pieces, sentinel = self.non_word, self.pieces, self.sentinel
-        rendered = []
-        for hyp in nbest:
-            labels = _ints(hyp.labels)
-            frames = None if hyp.frames is None else _ints(hyp.frames)
-            kept, kept_frames = labels, frames
-            if not non_word.isdisjoint(labels):
-                keep = [i for i, label in enumerate(labels) if label not in non_word]
-                kept = [labels[i] for i in keep]
-                kept_frames = None if frames is None else [frames[i] for i in keep]
-            if sentinel is None:  # no merging: each token is a word
-                words = [pieces[i] for i in kept]
-            else:
-                words = [w for w in "".join([pieces[i] for i in kept]).split(sentinel) if w]
-            rendered.append(_Rendered(labels, frames, kept, kept_frames, words))
-        return rendered
+    def kept(self, labels: list[int]) -> list[int]:
+        """The labels that are tokens of words."""
+        non_word = self.non_word
+        return labels if non_word.isdisjoint(labels) else [x for x in labels if x not in non_word]
+
+    def best(self, nbest: Sequence[Hypothesis]) -> _Best | None:
+        """The best hypothesis's labels that are tokens of words, and their frames."""
+        if not nbest:
+            return None
+        labels, frames = _labels(nbest[0].labels), nbest[0].frames
+        if frames is None or self.non_word.isdisjoint(labels):
+            return _Best(self.kept(labels), None if frames is None else _ints(frames))
+        frames = _ints(frames)
+        keep = [i for i, label in enumerate(labels) if label not in self.non_word]
+        return _Best([labels[i] for i in keep], [frames[i] for i in keep])
+
+    def words(self, kept: list[int], pieces: tuple[str, ...]) -> Iterable[str]:
+        """The words of labels ``kept``, as ``merge_words`` makes them, from ``pieces``
+        (``self.pieces``, or ``self.json_pieces`` for the words JSON-escaped)."""
+        if self.sentinel is None:  # no merging: each token is a word
+            return map(pieces.__getitem__, kept)
+        return filter(None, "".join(map(pieces.__getitem__, kept)).split(self.sentinel))
+
+    def json_words(self, kept: list[int], tokens: str) -> str:
+        """The words of labels ``kept`` JSON-escaped; ``tokens``: their JSON strings joined by ", "."""
+        if self.words_are_tokens:
+            return tokens[1:-1].replace('", "', " ")
+        return " ".join(self.words(kept, self.json_pieces))
+
+    def ctm_lines(self, utt_id: str, best: _Best) -> list[str]:
+        """The CTM lines of ``best`` (which has frames): per word its start and its duration."""
+        tokens, frames, seconds = self.tokens, best.frames, self.seconds
+        if self.sentinel is None:  # each token a word of one frame
+            one = seconds[1]
+            return [f"{utt_id} 1 {seconds[frame]} {one} {tokens[label]}\n"
+                    for label, frame in zip(best.kept, frames)]
+        spans = ((w.text, frames[w.first], frames[w.last])
+                 for w in merge_words([tokens[i] for i in best.kept], self.merging))
+        return [f"{utt_id} 1 {seconds[start]} {seconds[end - start + 1]} {text}\n"
+                for text, start, end in spans]
+
+
+class _Texts(dict):
+    """``self[key]``: ``text(key)``, made once per key on first use."""
+
+    def __init__(self, text: Callable[[Any], str]):
+        super().__init__()
+        self._text = text
+
+    def __missing__(self, key) -> str:
+        text = self[key] = self._text(key)
+        return text
+
+
+class _Best(NamedTuple):
+    """The best hypothesis's labels that are tokens of words, and their frames."""
+
+    kept: list[int]
+    frames: list[int] | None
+
+
+def _write(file: IO[str], text: str) -> None:
+    """Write ``text`` (if any) to ``file`` and flush; a full disk's ``OSError`` names the file."""
+    if not text:
+        return
+    try:
+        file.write(text)
+        file.flush()
+    except OSError as exc:  # a full disk says no file name: name it
+        exc.filename = exc.filename or file.name
+        raise
 
 
 def _unused_char(labels: Sequence[str]) -> str:
@@ -87,19 +149,18 @@ def _piece(token: str, word_merging: str, sentinel: str | None) -> str:
     return token
 
 
+def _labels(values) -> list:
+    """Labels as a list (of ints, or numpy integers: they index as ints)."""
+    return values if type(values) is list else _ints(values)
+
+
 def _ints(values) -> list[int]:
-    """``values`` (a list or a numpy array) as a list of Python ints."""
+    """``values`` (a list or a numpy array) as a list of Python ints: itself where it is one."""
+    if type(values) is list and {int}.issuperset(map(type, values)):
+        return values
     if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
         return values.tolist()
     return list(map(int, values))
-
-
-class _Rendered(NamedTuple):
-    labels: list[int]
-    frames: list[int] | None
-    kept: list[int]  # the labels that are words' tokens
-    kept_frames: list[int] | None  # their frames
-    words: list[str]
 
 
 def _utterance_id_ok(utt_id: str) -> None:
@@ -200,8 +261,7 @@ class ResultWriter:
         self.num_written = 0
         self._labels: _Lookup | None = None
         self._templates: dict[tuple[tuple, bool], str] = {}  # see _hyp_template
-        self._formatters = [(file, getattr(self, f"_format_{fmt}"))
-                            for fmt, file in self._files.items()]
+        self._formatters = [getattr(self, f"_format_{fmt}") for fmt in self._files]  # in file order
 
     @property
     def paths(self) -> dict[str, Path]:
@@ -209,76 +269,78 @@ class ResultWriter:
 
     def write(self, result: UtteranceResult) -> None:
         """Write one utterance to every file and flush."""
-        _utterance_id_ok(result.id)
-        rendered = self._lookup().render(result.nbest)
-        texts = [(file, format(result, rendered)) for file, format in self._formatters]
-        for file, text in texts:
-            if text:
-                try:
-                    file.write(text)
-                    file.flush()
-                except OSError as exc:  # a full disk says no file name: name it
-                    exc.filename = exc.filename or file.name
-                    raise
-        self.done_ids.add(result.id)
-        self.num_written += 1
+        self.write_many((result,))
+
+    def write_many(self, results: Iterable[UtteranceResult]) -> None:
+        """Write utterances in order: each file's lines of them with one write and one flush, the
+        files in the order CTM, text, JSON lines. One that cannot be formatted (a label outside the
+        vocabulary) raises once those before it are written; a failed write (a full disk) raises and
+        counts none of them done (``done_ids``, ``num_written``)."""
+        lookup, ids, lines = self._lookup(), [], []
+        try:
+            for result in results:
+                _utterance_id_ok(result.id)
+                best = lookup.best(result.nbest)
+                lines.append([format(result, lookup, best) for format in self._formatters])
+                ids.append(result.id)
+        finally:  # those formatted before an error too
+            if ids:
+                for file, texts in zip(self._files.values(), zip(*lines)):
+                    _write(file, "".join(texts))
+                self.done_ids.update(ids)
+                self.num_written += len(ids)
 
     def _lookup(self) -> _Lookup:
-        """The per-label strings of the current vocabulary and word merging (made once)."""
-        if self._labels is None or self._labels.key != (self.vocabulary, self.word_merging):
-            self._labels = _Lookup(self.vocabulary, self.word_merging)
+        """The per-label strings of the current vocabulary, word merging and frame shift (made once)."""
+        key = (self.vocabulary, self.word_merging, self.frame_shift_s)
+        if self._labels is None or self._labels.key != key:
+            self._labels = _Lookup(*key)
         return self._labels
 
-    def _format_text(self, result: UtteranceResult, rendered: list[_Rendered]) -> str:
-        words = rendered[0].words if rendered else []
+    def _format_text(self, result: UtteranceResult, lookup: _Lookup, best: _Best | None) -> str:
+        words = () if best is None else lookup.words(best.kept, lookup.pieces)
         return " ".join([result.id, *words]) + "\n"
 
-    def _format_jsonl(self, result: UtteranceResult, rendered: list[_Rendered]) -> str:
-        """As ``json.dumps`` (``ensure_ascii=False``) writes the record, pieced together from
-        per-label JSON strings and a per-scorer-set template made once."""
-        json_tokens, templates = self._lookup().json_tokens, self._templates
-        nbest, best_words = [], '""'
-        for rank, (hyp, r) in enumerate(zip(result.nbest, rendered), start=1):
-            scores = hyp.scores
+    def _format_jsonl(self, result: UtteranceResult, lookup: _Lookup, best: _Best | None) -> str:
+        """As ``json.dumps`` (``ensure_ascii=False``) writes the record: one ``%`` of the entries'
+        templates (per scorer set, made once) with per-label and per-index strings."""
+        ints, json_tokens = lookup.ints.__getitem__, lookup.json_tokens.__getitem__
+        values = [encode_basestring(result.id), ""]  # the id, the best's words, then each entry's
+        entries = []
+        for rank, hyp in enumerate(result.nbest, start=1):
+            labels, scores = _labels(hyp.labels), hyp.scores
+            kept = lookup.kept(labels)
             numbers = [float(hyp.score), *map(float, scores.values())]
             if not math.isfinite(sum(numbers)):  # a NaN or an infinity: null
                 numbers = [v if math.isfinite(v) else "null" for v in numbers]
-            words = encode_basestring(" ".join(r.words))
-            if rank == 1:
-                best_words = words
             names = tuple(scores)
-            template = (templates.get((names, hyp.truncated))
-                        or self._hyp_template(names, bool(hyp.truncated)))
-            nbest.append(template % (
-                rank, words, ", ".join([json_tokens[i] for i in r.kept]), r.labels, *numbers,
-                "null" if r.frames is None else r.frames))
-        return (f'{{"id": {encode_basestring(result.id)}, "text": {best_words}, '
-                f'"nbest": [{", ".join(nbest)}]}}\n')
+            entries.append(self._templates.get((names, hyp.truncated))
+                           or self._hyp_template(names, bool(hyp.truncated)))
+            tokens = ", ".join(map(json_tokens, kept))
+            words = lookup.json_words(kept, tokens)
+            if rank == 1:
+                values[1] = words
+            values += (rank, words, tokens, ", ".join(map(ints, labels)), *numbers,
+                       "null" if hyp.frames is None else f"[{', '.join(map(ints, hyp.frames))}]")
+        return ('{"id": %s, "text": "%s", "nbest": [' + ", ".join(entries) + "]}\n") % tuple(values)
 
     def _hyp_template(self, names: tuple, truncated: bool) -> str:
         """A ``%`` template of one n-best entry for scorers ``names`` (cached for string names):
-        rank, words, tokens, labels, score, each scorer's score, frames."""
+        rank, words (JSON-escaped), tokens, labels, score, each scorer's score, frames."""
         template = self._templates.get((names, truncated))
         if template is None:
             scores = ", ".join(_json_key(k).replace("%", "%%") + "%s" for k in names)
-            template = ('{"rank": %s, "words": %s, "tokens": [%s], "labels": %s, "score": %s, '
+            template = ('{"rank": %s, "words": "%s", "tokens": [%s], "labels": [%s], "score": %s, '
                         f'"scores": {{{scores}}}, "frames": %s'
                         + (', "truncated": true}' if truncated else "}"))
             if all(type(k) is str for k in names):
                 self._templates[(names, truncated)] = template
         return template
 
-    def _format_ctm(self, result: UtteranceResult, rendered: list[_Rendered]) -> str:
-        if not rendered or rendered[0].kept_frames is None:
+    def _format_ctm(self, result: UtteranceResult, lookup: _Lookup, best: _Best | None) -> str:
+        if best is None or best.frames is None:
             return ""
-        best, shift = rendered[0], self.frame_shift_s
-        tokens, frames = self._lookup().tokens, best.kept_frames
-        lines = []
-        for word in merge_words([tokens[i] for i in best.kept], self.word_merging):
-            start, end = frames[word.first], frames[word.last]
-            lines.append(f"{result.id} 1 {start * shift:.3f} {(end - start + 1) * shift:.3f} "
-                         f"{word.text}\n")
-        return "".join(lines)
+        return "".join(lookup.ctm_lines(result.id, best))
 
     def close(self) -> None:
         for file in self._files.values():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-
 import numpy as np
 
 from gpudecode.backend import array_module

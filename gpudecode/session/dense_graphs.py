@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from gpudecode.session.graphs import GraphBuffers, PaddedRuns, StepGraphs
+from gpudecode.session.graphs import CapturedRuns
 from gpudecode.states.layout import VariableLayout
 
 
@@ -26,7 +26,7 @@ class StaleDenseStates(RuntimeError):
     """A dense context whose buffers were written since it was made (a search bug)."""
 
 
-class DenseStepGraphs:
+class DenseStepGraphs(CapturedRuns):
     """The captured dense steps of one recurrent step model.
 
     ``run(states, labels, version)`` places the states (a copy only when they are not already one
@@ -36,11 +36,10 @@ class DenseStepGraphs:
     """
 
     def __init__(self, session, spec, layouts: Sequence[VariableLayout], xp, label_name: str, label_dtype):
+        super().__init__(session)
         self.session, self.spec, self.xp = session, spec, xp
         self.layouts = tuple(layouts)
         self.label_name, self.label_dtype = label_name, np.dtype(label_dtype)
-        self.buffers = GraphBuffers(session.provider, session.options.device_id)
-        self.runs = (StepGraphs if session.cuda_graphs else PaddedRuns)(session, self.buffers)
         self._lanes = -1
         self._sets: list[dict] = []  # per set: state input name -> buffer, plus the label column
         self._label_views: list = [None, None]
@@ -56,7 +55,7 @@ class DenseStepGraphs:
         sets = []
         for index in range(2):
             feeds = {layout.name: self.buffers.view(f"in{index}:{layout.name}", layout.model_dtype,
-                                                   _shape(layout, num_lanes)) for layout in self.layouts}
+                                                   layout.tensor_shape(num_lanes)) for layout in self.layouts}
             feeds[self.label_name] = self.buffers.view(f"in{index}:{self.label_name}", self.label_dtype,
                                                        (num_lanes, 1))
             sets.append(feeds)
@@ -118,19 +117,6 @@ class DenseStepGraphs:
     def _output_buffer(self, name: str, dtype, shape: tuple[int, ...]):
         return self.buffers.view(f"out:{name}", dtype, shape)
 
-    @property
-    def captures(self) -> int:
-        """CUDA graphs captured so far (0 on the CPU)."""
-        return self.runs.captures
-
     def close(self) -> None:
-        self.runs.clear()
-        self.buffers.close()
+        super().close()
         self._sets, self._lanes = [], -1
-
-
-def _shape(layout: VariableLayout, num_lanes: int) -> tuple[int, ...]:
-    variable = layout.variable
-    shape = [int(d) if d is not None else 0 for d in variable.shape]
-    shape[variable.batch_axis] = num_lanes
-    return tuple(shape)

@@ -245,19 +245,36 @@ class StepGraphs:
         return len(self._captured)
 
 
-class GraphBuckets:
+class CapturedRuns:
+    """The buffers of one session's graphs and the runs on them: captured :class:`StepGraphs`, or
+    :class:`PaddedRuns` where the session cannot capture. What every holder of graphs shares."""
+
+    def __init__(self, session, *, shared_buffers: bool = True):
+        self.buffers = GraphBuffers(session.provider, session.options.device_id, shared=shared_buffers)
+        self.runs = (StepGraphs if session.cuda_graphs else PaddedRuns)(session, self.buffers)
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far (0 for padded or plain runs)."""
+        return self.runs.captures
+
+    def close(self) -> None:
+        """Forgets every graph and returns the buffers' memory."""
+        self.runs.clear()
+        self.buffers.close()
+
+
+class GraphBuckets(CapturedRuns):
     """The graphs of one step model: the bucketing rule (the one source of the shapes graphs
-    take), the buffers and runs behind the buckets (captured :class:`StepGraphs`, or
-    :class:`PaddedRuns` where the session cannot capture), and the warm-up over every bucket.
+    take), the buffers and runs behind the buckets, and the warm-up over every bucket.
 
     Rows may come in groups of ``group_size`` that share an input row (the beam lanes of one
     utterance); a bucket then holds whole groups.
     """
 
     def __init__(self, session, options: GraphOptions):
+        super().__init__(session, shared_buffers=options.shared_buffers)
         self.options = options
-        self.buffers = GraphBuffers(session.provider, session.options.device_id, shared=options.shared_buffers)
-        self.runs = (StepGraphs if session.cuda_graphs else PaddedRuns)(session, self.buffers)
 
     def rows(self, num_rows: int, group_size: int = 1) -> int:
         """The row bucket of a call of ``num_rows`` rows (whole groups of ``group_size``)."""
@@ -296,26 +313,12 @@ class GraphBuckets:
         """Graphs (or padded buckets) in use."""
         return self.runs.num_graphs
 
-    @property
-    def captures(self) -> int:
-        """CUDA graphs captured so far (0 for padded runs)."""
-        return self.runs.captures
 
-    def close(self) -> None:
-        """Forgets every graph and returns the buffers' memory."""
-        self.runs.clear()
-        self.buffers.close()
-
-
-class FixedShapeGraphs:
+class FixedShapeGraphs(CapturedRuns):
     """Runs of a whole model (no states) whose input shapes repeat, one CUDA graph per set of
     input shapes: each run copies its inputs into buffers bound once (one per input name, shared
     across shapes, :class:`GraphBuffers`) and replays the graph (plain runs where the session
     cannot capture). The outputs are views of shared buffers, valid until the next run."""
-
-    def __init__(self, session):
-        self.buffers = GraphBuffers(session.provider, session.options.device_id)
-        self.runs = (StepGraphs if session.cuda_graphs else PaddedRuns)(session, self.buffers)
 
     def run(self, inputs: Mapping[str, Any], output_names) -> dict:
         key = tuple((name, tuple(value.shape), str(value.dtype)) for name, value in inputs.items())
@@ -326,12 +329,3 @@ class FixedShapeGraphs:
             views[name] = view
         return self.runs.run(key, views, output_names,
                              lambda name, dtype, shape: self.buffers.view(f"out:{name}", dtype, shape))
-
-    @property
-    def captures(self) -> int:
-        """CUDA graphs captured so far (0 for plain runs)."""
-        return self.runs.captures
-
-    def close(self) -> None:
-        self.runs.clear()
-        self.buffers.close()

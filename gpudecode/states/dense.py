@@ -45,7 +45,7 @@ class DenseRecurrentStates:
 
     def zeros(self, num_lanes: int) -> dict:
         """The start state of ``num_lanes`` lanes (zero, as an empty pool history feeds)."""
-        return {layout.name: self.xp.zeros(self._shape(layout, num_lanes), dtype=layout.model_dtype)
+        return {layout.name: self.xp.zeros(layout.tensor_shape(num_lanes), dtype=layout.model_dtype)
                 for layout in self.layouts}
 
     def reset(self, states: Mapping, lanes) -> dict:
@@ -102,14 +102,6 @@ class DenseRecurrentStates:
             next_out[...] = following
             following = next_out
         return children, following
-
-    @staticmethod
-    def _shape(layout: VariableLayout, num_lanes: int) -> tuple[int, ...]:
-        variable = layout.variable
-        shape = [int(d) if d is not None else 0 for d in variable.shape]
-        shape[variable.batch_axis] = num_lanes
-        return tuple(shape)
-
 
 
 _THREADS = 256  # threads per block of the children launches

@@ -47,3 +47,19 @@ def fake_gpu():
     fake = types.ModuleType("cupy")
     fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
     yield from _cupy_as(fake)
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The entries ``kaldiio.load_mat`` loads during the test (kaldiio's own function, wrapped to count)."""
+    import kaldiio
+
+    calls = []
+    load_mat = kaldiio.load_mat
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return load_mat(*args, **kwargs)
+
+    monkeypatch.setattr(kaldiio, "load_mat", counted)
+    return calls

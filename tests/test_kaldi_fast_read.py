@@ -39,20 +39,6 @@ def _others() -> dict[str, dict]:
     }
 
 
-@pytest.fixture
-def loads(monkeypatch):
-    """The entries kaldiio loads (kaldiio's own function, wrapped to count)."""
-    calls = []
-    load_mat = kaldiio.load_mat
-
-    def counted(*args, **kwargs):
-        calls.append(args[0])
-        return load_mat(*args, **kwargs)
-
-    monkeypatch.setattr(kaldiio, "load_mat", counted)
-    return calls
-
-
 def _entries(scp) -> dict[str, str]:
     return dict(line.split(None, 1) for line in scp.read_text().splitlines())
 

@@ -27,20 +27,6 @@ def _expected(scp) -> dict[str, int]:
     return {key: kaldiio.load_mat(entry.strip()).shape[0] for key, entry in _entries(scp).items()}
 
 
-@pytest.fixture
-def loads(monkeypatch):
-    """Counts the matrices kaldiio loads."""
-    calls = []
-    load_mat = kaldiio.load_mat
-
-    def counted(*args, **kwargs):
-        calls.append(args[0])
-        return load_mat(*args, **kwargs)
-
-    monkeypatch.setattr(kaldiio, "load_mat", counted)
-    return calls
-
-
 def _write(tmp_path, name, utts, **kwargs):
     ark, scp = tmp_path / f"{name}.ark", tmp_path / f"{name}.scp"
     kaldiio.save_ark(str(ark), utts, scp=str(scp), **kwargs)

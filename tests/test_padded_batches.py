@@ -15,6 +15,7 @@ from gpudecode.io import BatchSizing, Utterance, open_features
 from gpudecode.io.features import PaddedBatch, pad_features
 from gpudecode.job import RunSummary, decode_fitting, whole_batch_padding
 from gpudecode.search.nonfinite import NonFiniteScores
+from tests.test_peer_whisper import nemo_like_config
 from tests.test_readers import WRITERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,29 +248,8 @@ def test_an_encoderless_model_takes_the_padded_array_as_its_states(tmp_path):
 
 
 def test_a_channels_first_encoder_gets_the_padded_array_transposed(tmp_path):
-    import onnx
-    from onnx import TensorProto, helper
-
     labels = 5
-    graph = helper.make_graph(
-        [helper.make_node("Transpose", ["audio_signal"], ["frames"], perm=[0, 2, 1]),
-         helper.make_node("LogSoftmax", ["frames"], ["log-probs"], axis=-1),
-         helper.make_node("Identity", ["length"], ["log-probs-size"])],
-        "nemo_like",
-        [helper.make_tensor_value_info("audio_signal", TensorProto.FLOAT, ["B", labels, "T"]),
-         helper.make_tensor_value_info("length", TensorProto.INT64, ["B"])],
-        [helper.make_tensor_value_info("log-probs", TensorProto.FLOAT, ["B", "T", labels]),
-         helper.make_tensor_value_info("log-probs-size", TensorProto.INT64, ["B"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, tmp_path / "encoder.onnx")
-    (tmp_path / "vocab.txt").write_text("<blank>\na\nb\nc\nd\n")
-    decoder = Decoder.from_config({
-        "models": {"encoder": {"path": str(tmp_path / "encoder.onnx"), "layout": {"channels_first": True},
-                               "io_map": {"features": "audio_signal", "features-size": "length",
-                                          "encoder-states": "log-probs", "encoder-states-size": "log-probs-size"}},
-                   "vocabulary": {"path": str(tmp_path / "vocab.txt"), "blank": "<blank>"}},
-        "scorers": [], "search": {"type": "ctc-prefix", "beam_size": 3}})
+    decoder = Decoder.from_config(nemo_like_config(tmp_path, labels, {"type": "ctc-prefix", "beam_size": 3}))
     utts = random_utterances(6, seed=9, num_features=labels)
     ids, features = list(utts), list(utts.values())
     want = decoder.decode_batch(ids, features)

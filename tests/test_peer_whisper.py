@@ -294,10 +294,24 @@ def test_channels_first_encoder_with_lengths(tmp_path):
     """The layout is general: a channels-first encoder that does take lengths (NeMo style) gets its
     features transposed and its lengths fed; a CTC greedy search over its frame log-probs (here the
     log-softmax of the features themselves) gives each frame's best label."""
+    labels = 5
+    config = nemo_like_config(tmp_path, labels, {"type": "ctc-greedy"})
+    rng = np.random.default_rng(0)
+    features = {"long": rng.standard_normal((7, labels)).astype(np.float32),
+                "short": rng.standard_normal((3, labels)).astype(np.float32)}
+    nbest = Decoder.from_config(config).decode(features)
+    for name, f in features.items():
+        best = f.argmax(axis=1)  # best path: collapse repeats, drop blanks
+        want = [int(b) for i, b in enumerate(best) if b != 0 and (i == 0 or b != best[i - 1])]
+        assert nbest[name][0].labels == want, name
+
+
+def nemo_like_config(folder: Path, labels: int, search: dict) -> dict:
+    """A config of a NeMo-style encoder written to ``folder``: channels first, lengths fed, frame
+    log-probs = the log-softmax of the features themselves (``labels`` features), no scorers."""
     import onnx
     from onnx import TensorProto, helper
 
-    labels = 5
     graph = helper.make_graph(
         [helper.make_node("Transpose", ["audio_signal"], ["frames"], perm=[0, 2, 1]),
          helper.make_node("LogSoftmax", ["frames"], ["log-probs"], axis=-1),
@@ -309,20 +323,13 @@ def test_channels_first_encoder_with_lengths(tmp_path):
          helper.make_tensor_value_info("log-probs-size", TensorProto.INT64, ["B"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    onnx.save(model, tmp_path / "encoder.onnx")
-    (tmp_path / "vocab.txt").write_text("<blank>\na\nb\nc\nd\n")
-    config = {
-        "models": {"encoder": {"path": str(tmp_path / "encoder.onnx"), "layout": {"channels_first": True},
+    onnx.save(model, folder / "encoder.onnx")
+    (folder / "vocab.txt").write_text("<blank>\n" + "".join(f"{chr(ord('a') + i)}\n" for i in range(labels - 1)))
+    return {
+        "models": {"encoder": {"path": str(folder / "encoder.onnx"), "layout": {"channels_first": True},
                                "io_map": {"features": "audio_signal", "features-size": "length",
                                           "encoder-states": "log-probs", "encoder-states-size": "log-probs-size"}},
-                   "vocabulary": {"path": str(tmp_path / "vocab.txt"), "blank": "<blank>"}},
-        "scorers": [], "search": {"type": "ctc-greedy"},
+                   "vocabulary": {"path": str(folder / "vocab.txt"), "blank": "<blank>"}},
+        "scorers": [], "search": search,
     }
-    rng = np.random.default_rng(0)
-    features = {"long": rng.standard_normal((7, labels)).astype(np.float32),
-                "short": rng.standard_normal((3, labels)).astype(np.float32)}
-    nbest = Decoder.from_config(config).decode(features)
-    for name, f in features.items():
-        best = f.argmax(axis=1)  # best path: collapse repeats, drop blanks
-        want = [int(b) for i, b in enumerate(best) if b != 0 and (i == 0 or b != best[i - 1])]
-        assert nbest[name][0].labels == want, name
+

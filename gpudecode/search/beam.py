@@ -253,9 +253,8 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
     """
     xp = layout.xp
     vocab_size = int(entries[0].scorer.vocab_size)
-    # the finished lists run the array version of the selection (not in the kernel)
-    in_kernel = (tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries))
-                 and options.finished == "in-beam")
+    in_kernel = tuning.fused_label_step and label_step.use_kernel(xp, layout.beam_size, len(entries),
+                                                                   options.finished)
     # on numpy only the open lanes are scored (a scorer may run its model on just those rows)
     open_lanes = np.flatnonzero(~beam.ended) if xp is np else None
     log_probs, terms = _scores(entries, contexts, layout, options, vocab_size, keep_float16=in_kernel, stats=stats,
@@ -265,7 +264,11 @@ def expand(entries, contexts, beam: Beam, layout: LaneLayout, options: LabelSync
         score_max = folded_group_maxima(score_max, log_probs, layout.num_groups, xp, dead=beam.ended,
                                         row_maxima=_known_row_maxima(entries, log_probs, open_lanes))
     if options.finished != "in-beam":
-        if label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
+        if in_kernel:
+            fields, finished, parents, labels = label_step.select_separate_kernel(beam, terms, log_probs, deadline,
+                                                                                  step, layout, options)
+            beam = Beam(**fields, finished=Finished(**finished))
+        elif label_sync_cpu.use_compiled(xp, tuning, stats):  # one compiled call on numpy
             fields, finished, parents, labels = label_sync_cpu.select_separate(
                 beam, _combined_read_only(terms), log_probs, deadline, step, layout, options)
             beam = Beam(**fields, finished=Finished(**finished))

@@ -37,7 +37,7 @@ def use_compiled(xp, tuning, stats) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _normalisers(length_norm_scale: float, size: int) -> np.ndarray:
+def normaliser_table(length_norm_scale: float, size: int) -> np.ndarray:
     """[size] float32: the length normaliser of every counted length 0 .. size - 1, computed by
     :func:`length_normaliser` (read-only)."""
     table = length_normaliser(np.arange(size, dtype=np.int64), length_norm_scale, np)
@@ -52,7 +52,27 @@ def _stacked(log_probs) -> np.ndarray:
     return np.ascontiguousarray(np.stack([np.asarray(lp, dtype=np.float32) for lp in log_probs]))
 
 
-def _early_stopping(value) -> int:
+def separate_outputs(xp, num_lanes: int, num_groups: int, beam_size: int, num_scorers: int, extra: int, prompts):
+    """The output arrays of a ``finished="separate"`` step on ``xp``, as rows of a few blocks (one
+    allocation per dtype): the new lanes' scores [N], scorer_scores [S, N], lengths [N], ended [N],
+    parents [N], labels [N], and the new finished lists' fields by name (``Finished``'s; ``extra``
+    step candidates per group: B, or 2B for GenAI's semantics)."""
+    floats = xp.empty((3 + 2 * num_scorers, num_lanes), np.float32)
+    ints = xp.empty((7, num_lanes), np.int64)
+    flags = xp.empty(num_lanes + 2 * num_groups, np.bool_)
+    candidates = xp.empty((2, num_groups * extra + num_groups * beam_size), np.int64)
+    new = dict(ranks=floats[1], scores=floats[2], scorer_scores=floats[3 + num_scorers:],
+               lengths=ints[3], steps=ints[4], lanes=ints[5], labels=ints[6],
+               prompt_lengths=prompts, hopeful=flags[num_lanes:num_lanes + num_groups],
+               done=flags[num_lanes + num_groups:],
+               picked=candidates[1, num_groups * extra:].reshape(num_groups, beam_size),
+               candidate_lanes=candidates[0, :num_groups * extra],
+               candidate_labels=candidates[1, :num_groups * extra])
+    return floats[0], floats[3:3 + num_scorers], ints[0], flags[:num_lanes], ints[1], ints[2], new
+
+
+def early_stopping_code(value) -> int:
+    """``early_stopping`` as the compiled selections take it: 0 False, 1 True, 2 "never"."""
     for mode, code in EARLY_STOPPING_CODES.items():
         if value is mode or (isinstance(mode, str) and value == mode):
             return code
@@ -72,7 +92,7 @@ def select_separate(beam, combined, log_probs, deadline, step: int, layout, opti
     extra = 2 * beam_size if genai else beam_size
     combined = np.ascontiguousarray(combined, dtype=np.float32)
     stacked = _stacked(log_probs)
-    early = _early_stopping(options.early_stopping)
+    early = early_stopping_code(options.early_stopping)
     never_norm = early == 2 and options.length_norm_scale > 0
     prompts = finished.prompt_lengths
     use_norm = options.length_norm_scale != 0
@@ -81,22 +101,9 @@ def select_separate(beam, combined, log_probs, deadline, step: int, layout, opti
         bound = int(prompts.max(initial=0)) + int(beam.lengths.max(initial=0)) + 2
         if never_norm:
             bound += max(int(deadline.max(initial=0)) - step, 0)
-        norm = _normalisers(float(options.length_norm_scale), next_power_of_two(max(bound, 64)))
-    # the outputs as rows of a few blocks (one allocation per dtype)
-    floats = np.empty((3 + 2 * num_scorers, num_lanes), np.float32)
-    scores, scorer_scores = floats[0], floats[3:3 + num_scorers]
-    ints = np.empty((7, num_lanes), np.int64)
-    lengths, parents, labels = ints[0], ints[1], ints[2]
-    flags = np.empty(num_lanes + 2 * num_groups, np.bool_)
-    ended = flags[:num_lanes]
-    candidates = np.empty((2, num_groups * extra + num_groups * beam_size), np.int64)
-    new = dict(ranks=floats[1], scores=floats[2], scorer_scores=floats[3 + num_scorers:],
-               lengths=ints[3], steps=ints[4], lanes=ints[5], labels=ints[6],
-               prompt_lengths=prompts, hopeful=flags[num_lanes:num_lanes + num_groups],
-               done=flags[num_lanes + num_groups:],
-               picked=candidates[1, num_groups * extra:].reshape(num_groups, beam_size),
-               candidate_lanes=candidates[0, :num_groups * extra],
-               candidate_labels=candidates[1, :num_groups * extra])
+        norm = normaliser_table(float(options.length_norm_scale), next_power_of_two(max(bound, 64)))
+    scores, scorer_scores, lengths, ended, parents, labels, new = separate_outputs(
+        np, num_lanes, num_groups, beam_size, num_scorers, extra, prompts)
     run(beam.scores, beam.ended, beam.lengths, beam.scorer_scores, combined, stacked,
         np.asarray(deadline, dtype=np.int64), int(step),
         finished.ranks, finished.scores, finished.scorer_scores, finished.lengths, finished.steps,
@@ -119,7 +126,7 @@ def select_in_beam(beam, combined, log_probs, deadline, step: int, layout, optio
     combined = np.ascontiguousarray(combined, dtype=np.float32)
     stacked = _stacked(log_probs)
     use_norm = options.length_norm_scale != 0
-    norm = _normalisers(float(options.length_norm_scale),
+    norm = normaliser_table(float(options.length_norm_scale),
                         next_power_of_two(max(int(beam.lengths.max(initial=0)) + 2, 64))) if use_norm else \
         np.ones(1, np.float32)
     threshold = options.score_threshold

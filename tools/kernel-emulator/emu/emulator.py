@@ -113,7 +113,7 @@ class Library:
         self.names = names
         self.signatures = {}
         for n in names:
-            info = (ctypes.c_int * (4 * 64))()
+            info = (ctypes.c_int * (4 * 128))()  # up to 128 parameters
             count = getattr(self.lib, f"emu_info_{n}")(info)
             self.signatures[n] = [tuple(info[4 * i:4 * i + 4]) for i in range(count)]
 

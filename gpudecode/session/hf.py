@@ -29,6 +29,39 @@ def hf_attention_inputs(prefix_length, past_time: int, num_new: int = 1, alignme
     return attention_mask, position_ids
 
 
+#: the mask / position dtypes :func:`write_attention_inputs` writes in one launch, by kernel suffix
+_STEP_INPUT_KERNELS = {np.dtype(np.int64): "i64", np.dtype(np.int32): "i32"}
+_THREADS = 256
+
+
+def write_attention_inputs(prefix_length, past_time: int, alignment: str, attention_mask=None, position_ids=None):
+    """:func:`hf_attention_inputs` of one new step written into ``attention_mask`` [N, T+1] and
+    ``position_ids`` [N, 1] (either may be None): on CuPy, int32 or int64 contiguous outputs of one
+    dtype, one launch (``kernels/hf_inputs.cu``); anything else through the arrays."""
+    outputs = [a for a in (attention_mask, position_ids) if a is not None]
+    xp = get_array_module(prefix_length)
+    kind = _STEP_INPUT_KERNELS.get(outputs[0].dtype) if outputs else None
+    if (xp is np or kind is None or any(a.dtype != outputs[0].dtype or not a.flags.c_contiguous for a in outputs)
+            or (attention_mask is not None and attention_mask.shape != (prefix_length.shape[0], past_time + 1))
+            or (position_ids is not None and position_ids.shape != (prefix_length.shape[0], 1))):
+        mask, positions = hf_attention_inputs(prefix_length, past_time, alignment=alignment)
+        for out, value in ((attention_mask, mask), (position_ids, positions)):
+            if out is not None:
+                out[...] = value
+        return
+    from gpudecode.kernels import load_module
+
+    rows = int(prefix_length.shape[0])
+    count = rows * (past_time + 1 if attention_mask is not None else 1)
+    if count == 0:
+        return
+    module = load_module("hf_inputs", (), prefix_length.device.id)
+    module.get_function(f"hf_step_inputs_{kind}")((-(-count // _THREADS),), (_THREADS,), (
+        xp.ascontiguousarray(prefix_length, dtype=np.int32), np.int64(rows), np.int64(past_time), np.int32(1),
+        np.int32(alignment == "left"), np.uint64(0) if attention_mask is None else attention_mask,
+        np.uint64(0) if position_ids is None else position_ids))
+
+
 def hf_length_inputs(prefix_length, past_time: int, num_new: int = 1):
     """GroupQueryAttention's explicit length inputs, for a model that takes them: ``seqlens_k``
     [N] int32 (each row's valid positions minus one: history + new steps - 1) and

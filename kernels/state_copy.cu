@@ -36,7 +36,11 @@
 // kept (0 for padding rows).  Slot ids < 0 or >= capacity read as zero states.
 //
 // Split semantics: new token p of row b is read at time index src_time - num_new + p and written to
-// slot new_slots[b * num_new + p] (skipped where the slot is < 0).  With free_stack non-null the
+// slot new_slots[b * num_new + p] (skipped where the slot is < 0).  With src_positions non-null
+// ([num_rows] int32, e.g. the merge's prefix_lengths: a left-aligned Hugging Face model's present
+// output holds each row's history first, its new step at the row's own length), token p of row b is
+// read at src_positions[b] + p instead, the position clamped into [0, src_time - num_new] (so every
+// read stays inside the row's time axis), in the same one launch.  With free_stack non-null the
 // split also allocates those slots (the pool's uniform allocation, state_pool.cu: allocate_uniform
 // + finish_allocation, fused): copy r = b * num_new + p takes free_stack[num_free - 1 - r], the
 // warps of variable 0 write new_slots and the allocated flags, and the last thread block to finish
@@ -61,6 +65,26 @@
 
 #define MAX_STATE_VARIABLES 128
 #define GEOMETRY_FIELDS 8
+
+#if !defined(__CUDACC__) && !defined(__CUDACC_RTC__)
+// The CPU kernel emulator (tools/kernel-emulator: g++ with its emu/runtime.h), which the tests run
+// these kernels through: CUDA's vector types, plain loads and stores instead of the PTX cache hints,
+// float16 conversions by the compiler, and the tensor addresses through a pointer to the struct (it
+// passes arrays and scalars only).  Nothing here is seen by NVRTC or nvcc.
+#define STATE_COPY_EMULATED 1
+#define STATE_COPY_LOAD_CS 0
+#define STATE_COPY_STORE_CS 0
+struct __align__(16) uint4 { unsigned int x, y, z, w; };
+struct __align__(8) uint2 { unsigned int x, y; };
+static inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) {
+    return uint4{x, y, z, w};
+}
+#define STATE_POINTERS const StatePointers*
+#define STATE_POINTER(pointers, var) ((pointers)->ptr[var])
+#else
+#define STATE_POINTERS StatePointers
+#define STATE_POINTER(pointers, var) ((pointers).ptr[var])
+#endif
 #ifndef WARPS_PER_BLOCK
 #define WARPS_PER_BLOCK 8        // gpudecode/states/cuda.py
 #endif
@@ -104,15 +128,26 @@ template <typename T> struct Convert<T, T> {
 };
 template <> struct Convert<f16, float> {
     static __device__ __forceinline__ float run(f16 x) {
+#ifdef STATE_COPY_EMULATED
+        _Float16 h;
+        __builtin_memcpy(&h, &x.bits, 2);
+        return (float)h;
+#else
         float y;
         asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(x.bits));
         return y;
+#endif
     }
 };
 template <> struct Convert<float, f16> {
     static __device__ __forceinline__ f16 run(float x) {
         f16 y;
+#ifdef STATE_COPY_EMULATED
+        const _Float16 h = (_Float16)x;  // round to nearest even, as cvt.rn
+        __builtin_memcpy(&y.bits, &h, 2);
+#else
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(y.bits) : "f"(x));
+#endif
         return y;
     }
 };
@@ -617,7 +652,7 @@ __device__ __forceinline__ void warp_range(long long total, long long& begin, lo
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS_PER_SM)
 merge_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
-             int capacity, StatePointers outputs,
+             int capacity, STATE_POINTERS outputs,
              const int* __restrict__ history, int history_width, const int* __restrict__ lengths,
              int num_rows, int out_rows, int out_time, int max_history, int keep_first, int left_aligned,
              int* __restrict__ prefix_lengths, int num_variables) {
@@ -645,7 +680,7 @@ merge_states(const long long* __restrict__ geometry,
             const long long r0 = s - var * per_var;
             const int n = (int)min(min((long long)TOKENS_PER_BATCH, end - s), per_var - r0);
             const long long* geo = geometry + (long long)var * GEOMETRY_FIELDS;
-            const unsigned long long tensor = outputs.ptr[var];
+            const unsigned long long tensor = STATE_POINTER(outputs, var);
             if (var != planned) {
                 p = plan_variable(geo, tensor, slab_table + (long long)var * chunk_stride, out_rows, out_time, lane);
                 planned = var;
@@ -690,8 +725,9 @@ merge_states(const long long* __restrict__ geometry,
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK, MIN_BLOCKS_PER_SM)
 split_states(const long long* __restrict__ geometry,
              const unsigned long long* __restrict__ slab_table, int chunk_stride, int slots_per_chunk,
-             int capacity, StatePointers sources,
-             int num_rows, int src_time, int num_new, int* __restrict__ new_slots,
+             int capacity, STATE_POINTERS sources,
+             int num_rows, int src_time, int num_new, const int* __restrict__ src_positions,
+             int* __restrict__ new_slots,
              const int* __restrict__ free_stack, int* __restrict__ counters, unsigned char* __restrict__ allocated,
              int num_variables) {
     const int lane = threadIdx.x & 31;
@@ -710,7 +746,7 @@ split_states(const long long* __restrict__ geometry,
             const long long r0 = s - var * per_var;
             const int n = (int)min(min((long long)TOKENS_PER_BATCH, end - s), per_var - r0);
             const long long* geo = geometry + (long long)var * GEOMETRY_FIELDS;
-            const unsigned long long tensor = sources.ptr[var];
+            const unsigned long long tensor = STATE_POINTER(sources, var);
             if (var != planned) {
                 p = plan_variable(geo, tensor, slab_table + (long long)var * chunk_stride, num_rows, src_time, lane);
                 planned = var;
@@ -733,7 +769,11 @@ split_states(const long long* __restrict__ geometry,
                 }
                 if (slot >= 0 && slot < capacity) {
                     const int b = (int)(r / num_new);
-                    const int t = src_time - num_new + (int)(r - (long long)b * num_new);
+                    const int p_new = (int)(r - (long long)b * num_new);
+                    const int first = src_positions != nullptr
+                                          ? min(max(src_positions[b], 0), src_time - num_new)
+                                          : src_time - num_new;
+                    const int t = first + p_new;
                     index = (long long)b * p.w.mid * src_time + t;
                     const int chunk = slot / slots_per_chunk;
                     const int row = slot - chunk * slots_per_chunk;

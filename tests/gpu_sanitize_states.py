@@ -25,6 +25,7 @@ from gpudecode.spec import StateVariable  # noqa: E402
 from gpudecode.states import StateManagerOptions, create_state_manager  # noqa: E402
 from tests.test_dense_states import children_mismatches  # noqa: E402
 from tests.test_scorer_cache import scorer_cache_mismatches  # noqa: E402
+from tests.test_split_positions import split_position_mismatches  # noqa: E402
 from tests.test_state_managers import (  # noqa: E402
     Reference,
     Scenario,
@@ -82,6 +83,8 @@ def main() -> int:
         assert not bad, f"dense children: {bad}"
         bad = scorer_cache_mismatches(cupy)  # kernels/scorer_cache.cu
         assert not bad, f"scorer cache: {bad}"
+        bad = split_position_mismatches(cupy)  # split at per-row positions (src_positions)
+        assert not bad, f"split at positions: {bad}"
     except AssertionError as error:
         print(f"MISMATCH: {error}", file=sys.stderr)
         return 2

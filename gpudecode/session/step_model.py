@@ -320,8 +320,8 @@ class StepModelRunner:
                    input_rows=None):
         if self._resident and input_rows is None:
             return self._run_resident(histories, labels, rows, lanes, time_size)[:2]
-        scores, states, merged = self._plain_step(histories, labels, rows, lanes, time_size, input_rows)
-        return scores, self.states.split(states)
+        scores, new_slots, _ = self._plain_step(histories, labels, rows, lanes, time_size, input_rows, split=True)
+        return scores, new_slots
 
     def _run_resident(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None,
                       input_rows=None, free_rows: bool = False):
@@ -374,8 +374,10 @@ class StepModelRunner:
             return scores, self.states.split(states)
         return self._run_plain(histories, labels, rows, lanes, time_size)
 
-    def _plain_step(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None, input_rows):
-        """A plain run on a merge from the pool: (scores, the new steps' state outputs, the merge)."""
+    def _plain_step(self, histories: StateHistory, labels, rows: slice, lanes, time_size: int | None, input_rows,
+                    *, split: bool = False):
+        """A plain run on a merge from the pool: (scores, the new steps' state outputs, the merge);
+        ``split``: their new slots [R, 1] in place of the new steps (:meth:`_new_steps`)."""
         spec = self.spec
         if spec.in_place_outputs or spec.max_time is not None:
             time_size = self._natural_time(histories, time_size)
@@ -385,7 +387,9 @@ class StepModelRunner:
         feeds = self._feeds(merged, labels, input_rows, lanes)
         in_place = self._in_place(merged.inputs)
         outputs = self.session.run(feeds, self._output_names(in_place), outputs=in_place)
-        states = self._new_steps(self._state_outputs(outputs), merged.prefix_lengths)
+        states, at = self._new_steps(self._state_outputs(outputs), merged.prefix_lengths, for_split=split)
+        if split:
+            return outputs[spec.scores_output], self.states.split(states, **at), merged
         return outputs[spec.scores_output], states, merged  # the run's own arrays
 
     def _feeds(self, merged, labels, input_rows, lanes) -> dict:
@@ -446,13 +450,13 @@ class StepModelRunner:
         outputs = graphs.run(static.key, feeds, self._output_names(in_place),
                              lambda name, dtype, shape: in_place[name] if name in in_place
                              else buffers.view(name, dtype, shape, bucket))
-        states_out = self._new_steps(self._state_outputs(outputs), merged.prefix_lengths)
+        states_out, at = self._new_steps(self._state_outputs(outputs), merged.prefix_lengths, for_split=True)
         if self._rows_outermost:
             states_out = {v.output_name: _rows(states_out[v.output_name], v.batch_axis, num_rows)
                           for v in spec.state_variables}
-            new_slots = self.states.split(states_out)
+            new_slots = self.states.split(states_out, **{name: rows[:num_rows] for name, rows in at.items()})
         else:
-            new_slots = self.states.split(states_out)[:num_rows]
+            new_slots = self.states.split(states_out, **at)[:num_rows]
         return outputs[spec.scores_output][:num_rows], new_slots
 
     def warm_up(self, max_time: int, chunks: list[slice], lanes) -> int:
@@ -491,20 +495,36 @@ class StepModelRunner:
             states[name] = array
         return states
 
-    def _new_steps(self, states: dict, prefix_lengths) -> dict:
+    def _new_steps(self, states: dict, prefix_lengths, *, for_split: bool = False) -> tuple[dict, dict]:
         """Hugging Face left-aligned histories (GroupQueryAttention fed from the mask): a present
         output holding the history and the new step has the new step at each row's own length, not
-        last; it is read there. Everything else as it is (the split reads the last time step)."""
+        last; it is read there. Everything else as it is (the split reads the last time step).
+        Returns (the state outputs, the split's keywords). ``for_split`` (the caller only splits
+        them) with a CUDA state manager: the outputs as they are and ``positions`` for the split,
+        which reads each row's new step at its length in its one launch (no per-output work here)."""
         spec = self.spec
         if spec.convention == "rasr" or spec.history_alignment != "left":
-            return states
+            return states, {}
+        if for_split and self._split_at_positions(states):
+            return states, {"positions": prefix_lengths}
         by_output = {v.output_name: v for v in spec.state_variables}
         positions: dict = {}  # one index for every output of a shape
         return {name: new_step_states(array, prefix_lengths[:array.shape[0]], by_output[name].time_axis, "left",
                                       index_cache=positions)
                 if name in by_output and by_output[name].time_axis is not None and name not in spec.in_place_outputs
                 else array
-                for name, array in states.items()}
+                for name, array in states.items()}, {}
+
+    def _split_at_positions(self, states: dict) -> bool:
+        """Whether the split can read the new steps of ``states`` at each row's length itself: a
+        CUDA state manager, no state output written in place (those hold the new step last), every
+        state output with a time axis, all of one time size."""
+        if self.states.device == "cpu" or any(name in self.spec.in_place_outputs for name in states):
+            return False
+        variables = self.spec.state_variables
+        if any(v.time_axis is None for v in variables):
+            return False
+        return len({states[v.output_name].shape[v.time_axis] for v in variables}) == 1
 
     def _natural_time(self, histories: StateHistory, time_size: int | None) -> int:
         """T of a call: the longest kept history (or ``time_size``), plus the position an in-place

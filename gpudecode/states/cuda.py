@@ -160,21 +160,27 @@ class CudaStateCopy:
             )
         self.num_launches += 1
 
-    def split(self, sources, *, num_rows: int, source_time: int, new_slots, allocate: bool = False) -> None:
+    def split(self, sources, *, num_rows: int, source_time: int, new_slots, allocate: bool = False,
+              positions=None) -> None:
         """``allocate``: ``new_slots`` is filled here with ``num_new`` slots per row from the pool's
-        free stack (booked by ``StatePool.book_uniform``), the allocation fused into the copy."""
+        free stack (booked by ``StatePool.book_uniform``), the allocation fused into the copy.
+        ``positions``: ``[num_rows]`` int32 CuPy array, C-contiguous: row b's new token p is read at
+        time index ``positions[b] + p`` (clamped into ``[0, source_time - num_new]``) instead of
+        ``source_time - num_new + p``, in the same launch."""
         pool = self.pool
         num_new = int(new_slots.shape[1])
         if num_rows * num_new == 0:
             return
         free_stack, counters, allocated = (pool.free_stack, pool.counters, pool.allocated) if allocate else (np.uint64(0),) * 3
+        if positions is None:
+            positions = np.uint64(0)
         with on_shared_stream(self.device_id):
             self._split(
                 self._grid("split", num_rows * num_new), (THREADS_PER_BLOCK,),
                 (
                     self.geometry, pool.slab_table, np.int32(pool.chunk_stride), np.int32(pool.slots_per_chunk),
                     np.int32(pool.capacity), self._pointer_struct(sources),
-                    np.int32(num_rows), np.int32(source_time), np.int32(num_new), new_slots,
+                    np.int32(num_rows), np.int32(source_time), np.int32(num_new), positions, new_slots,
                     free_stack, counters, allocated, np.int32(len(self.layouts)),
                 ),
             )

@@ -392,15 +392,20 @@ class StateManager:
         return self.pool._on_device()
 
     # ---- split ------------------------------------------------------------------------------------
-    def split(self, outputs: Mapping[str, object], *, num_new_tokens: int = 1, token_counts=None):
+    def split(self, outputs: Mapping[str, object], *, num_new_tokens: int = 1, token_counts=None, positions=None):
         """Stores the new token states of the model's state outputs in new slots.
 
         ``outputs``: output name -> ``[.., N, .., out_T, ..]`` arrays (numpy arrays are uploaded by
         the GPU managers, CuPy arrays downloaded by the host managers). New token p of row b is read
         at time index ``out_T - num_new_tokens + p``, so outputs may hold the whole time axis or
         only the new step. ``token_counts``: ``[N]`` tokens per row (default all
-        ``num_new_tokens``, whose value must be the largest count). Returns ``[N, num_new_tokens]``
-        int32 slots, -1 where a row has fewer tokens.
+        ``num_new_tokens``, whose value must be the largest count). ``positions``: ``[>= N]``
+        integers (the first N used; time-axis states only): token p of row b is read at
+        ``positions[b] + p`` instead, clamped into ``[0, out_T - num_new_tokens]`` — e.g. the merge's
+        prefix lengths for a left-aligned Hugging Face model, whose outputs hold each row's history
+        first and its new step at the row's length. The GPU managers read there in the split's one
+        launch (int32 device positions are used as they are); the host managers take those steps
+        first. Returns ``[N, num_new_tokens]`` int32 slots, -1 where a row has fewer tokens.
         """
         self._check_new_tokens(num_new_tokens)
         if num_new_tokens < 0:
@@ -426,16 +431,42 @@ class StateManager:
             raise ValueError(f"split: token_counts must have shape ({num_rows},), got {tuple(token_counts.shape)}")
         if token_counts is not None and self.device == "cpu":
             token_counts = to_host(token_counts)
+        at = {}  # the CUDA copy's positions
+        if positions is not None:
+            rows = self._split_positions(positions, num_rows)
+            if self.device == "cpu":
+                sources = [_steps_at(layout, source, num_rows, source_time, rows, num_new_tokens)
+                           for layout, source in zip(self.layouts, sources)]
+                source_time = num_new_tokens
+            else:
+                at = {"positions": rows}
         if token_counts is None and self._copy.allocates:
             new_slots = self.pool.book_uniform(num_rows, num_new_tokens)
-            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, allocate=True)
+            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, allocate=True,
+                             **at)
         else:
             compiled = {"compiled": True} if self.compiled else {}  # host managers only
             new_slots = self.pool.allocate(num_rows, num_new_tokens, token_counts, **compiled)
             if self._resident is not None:
                 self._resident.allocated(new_slots, compiled=self.compiled)
-            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, **compiled)
+            self._copy.split(sources, num_rows=num_rows, source_time=source_time, new_slots=new_slots, **compiled,
+                             **at)
         return new_slots
+
+    def _split_positions(self, positions, num_rows: int):
+        """The first ``num_rows`` of split's ``positions``: int32 C-contiguous on the GPU (as they
+        are when already so), int64 numpy on the host."""
+        if not self.has_time_axis:
+            raise ValueError(f"split: positions apply to states with a time axis, not {self.options.type!r}")
+        if len(positions.shape) != 1 or positions.shape[0] < num_rows:
+            raise ValueError(f"split: positions must have shape (>= {num_rows},), got {tuple(positions.shape)}")
+        rows = positions[:num_rows]
+        if self.device == "cpu":
+            return to_host(rows).astype(np.int64)
+        if is_device_array(rows) and rows.dtype == np.int32 and rows.flags.c_contiguous:
+            return rows
+        with on_shared_stream(self.options.device_id):
+            return self.xp.ascontiguousarray(self.xp.asarray(rows), dtype=np.int32)
 
     def _check_new_tokens(self, num_new_tokens: int) -> None:
         """Raises when this family cannot take ``num_new_tokens`` new states per row."""
@@ -537,6 +568,17 @@ class StateManager:
         self._resident_inputs = (None, {})
         self._split_views = ([], (), -1, [])
         self._prefix_buffer = None
+
+
+def _steps_at(layout: VariableLayout, source: np.ndarray, num_rows: int, source_time: int, positions: np.ndarray,
+              num_new: int) -> np.ndarray:
+    """Host split's new tokens of ``source`` ([.., N, .., source_time, ..]) read at time
+    ``positions[b] + p`` (clamped as the CUDA split does), as ``[pre, N, mid, num_new, inner]``."""
+    view = source.reshape(layout.pre, num_rows, layout.mid, source_time, layout.inner)
+    first = np.clip(positions, 0, source_time - num_new)
+    times = first[:, None] + np.arange(num_new)[None, :]  # [N, S]
+    taken = view[:, np.arange(num_rows)[:, None], :, times, :]  # [N, S, pre, mid, inner]
+    return np.ascontiguousarray(taken.transpose(2, 0, 3, 1, 4))
 
 
 class TransformerStateManager(StateManager):

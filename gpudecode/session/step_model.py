@@ -22,7 +22,7 @@ import numpy as np
 from gpudecode.backend import get_array_module, to_host
 from gpudecode.session.discovery import HF_BRANCH_INPUT, ModelError, ModelSpec
 from gpudecode.session.graphs import GraphBuckets, GraphOptions
-from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states
+from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states, write_attention_inputs
 from gpudecode.session.runner import OnnxSession
 from gpudecode.states.history import StateHistory
 from gpudecode.states.managers import StateManager
@@ -441,11 +441,8 @@ class StepModelRunner:
         if static.prefix_converted is not None:
             static.prefix_converted[...] = static.prefix
         if spec.convention != "rasr":
-            mask, positions = hf_attention_inputs(merged.prefix_lengths, padded_time,
-                                                  alignment=spec.history_alignment)
-            for name, value in ((names.get("attention_mask"), mask), (names.get("position_ids"), positions)):
-                if name is not None:
-                    feeds[name][...] = value
+            write_attention_inputs(merged.prefix_lengths, padded_time, spec.history_alignment,
+                                   feeds.get(names.get("attention_mask")), feeds.get(names.get("position_ids")))
         in_place = self._in_place(static.states)
         outputs = graphs.run(static.key, feeds, self._output_names(in_place),
                              lambda name, dtype, shape: in_place[name] if name in in_place

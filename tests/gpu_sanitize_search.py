@@ -1,5 +1,5 @@
 """Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu, label_step.cu
-in the beam and with separate finished lists, score_maxima.cu, ctc_prefix_score.cu, hf_inputs.cu;
+in the beam and with separate finished lists, score_maxima.cu, ctc_prefix_score.cu, hf_inputs.cu, log_softmax.cu;
 ctc_frame.cu with and without label scorers) for compute-sanitizer, with CuPy's memory pool disabled. Run on the GPU machine::
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
@@ -76,6 +76,7 @@ def main() -> int:
     from tests.test_score_maxima import mismatches as maxima_mismatches
     from tests.test_ctc_frame_scorers import mismatches as scorer_frame_mismatches
     from tests.test_hf_step_inputs import mismatches as step_input_mismatches
+    from tests.test_log_softmax_kernel import mismatches as log_softmax_mismatches
     from tests.test_label_step_separate import step_mismatches as separate_mismatches
 
     for name, problems in (("non-finite maxima", maxima_mismatches(cupy)),
@@ -83,7 +84,8 @@ def main() -> int:
                            ("joint CTC/attention search", [m for m in [search_mismatch(cupy)] if m]),
                            ("CTC prefix search with scorers", scorer_frame_mismatches(cupy, exact=False)),
                            ("label step with separate finished lists", separate_mismatches(cupy, seeds=range(2))),
-                           ("a Hugging Face step's inputs", step_input_mismatches(cupy))):
+                           ("a Hugging Face step's inputs", step_input_mismatches(cupy)),
+                           ("log-softmax of logits", log_softmax_mismatches(cupy))):
         if problems:
             print(f"MISMATCH: {name}: {problems[:3]}", file=sys.stderr)
             return 2

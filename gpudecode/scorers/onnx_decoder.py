@@ -49,9 +49,26 @@ class DecoderContext:
 
 
 def log_softmax(xp, x):
-    """Log-softmax over the last axis of ``x`` (numpy or CuPy)."""
+    """Log-softmax over the last axis of ``x`` (numpy or CuPy): on CuPy, a C-contiguous float32 or
+    float16 [R, V] array in one launch (:func:`log_softmax_rows`), as float32."""
+    if xp is not np and x.ndim == 2 and x.dtype in (np.float32, np.float16) and x.flags.c_contiguous and x.size:
+        return log_softmax_rows(xp, x)
     shifted = x - x.max(axis=-1, keepdims=True)
     return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def log_softmax_rows(cupy, x):
+    """Log-softmax of the rows of ``x`` [R, V] (float32 or float16, C-contiguous) in one launch
+    (``kernels/log_softmax.cu``): a new float32 [R, V] array, the array version's values to within
+    float32 rounding (its sum runs in another order)."""
+    from gpudecode.kernels import load_module
+
+    rows, vocab = x.shape
+    out = cupy.empty((rows, vocab), dtype=np.float32)
+    module = load_module("log_softmax", (), x.device.id)
+    module.get_function("log_softmax_rows")((rows,), (256,), (  # SOFTMAX_THREADS
+        x, np.int32(x.dtype == np.float16), np.int64(vocab), np.int64(vocab), out))
+    return out
 
 
 def log_softmax_in_place(x: np.ndarray, scratch: np.ndarray | None = None, maxima: np.ndarray | None = None) -> np.ndarray:

@@ -78,6 +78,16 @@ def _on(xp, array):
     return xp.asarray(array)
 
 
+def in_state_dtypes(outputs: dict, layouts) -> dict:
+    """A prefill's state outputs by name in the step model's state dtypes: a float prefill of another
+    float type than the step (the float32 prompt model of a step ``gpudecode prepare --float16``
+    rewrote) is converted, once per prompt; anything else is left for the split to check."""
+    wanted = {layout.variable.output_name: layout.model_dtype for layout in layouts}
+    return {name: array.astype(wanted[name]) if name in wanted and array.dtype != wanted[name]
+            and array.dtype.kind == "f" and wanted[name].kind == "f" else array
+            for name, array in outputs.items()}
+
+
 @register_scorer("prefix-lm")
 class PrefixLmScorer(OnnxDecoderScorer):
     """A prompted decoder: ``prefill_model`` once per admitted utterance, ``model`` per step.
@@ -420,8 +430,8 @@ class PrefixLmScorer(OnnxDecoderScorer):
         time_axis = spec.state_variables[0].time_axis
         width = int(outputs[state_outputs[0]].shape[time_axis])
         token_counts = _on(self.states.xp, counts).astype(np.int32)
-        slots = self.states.split({k: outputs[k] for k in state_outputs}, num_new_tokens=width,
-                                  token_counts=token_counts)
+        slots = self.states.split(in_state_dtypes({k: outputs[k] for k in state_outputs}, self.states.layouts),
+                                  num_new_tokens=width, token_counts=token_counts)
         self._pending.append((groups, slots, token_counts))
         # first-label scores: the row's last prompt position
         xp = self.layout.xp

@@ -122,6 +122,26 @@ __device__ __forceinline__ void lane_top(const Terms& terms, int vocab_size, int
     if (r < keep) keys[r] = chosen[r] == ~0u ? 0ull : pack_key(chosen_rank[r], chosen[r]);
 }
 
+// The best `keep` candidates of utterance blockIdx.x from its lanes' segment lists (label_lane_top's
+// lists of `keep` keys) into chosen / chosen_rank, best first (block_top_beam.cuh; with the threshold).
+template <int KEPT>
+__device__ __forceinline__ void utterance_top(const unsigned long long* __restrict__ lane_keys, int vocab_size,
+                                              int beam, int keep, int has_threshold, float threshold,
+                                              unsigned int* chosen, float* chosen_rank) {
+    __shared__ unsigned long long warp_lists[(LABEL_THREADS / 32) * LABEL_MAX_BEAM];
+    __shared__ float warp_max[LABEL_THREADS / 32];
+    const int listed = beam * ((vocab_size + LABEL_SEGMENT - 1) / LABEL_SEGMENT) * keep;  // the lanes' lists
+    const unsigned long long* keys = lane_keys + (long long)blockIdx.x * listed;
+    auto scan = [&](auto&& visit) {
+        for (int e = threadIdx.x; e < listed; e += LABEL_THREADS) {
+            const unsigned long long key = keys[e];
+            if (key != 0ull) visit(unpack_key_value(key), ~(unsigned int)(key & 0xffffffffull));
+        }
+    };
+    block_top_beam_scan<KEPT, LABEL_THREADS>(scan, keep, has_threshold, threshold, warp_lists, warp_max, chosen,
+                                             chosen_rank);
+}
+
 template <int KEPT>
 __device__ __forceinline__ void select_step(
     const Terms& terms, int vocab_size, int beam, const unsigned long long* __restrict__ lane_keys,
@@ -132,22 +152,11 @@ __device__ __forceinline__ void select_step(
     long long num_lanes, long long* __restrict__ parents, long long* __restrict__ labels,
     float* __restrict__ score_out, long long* __restrict__ length_out, unsigned char* __restrict__ ended_out,
     float* __restrict__ scorer_out) {
-    __shared__ unsigned long long warp_lists[(LABEL_THREADS / 32) * LABEL_MAX_BEAM];
-    __shared__ float warp_max[LABEL_THREADS / 32];
     __shared__ unsigned int chosen[LABEL_MAX_BEAM];
     __shared__ float chosen_rank[LABEL_MAX_BEAM];
 
     const long long first = (long long)blockIdx.x * beam;
-    const int listed = beam * ((vocab_size + LABEL_SEGMENT - 1) / LABEL_SEGMENT) * beam;  // the lanes' lists
-    const unsigned long long* keys = lane_keys + first * (listed / beam);
-    auto scan = [&](auto&& visit) {
-        for (int e = threadIdx.x; e < listed; e += LABEL_THREADS) {
-            const unsigned long long key = keys[e];
-            if (key != 0ull) visit(unpack_key_value(key), ~(unsigned int)(key & 0xffffffffull));
-        }
-    };
-    block_top_beam_scan<KEPT, LABEL_THREADS>(scan, beam, has_threshold, threshold, warp_lists, warp_max, chosen,
-                                             chosen_rank);
+    utterance_top<KEPT>(lane_keys, vocab_size, beam, beam, has_threshold, threshold, chosen, chosen_rank);
 
     const int r = threadIdx.x;
     if (r >= beam) return;
@@ -281,21 +290,11 @@ __device__ __forceinline__ void separate_step(
     long long* __restrict__ new_lengths, long long* __restrict__ new_steps, long long* __restrict__ new_lanes,
     long long* __restrict__ new_labels, unsigned char* __restrict__ new_hopeful, unsigned char* __restrict__ new_done,
     long long* __restrict__ picked, long long* __restrict__ cand_lanes, long long* __restrict__ cand_labels) {
-    __shared__ unsigned long long warp_lists[(LABEL_THREADS / 32) * LABEL_MAX_BEAM];
-    __shared__ float warp_max[LABEL_THREADS / 32];
     __shared__ unsigned int chosen[LABEL_MAX_BEAM];
     __shared__ float chosen_rank[LABEL_MAX_BEAM];
 
     const long long g = blockIdx.x, first = g * beam;
-    const int listed = beam * ((vocab_size + LABEL_SEGMENT - 1) / LABEL_SEGMENT) * size;  // the lanes' lists
-    const unsigned long long* keys = lane_keys + first * (listed / beam);
-    auto scan = [&](auto&& visit) {
-        for (int e = threadIdx.x; e < listed; e += LABEL_THREADS) {
-            const unsigned long long key = keys[e];
-            if (key != 0ull) visit(unpack_key_value(key), ~(unsigned int)(key & 0xffffffffull));
-        }
-    };
-    block_top_beam_scan<KEPT, LABEL_THREADS>(scan, size, 0, 0.0f, warp_lists, warp_max, chosen, chosen_rank);
+    utterance_top<KEPT>(lane_keys, vocab_size, beam, size, 0, 0.0f, chosen, chosen_rank);
     if (threadIdx.x != 0) return;
 
     const void* logps[4] = {logp0, logp1, logp2, logp3};

@@ -49,3 +49,10 @@ def load_module(family: str, name_expressions: tuple[str, ...], device_id: int =
         )
         module.compile()
     return module
+
+
+@functools.cache
+def kernel_function(family: str, name: str, device_id: int = 0):
+    """The kernel ``name`` of a family (``load_module(family).get_function(name)``), looked up once
+    per device: a lookup costs a driver call, a step launches a dozen kernels."""
+    return load_module(family, (), device_id).get_function(name)

@@ -61,12 +61,11 @@ def log_softmax_rows(cupy, x):
     """Log-softmax of the rows of ``x`` [R, V] (float32 or float16, C-contiguous) in one launch
     (``kernels/log_softmax.cu``): a new float32 [R, V] array, the array version's values to within
     float32 rounding (its sum runs in another order)."""
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
     rows, vocab = x.shape
     out = cupy.empty((rows, vocab), dtype=np.float32)
-    module = load_module("log_softmax", (), x.device.id)
-    module.get_function("log_softmax_rows")((rows,), (256,), (  # SOFTMAX_THREADS
+    kernel_function("log_softmax", "log_softmax_rows", x.device.id)((rows,), (256,), (  # SOFTMAX_THREADS
         x, np.int32(x.dtype == np.float16), np.int64(vocab), np.int64(vocab), out))
     return out
 

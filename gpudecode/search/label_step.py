@@ -78,7 +78,7 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     (arrays float32 or float16);
     ``norm``: [N] float32 length normalisers of each lane's candidates, or None for none;
     ``deadline``: [N] int64, a lane ends once ``deadline <= step``."""
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
     cupy = layout.xp
     num_lanes, beam_size = layout.num_lanes, layout.beam_size
@@ -98,12 +98,12 @@ def select_kernel(beam, terms, log_probs, norm, deadline, step: int, layout, opt
     scorer_out = cupy.empty_like(scorer_scores)
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= beam_size)  # the kernels' per-thread list
-    module = load_module("label_step", (), log_probs[0].device.id)
-    module.get_function(f"label_lane_top_{kept}_{num_terms}")((num_lanes * segments,), (_THREADS,), (
+    device = log_probs[0].device.id
+    kernel_function("label_step", f"label_lane_top_{kept}_{num_terms}", device)((num_lanes * segments,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), np.int32(beam_size), scores, ended,
         np.uint64(0) if norm is None else cupy.ascontiguousarray(norm, dtype=np.float32), lengths_in,
         np.int64(options.min_length), np.int64(options.sentence_end), lane_keys))
-    module.get_function(f"label_select_{kept}")((layout.num_groups,), (_THREADS,), (
+    kernel_function("label_step", f"label_select_{kept}", device)((layout.num_groups,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), lane_keys, scores,
         lengths_in, ended, np.int32(threshold is not None),
         np.float32(threshold or 0), np.int64(options.sentence_end), cupy.ascontiguousarray(deadline, dtype=np.int64),
@@ -137,7 +137,7 @@ def select_separate_kernel(beam, terms, log_probs, deadline, step: int, layout, 
     utterance for its best ``2 × beam``, the new lanes and the finished lists
     (``label_separate``). Returns what ``label_sync_cpu.select_separate`` returns: the new beam's
     fields, the new finished lists' fields (dicts), parents [N] and labels [N]."""
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
     from gpudecode.search.label_sync_cpu import early_stopping_code, separate_outputs
 
     cupy = layout.xp
@@ -160,15 +160,14 @@ def select_separate_kernel(beam, terms, log_probs, deadline, step: int, layout, 
     early = early_stopping_code(options.early_stopping)
     device = log_probs[0].device.id
     norm_table = _normaliser_table(device, float(options.length_norm_scale))
-    module = load_module("label_step", (), device)
-    module.get_function(f"label_lane_top_{kept}_{num_terms}")((num_lanes * segments,), (_THREADS,), (
+    kernel_function("label_step", f"label_lane_top_{kept}_{num_terms}", device)((num_lanes * segments,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), np.int32(size), scores_in, ended_in, np.uint64(0),
         lengths_in, np.int64(options.min_length), np.int64(options.sentence_end), lane_keys))
 
     def contiguous(array, dtype):
         return cupy.ascontiguousarray(array, dtype=dtype)
 
-    module.get_function(f"label_separate_{kept}")((num_groups,), (_THREADS,), (
+    kernel_function("label_step", f"label_separate_{kept}", device)((num_groups,), (_THREADS,), (
         *combine, np.int32(vocab_size), np.int32(beam_size), np.int32(size), lane_keys, scores_in, lengths_in,
         ended_in, np.int64(options.min_length), np.int64(options.sentence_end), contiguous(deadline, np.int64),
         np.int64(step), np.int32(len(log_probs)), *pointers, _half_bits(log_probs), _row_bits(log_probs), scorer_in,

@@ -92,7 +92,7 @@ def _folded_on_host(previous, score_arrays, num_groups: int, live, dead, row_max
 
 
 def _folded_on_device(cupy, previous, score_arrays, num_groups: int, live, dead):
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
     arrays = [cupy.ascontiguousarray(a, dtype=None if a.dtype == np.float16 else np.float32) for a in score_arrays]
     num_lanes, vocab_size = arrays[0].shape
@@ -102,7 +102,7 @@ def _folded_on_device(cupy, previous, score_arrays, num_groups: int, live, dead)
     previous = cupy.ascontiguousarray(previous, dtype=np.float32)
     out = cupy.empty_like(previous)
     pointers = arrays + [arrays[0]] * (_KERNEL_ARRAYS - len(arrays))
-    kernel = load_module("score_maxima", (), arrays[0].device.id).get_function("group_maxima")
+    kernel = kernel_function("score_maxima", "group_maxima", arrays[0].device.id)
     kernel((num_groups, len(arrays)), (_KERNEL_THREADS,), (
         *pointers, half, np.int32(len(arrays)), np.int64(num_lanes // num_groups), np.int64(vocab_size),
         skip, np.int32(live is not None), previous, out))

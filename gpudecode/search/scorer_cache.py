@@ -79,9 +79,9 @@ def _on_kernel(xp, cache) -> bool:
 
 
 def _kernel(xp, name: str):
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
-    return load_module("scorer_cache", (), xp.cuda.Device().id).get_function(name)
+    return kernel_function("scorer_cache", name, xp.cuda.Device().id)
 
 
 def _grid(num_elements: int) -> tuple[int]:

@@ -43,7 +43,7 @@ def select_kernel(logp, state: tuple, node_parent, node_label, base: int, unreso
     (the new lane state in :data:`LANE_STATE` order, ``unresolved`` (hash-equal pairs are
     compared to the end, so the kernel never sets it), (parents, labels, alive, emitted) [N])."""
     from gpudecode.backend import get_array_module
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
     cupy = get_array_module(logp)
     num_lanes = int(logp.shape[0])
@@ -61,7 +61,7 @@ def select_kernel(logp, state: tuple, node_parent, node_label, base: int, unreso
     steps = -1  # the kernel walks hash-equal pairs to the end: it never leaves one undecided
     threshold = options.score_threshold
     kept = next(k for k in (8, 16, 32) if k >= beam_size)  # the kernel's per-thread list
-    kernel = load_module("transducer_step", (), logp.device.id).get_function(f"transducer_select_{kept}")
+    kernel = kernel_function("transducer_step", f"transducer_select_{kept}", logp.device.id)
     kernel((num_utts,), (_THREADS,), (
         logp, np.int32(vocab_size), np.int32(options.blank), np.int32(beam_size),
         state[0], state[1].view(np.uint8), *state[2:], node_parent, node_label, np.int64(base),

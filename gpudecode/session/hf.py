@@ -49,14 +49,13 @@ def write_attention_inputs(prefix_length, past_time: int, alignment: str, attent
             if out is not None:
                 out[...] = value
         return
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
     rows = int(prefix_length.shape[0])
     count = rows * (past_time + 1 if attention_mask is not None else 1)
     if count == 0:
         return
-    module = load_module("hf_inputs", (), prefix_length.device.id)
-    module.get_function(f"hf_step_inputs_{kind}")((-(-count // _THREADS),), (_THREADS,), (
+    kernel_function("hf_inputs", f"hf_step_inputs_{kind}", prefix_length.device.id)((-(-count // _THREADS),), (_THREADS,), (
         xp.ascontiguousarray(prefix_length, dtype=np.int32), np.int64(rows), np.int64(past_time), np.int32(1),
         np.int32(alignment == "left"), np.uint64(0) if attention_mask is None else attention_mask,
         np.uint64(0) if position_ids is None else position_ids))

@@ -66,9 +66,9 @@ def _num_sms(device_id: int) -> int:
 
 
 def _kernel(name: str, device_id: int):
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
-    return load_module("state_copy", (), device_id).get_function(name)
+    return kernel_function("state_copy", name, device_id)
 
 
 def _resident_blocks(kernel, device_id: int) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from gpudecode.kernels import load_module
+from gpudecode.kernels import kernel_function
 from gpudecode.states.layout import VariableLayout
 
 #: The per-row inputs of a recurrent step model besides the label and its states (RASR convention).
@@ -127,7 +127,6 @@ def launch_children(cupy, parents, labels, old, new, out, batch_axis: int, next_
     total = pre * num_lanes * (row_bytes // unit)
     blocks = max(1, min(-(-max(total, num_lanes) // _THREADS), 65_535))
     null = np.uint64(0)
-    module = load_module("dense_states", (), old.device.id)
-    module.get_function(f"dense_children_{unit}")((blocks,), (_THREADS,), (
+    kernel_function("dense_states", f"dense_children_{unit}", old.device.id)((blocks,), (_THREADS,), (
         parents, labels, old, new, out, np.int64(pre), np.int64(num_lanes), np.int64(row_bytes // unit),
         null if next_out is None else next_in, null if next_out is None else next_out))

@@ -174,9 +174,9 @@ def _extend_on_device(histories: StateHistory, new_slots, parents, append) -> St
         if append is not None:
             append = cupy.ascontiguousarray(cupy.asarray(append, dtype=bool)).view(np.uint8)
         if total:
-            from gpudecode.kernels import load_module
+            from gpudecode.kernels import kernel_function
 
-            kernel = load_module("state_pool", (), device_id).get_function("extend_histories")
+            kernel = kernel_function("state_pool", "extend_histories", device_id)
             grid = min(-(-total // _EXTEND_THREADS), 4096)
             kernel((grid,), (_EXTEND_THREADS,), (
                 table, np.int32(width), lengths, new_slots, np.int32(max_tokens), parents,

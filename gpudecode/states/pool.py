@@ -455,6 +455,6 @@ class StatePool:
 
 
 def _pool_kernel(name: str, device_id: int):
-    from gpudecode.kernels import load_module
+    from gpudecode.kernels import kernel_function
 
-    return load_module("state_pool", (), device_id).get_function(name)
+    return kernel_function("state_pool", name, device_id)

@@ -188,13 +188,21 @@ def to_device(array, device_id: int = 0):
         return cupy.asarray(array)
 
 
-@contextlib.contextmanager
 def on_shared_stream(device_id: int = 0):
     """Runs the block on the shared stream of ``device_id``, after the work queued so far on the
     caller's current stream; afterwards the caller's stream waits for the block's work. Inside
-    the search (whose current stream is the shared one) this costs nothing."""
+    the search (whose current stream is the shared one, on its device) this costs nothing: the
+    block just runs (a step enters this a dozen times)."""
     cupy = require_cupy()
     stream = shared_stream(device_id)
+    if cupy.cuda.get_device_id() == device_id and cupy.cuda.get_current_stream().ptr == stream.ptr:
+        return contextlib.nullcontext(stream)
+    return _switched_to(cupy, stream, device_id)
+
+
+@contextlib.contextmanager
+def _switched_to(cupy, stream, device_id: int):
+    """:func:`on_shared_stream` from another stream or device."""
     with cupy.cuda.Device(device_id):
         outer = cupy.cuda.get_current_stream()
         if outer.ptr == stream.ptr:

@@ -112,7 +112,10 @@ def hf_prompt_feeds(spec: ModelSpec, tensors, sizes, width: int) -> dict:
 
 
 def _rows(array, axis: int, count: int):
-    """The first ``count`` rows of ``array`` along its batch ``axis`` (a view)."""
+    """The first ``count`` rows of ``array`` along its batch ``axis`` (a view; the array itself
+    where it has no more)."""
+    if array.shape[axis] == count:
+        return array
     index = [slice(None)] * array.ndim
     index[axis] = slice(0, count)
     return array[tuple(index)]

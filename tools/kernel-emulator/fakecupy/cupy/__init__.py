@@ -222,6 +222,7 @@ cuda = types.SimpleNamespace(
     Stream=Stream,
     Event=_Event,
     get_current_stream=lambda: _stream_stack[-1],
+    get_device_id=lambda: 0,
     alloc_pinned_memory=lambda n: bytearray(n),
 )
 

@@ -307,3 +307,67 @@ def test_loading_a_model_not_in_the_fast_form_warns(gpt2):
         warnings.simplefilter("always")
         lm(gpt2.output, GPT2 / "decoder_model.onnx")
     assert not any("gpudecode prepare" in str(w.message) for w in caught)
+
+
+WHISPER = PEERS / "whisper"
+
+
+@pytest.fixture(scope="module")
+def whisper_prepared(tmp_path_factory):
+    """Optimum's Whisper export (encoder, prefill, step) through ``prepare`` with ``--check``."""
+    folder = tmp_path_factory.mktemp("whisper")
+    return {name: prepare_model(WHISPER / name, folder / name, check=True)
+            for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx")}
+
+
+def test_whisper_models_are_fused_checked_and_their_attention_reported_kept(whisper_prepared):
+    """The encoder and the cross-attention decoders: ONNX Runtime's fusions kept where the outputs on
+    random inputs agree, the attention left as it is (and said so), the check by the outputs."""
+    families = {name: report.family for name, report in whisper_prepared.items()}
+    assert families == {"encoder_model.onnx": "encoder", "decoder_model.onnx": "seq2seq-decoder",
+                        "decoder_with_past_model.onnx": "seq2seq-decoder"}
+    for name, report in whisper_prepared.items():
+        assert report.form == FORM_UNFUSED and ("cross-attention" in report.reason or "encoder" in report.reason)
+        assert report.fused_ops.get("SkipLayerNormalization", 0) > 0, name  # the fusions ran and were kept
+        assert report.check.passed and report.check.max_output_difference <= 1e-4, name
+        assert "max |Δ| outputs" in report.table() and metadata(report.output)[PREPARED_KEY] == FORM_UNFUSED
+
+
+def test_prepared_whisper_decodes_like_generate(whisper_prepared):
+    """The bundled Whisper config on the prepared models: transformers' generate's best sequences
+    (the committed fixture), as on the originals."""
+    from tests.test_peer_whisper import check, decoder, expected, hf_features
+
+    paths = {name: report.output for name, report in whisper_prepared.items()}
+    overrides = [f"models.encoder.path={paths['encoder_model.onnx']}",
+                 f"scorers[0].model.prefill={paths['decoder_model.onnx']}",
+                 f"scorers[0].model.step={paths['decoder_with_past_model.onnx']}"]
+    features = {name: f.T for name, f in hf_features(None).items()}
+    for case, beam in (("greedy", 1), ("beam4", 4)):
+        check(decoder(beam, *overrides).decode(features), expected(None, case), beam)
+
+
+def test_a_float16_conversion_onnx_rejects_is_refused_not_written(tmp_path):
+    """Optimum's merged Whisper decoder (an If's subgraphs): the converter's float16 graph fails the
+    checker, so prepare says so and writes nothing; float32 works (its fusions reported dropped)."""
+    with pytest.raises(ValueError, match="float16 converter wrote an invalid model"):
+        prepare_model(WHISPER / "decoder_model_merged.onnx", tmp_path / "half.onnx", float16=True)
+    assert not (tmp_path / "half.onnx").exists()
+    report = prepare_model(WHISPER / "decoder_model_merged.onnx", tmp_path / "merged.onnx", check=True)
+    assert report.family == "seq2seq-decoder" and report.check.passed and report.fusion_note.startswith("dropped")
+
+
+def test_the_outputs_check_finds_a_changed_encoder(tmp_path):
+    """An encoder whose output was scaled by 1.01 is not the original: the outputs check fails."""
+    from gpudecode.prepare.check import check_outputs
+
+    model = onnx.load(str(WHISPER / "encoder_model.onnx"))
+    graph = model.graph
+    out = graph.output[0].name
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array(1.01, np.float32), "gpudecode_test/scale"))
+    for node in graph.node:
+        node.output[:] = [f"{o}/unscaled" if o == out else o for o in node.output]
+    graph.node.append(onnx.helper.make_node("Mul", [f"{out}/unscaled", "gpudecode_test/scale"], [out]))
+    onnx.save(model, tmp_path / "changed.onnx")
+    report = check_outputs(str(WHISPER / "encoder_model.onnx"), str(tmp_path / "changed.onnx"), float16=False)
+    assert not report.passed and report.max_output_difference > 1e-3

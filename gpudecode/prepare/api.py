@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from gpudecode.prepare.check import CheckOptions, CheckReport, check_prepared, compare_steps
+from gpudecode.prepare.check import (
+    CheckOptions, CheckReport, check_outputs, check_prepared, compare_outputs, compare_steps,
+)
 from gpudecode.prepare.detect import FAST_ATTENTION_OPS, PREPARED_KEY, detect_family
 from gpudecode.prepare.fuse import fuse_generic, to_float16
 from gpudecode.prepare.rewrite import RewriteError, find_attention, query_heads_count, to_group_query_attention
@@ -34,6 +36,12 @@ FORM_GQA, FORM_UNFUSED, FORM_ALREADY_FAST = "group-query-attention", "unfused", 
 PREFILL_NAME = "decoder_model.onnx"
 #: max |Δ| of logits and states for which a rewrite or fusion is kept (float32; --check is stricter)
 STEP_TOLERANCE = 1e-3
+#: families checked by their outputs on random inputs (no decoder cache of their own to rewrite)
+OUTPUTS_CHECKED = ("seq2seq-decoder", "encoder")
+#: why such a family's attention is left as it is
+_KEPT_ATTENTION = {"seq2seq-decoder": "a cross-attention decoder: its attention is left as it is (the rewrite "
+                                      "covers decoder-only self-attention); fusions and float16 apply",
+                   "encoder": "an encoder: no decoder cache to rewrite; fusions and float16 apply"}
 
 
 @dataclass(frozen=True)
@@ -109,12 +117,15 @@ def prepare_model(source, output, *, float16: bool = False, attention: str = "au
         prepared, reason, layers = _fuse_attention(fused, attention, detection)
         form = FORM_GQA if reason is None else FORM_UNFUSED
     if float16:
-        prepared = to_float16(prepared, [o.name for o in prepared.graph.output if o.name == "logits"])
+        prepared = to_float16(prepared, _float32_io(prepared, detection))
     _annotate(prepared, form)
     onnx.save(prepared, str(output))
     report = PrepareReport(str(source), str(output), detection.family, form, layers, reason, fused_ops, float16,
                            fusion_note=fusion_note, genai_config=config_note)
-    if check:
+    if check and detection.family in OUTPUTS_CHECKED:
+        result = check_outputs(str(source), str(output), float16=float16, options=check_options)
+        report = PrepareReport(**{**report.__dict__, "check": result})
+    elif check:
         prefill = prefill_model if prefill_model is not None else _default_prefill(source, model)
         result = check_prepared(str(source), str(output), prefill=None if prefill is None else str(prefill),
                                 float16=float16, options=check_options)
@@ -125,13 +136,14 @@ def prepare_model(source, output, *, float16: bool = False, attention: str = "au
 def _generic_fusions(model: onnx.ModelProto, detection) -> tuple[onnx.ModelProto, dict, str | None]:
     """ONNX Runtime's fusions where their result can be proven on random histories (a Hugging Face
     decoder with past); else the model as it is, and why."""
-    if detection.family != "hf-decoder-with-past":
+    if detection.family not in ("hf-decoder-with-past", *OUTPUTS_CHECKED):
         return model, {}, f"not applied: no equivalence check for this family ({detection.detail})"
     fused, ops, note = fuse_generic(model)
     if note is not None:
         return model, {}, note
+    compare = compare_outputs if detection.family in OUTPUTS_CHECKED else lambda a, b, o: max(compare_steps(a, b, o))
     try:
-        worst = max(compare_steps(model, fused, CheckOptions(trials=2)))
+        worst = compare(model, fused, CheckOptions(trials=2))
     except Exception as exc:  # noqa: BLE001 - an unrunnable fusion is dropped, not kept
         return model, {}, f"dropped: the fused model failed to run ({str(exc).splitlines()[0][:160]})"
     if not np.isfinite(worst) or worst > STEP_TOLERANCE:
@@ -143,6 +155,8 @@ def _fuse_attention(model: onnx.ModelProto, attention: str, detection) -> tuple[
     """(model, why its attention stayed unfused or None, layers fused)."""
     if attention == "none":
         return model, "--attention none", 0
+    if detection.family in _KEPT_ATTENTION:
+        return model, _KEPT_ATTENTION[detection.family], 0
     if detection.family != "hf-decoder-with-past":
         return model, f"not a Hugging Face decoder with past ({detection.detail})", 0
     try:
@@ -158,6 +172,18 @@ def _fuse_attention(model: onnx.ModelProto, attention: str, detection) -> tuple[
     if not np.isfinite(worst) or worst > STEP_TOLERANCE:
         return model, f"the rewritten attention differs from the original (max |Δ| {worst:.3g})", 0
     return rewritten, None, len(matches)
+
+
+def _float32_io(model: onnx.ModelProto, detection) -> list[str]:
+    """The inputs and outputs a float16 form keeps in float32: a decoder's logits; an encoder's
+    inputs and outputs; a cross-attention decoder's all but its cache (its encoder states stay
+    what a float32 encoder gives)."""
+    names = [v.name for v in (*model.graph.input, *model.graph.output)]
+    if detection.family == "encoder":
+        return names
+    if detection.family == "seq2seq-decoder":
+        return [n for n in names if not n.startswith(("past_key_values.", "present."))]
+    return [n for n in names if n == "logits"]
 
 
 def _probe_feeds(model: onnx.ModelProto, matches) -> dict:

@@ -56,12 +56,17 @@ class CheckReport:
     max_score_difference: float | None = None
     float16: bool = False
     skipped: str | None = None
+    #: a model checked by its outputs on random inputs alone (an encoder, a cross-attention
+    #: decoder): the largest |Δ| of any output over that output's largest magnitude (at least 1)
+    max_output_difference: float | None = None
 
     @property
     def passed(self) -> bool:
         """Steps within the tolerance and the decode's n-best equal (float16: the same best
-        hypothesis on at least :data:`SAME_BEST_FLOAT16` of the prompts); a skipped check passes
-        nothing."""
+        hypothesis on at least :data:`SAME_BEST_FLOAT16` of the prompts), or the outputs within the
+        tolerance; a skipped check passes nothing."""
+        if self.skipped is None and self.max_output_difference is not None:
+            return self.max_output_difference <= self.tolerance
         if self.skipped is not None or self.max_logit_difference is None:
             return False
         steps = max(self.max_logit_difference, self.max_state_difference or 0.0) <= self.tolerance
@@ -75,6 +80,10 @@ class CheckReport:
             return "-" if value is None else f"{value:.3g}"
         if self.skipped is not None:
             return [("check", f"skipped: {self.skipped}")]
+        if self.max_output_difference is not None:
+            return [("max |Δ| outputs", f"{figure(self.max_output_difference)} of the largest value, random inputs "
+                                        f"(tolerance {self.tolerance:g})"),
+                    ("check", "passed" if self.passed else "FAILED")]
         return [("max |Δ| logits", f"{figure(self.max_logit_difference)} (tolerance {self.tolerance:g})"),
                 ("max |Δ| new key/value states", figure(self.max_state_difference)),
                 ("decode: same n-best", f"{self.same_nbest} of {self.decode_prompts} prompts"),
@@ -239,3 +248,82 @@ def check_prepared(original_path: str, prepared_path: str, *, prefill: str | Non
         prompts, same_nbest, same_best, worst = compare_decodes(original_path, prepared_path, prefill=prefill,
                                                                 prepared_prefill=prepared_prefill, options=options)
     return CheckReport(tolerance, logits, states, prompts, same_nbest, same_best, worst, float16=float16)
+
+
+#: sizes of a graph's symbolic dims in the outputs check, by name: the batch, the new tokens, the rest
+_BATCH_SIZE, _NEW_TOKENS, _OTHER_SIZE = 2, 1, 8
+
+
+def _dim_size(name: str) -> int:
+    if "batch" in name:
+        return _BATCH_SIZE
+    if name in ("decoder_sequence_length", "sequence_length"):
+        return _NEW_TOKENS
+    return _OTHER_SIZE
+
+
+def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict:
+    """Inputs for every declared input of ``model``: symbolic dims sized by name (the same name the
+    same size), labels below the vocabulary, masks of ones, positions counting up, cache branches
+    on, other integers (lengths) the symbolic size, floats normal."""
+    rng = np.random.default_rng(seed)
+    vocab = next((int(v.type.tensor_type.shape.dim[-1].dim_value or 2) for v in model.graph.output
+                  if v.name == "logits"), 2)
+    feeds = {}
+    for value in model.graph.input:
+        tensor = value.type.tensor_type
+        shape = [d.dim_value or _dim_size(d.dim_param) for d in tensor.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        if value.name == "input_ids":
+            array = rng.integers(0, vocab, shape)
+        elif value.name == "position_ids":
+            array = np.broadcast_to(np.arange(shape[-1]), shape) if shape else np.zeros(())
+        elif dtype.kind == "f":
+            array = rng.standard_normal(shape)
+        elif dtype.kind == "b" or value.name == "attention_mask":
+            array = np.ones(shape)
+        else:
+            array = np.full(shape, _OTHER_SIZE)
+        feeds[value.name] = np.asarray(array).astype(dtype)
+    return feeds
+
+
+def compare_outputs(original: onnx.ModelProto, prepared: onnx.ModelProto, options: CheckOptions = CheckOptions()) -> float:
+    """The largest |Δ| of the two models' float outputs of the same name over ``options.trials``
+    random inputs (:func:`random_inputs`), each over its output's largest magnitude (at least 1)."""
+    sessions = [_session(original), _session(prepared)]
+    names = sorted({o.name for o in sessions[0].get_outputs()} & {o.name for o in sessions[1].get_outputs()})
+    worst = 0.0
+    for trial in range(options.trials):
+        feeds = random_inputs(original, options.seed + trial)
+        runs = []
+        for session in sessions:
+            declared = {i.name: _ORT_TYPES.get(i.type, np.float32) for i in session.get_inputs()}
+            runs.append(dict(zip(names, session.run(names, {k: v.astype(declared[k]) for k, v in feeds.items()
+                                                             if k in declared}))))
+        for name in names:
+            a, b = (np.asarray(run[name]) for run in runs)
+            if a.dtype.kind != "f" or a.size == 0:
+                continue
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            finite = np.isfinite(a)
+            scale = max(1.0, float(np.abs(a[finite]).max(initial=0.0)))
+            if not np.array_equal(finite, np.isfinite(b)):
+                return float("inf")
+            worst = max(worst, float(np.abs(a[finite] - b[finite]).max(initial=0.0)) / scale)
+    return worst
+
+
+def check_outputs(original_path: str, prepared_path: str, *, float16: bool,
+                  options: CheckOptions = CheckOptions()) -> CheckReport:
+    """:func:`compare_outputs` as a report (an encoder, a cross-attention decoder); a float16 model
+    the CPU provider cannot run gives a report that says so."""
+    tolerance = TOLERANCE_FLOAT16 if float16 else TOLERANCE_FLOAT32
+    try:
+        worst = compare_outputs(onnx.load(original_path), onnx.load(prepared_path), options)
+    except Exception as exc:  # noqa: BLE001 - a kernel the CPU provider lacks is a skip, not a figure
+        if float16:
+            return CheckReport(tolerance, float16=True, skipped="the CPU provider cannot run this float16 model "
+                               f"({str(exc).splitlines()[0][:160]}); check it on CUDA")
+        raise
+    return CheckReport(tolerance, float16=float16, max_output_difference=worst)

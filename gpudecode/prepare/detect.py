@@ -11,13 +11,16 @@ from dataclasses import dataclass
 PREPARED_KEY = "gpudecode_prepared"
 #: attention ops whose caches the toolkit keeps left-aligned and written in place
 FAST_ATTENTION_OPS = ("GroupQueryAttention", "DecoderMaskedMultiHeadAttention")
+#: the inputs that make a model an encoder: Hugging Face's audio features and waveform, the toolkit's features
+ENCODER_INPUTS = ("input_features", "input_values", "features")
 
 
 @dataclass(frozen=True)
 class Detection:
     """A graph's export family: ``fast`` (fused attention over a left-aligned cache),
     ``hf-decoder-with-past`` (Hugging Face / Optimum names, attention as plain ops), ``rasr``
-    (the toolkit's own convention) or ``unknown``; ``detail`` says what decided it."""
+    (the toolkit's own convention), ``seq2seq-decoder`` (a cross-attention decoder: Whisper,
+    Optimum's seq2seq), ``encoder`` or ``unknown``; ``detail`` says what decided it."""
 
     family: str
     detail: str
@@ -38,6 +41,11 @@ def detect_family(model, *, genai: bool = False) -> Detection:
                          + (f", attention {', '.join(attention)}" if attention else ""))
     if "token" in inputs:
         return Detection("rasr", "the toolkit's own convention (token, prefix-length)")
+    if "encoder_hidden_states" in inputs or any(".encoder." in name for name in inputs if name.startswith("past_")):
+        return Detection("seq2seq-decoder", "a cross-attention decoder (Whisper / Optimum seq2seq: "
+                         "encoder_hidden_states or per-layer encoder keys)")
+    if inputs & set(ENCODER_INPUTS) and not inputs & {"input_ids", "token"}:
+        return Detection("encoder", f"an encoder ({', '.join(sorted(inputs & set(ENCODER_INPUTS)))})")
     if "input_ids" in inputs and any(name.startswith("past_key_values.") for name in inputs):
         branch = " (merged: an If on use_cache_branch)" if "If" in ops else ""
         return Detection("hf-decoder-with-past", f"Hugging Face decoder with past_key_values{branch}")

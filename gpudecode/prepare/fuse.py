@@ -44,8 +44,23 @@ def fuse_generic(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int
 
 
 def to_float16(model: onnx.ModelProto, float32_outputs: list[str]) -> onnx.ModelProto:
-    """Weights and activations in float16; ``float32_outputs`` (the logits) stay float32."""
+    """Weights and activations in float16; ``float32_outputs`` (inputs and outputs by name, e.g. the
+    logits) stay float32. The result is sorted and checked (``onnx.checker``, full): a conversion
+    the converter gets wrong (an ``If``'s subgraphs: Optimum's merged decoders) raises ValueError
+    rather than being written."""
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
 
-    return convert_float_to_float16(model, keep_io_types=list(float32_outputs), disable_shape_infer=True,
-                                    op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(FLOAT16_BLOCKED_OPS))
+    converted = OnnxModel(convert_float_to_float16(
+        model, keep_io_types=list(float32_outputs), disable_shape_infer=True,
+        op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(FLOAT16_BLOCKED_OPS)))
+    converted.topological_sort()  # (the converter appends the kept inputs' casts after their readers)
+    imported = {entry.domain for entry in converted.model.opset_import}
+    for domain in sorted({node.domain for node in converted.model.graph.node} - imported - {"", "ai.onnx"}):
+        converted.model.opset_import.append(onnx.helper.make_opsetid(domain, 1))  # (the fusions' contrib ops)
+    try:
+        onnx.checker.check_model(converted.model, full_check=True)
+    except Exception as exc:  # noqa: BLE001 - onnx's checker raises several kinds
+        raise ValueError(f"float16: ONNX Runtime's float16 converter wrote an invalid model "
+                         f"({str(exc).splitlines()[0][:200]}); prepare it without --float16") from exc
+    return converted.model

@@ -150,5 +150,7 @@ def test_a_tiny_run_has_every_ratio_and_full_parity(tmp_path, device):
             assert r["equal"] == cell["prompts"], (where, side)  # float32: the same best sequences
             assert r["max_score_diff"] < 1e-3, (where, side)
         assert "s" in cell["sides"]["gpudecode"], where
+        graphs = [r["captured_graphs"] for side, r in cell["sides"].items() if side.startswith("gpudecode") and "s" in r]
+        assert graphs and (device != "cpu" or not any(graphs)), where  # each toolkit side says; none on the CPU
     table = format_table(results)
     assert table.count("| gpudecode |") == len(results["cells"])

@@ -451,6 +451,12 @@ def _measure(cell: dict, side: str, run, sync, torch_side: _Torch, prompts: np.n
     return {"s": seconds, "sequences": sequences, "scores": rescored}
 
 
+def _note_graphs(cell: dict, side: str, lm) -> None:
+    """The CUDA graphs the toolkit's scorer captured so far, next to its side's figures (0: plain runs)."""
+    if side in cell["sides"]:
+        cell["sides"][side]["captured_graphs"] = int(lm.captured_graphs)
+
+
 def _check_export(torch_side: _Torch, step: Path, prefill: Path, prompts: np.ndarray) -> float:
     """max |Δ| of the first generated position's logits: prefill + one step of the export against torch."""
     import onnxruntime as ort
@@ -518,6 +524,7 @@ def _run_model(family: str, layers: int, width: int, options: PeerBenchOptions, 
             for side, lm in toolkit.items():
                 _measure(cell, side, lambda lm=lm: _toolkit_decode(lm, prompts, beam, options),
                          lambda: synchronize(_array_module(options)), hf, prompts, ref, options)
+                _note_graphs(cell, side, lm)
             if why and "gpudecode_prepared" not in cell["sides"]:
                 cell["sides"]["gpudecode_prepared"] = {"note": why}
             results["cells"].append(cell)
@@ -596,6 +603,7 @@ def _run_genai(layers: int, width: int, options: PeerBenchOptions, all_prompts: 
         for side, lm in scorers.items():
             _measure(cell, side, lambda lm=lm: _toolkit_decode(lm, prompts, beam, options),
                      lambda: synchronize(_array_module(options)), hf, prompts, ref, options)
+            _note_graphs(cell, side, lm)
         if why:
             cell["sides"]["gpudecode_prepared"] = {"note": why}
         try:

@@ -21,8 +21,10 @@ from tests.test_search_finished_modes import BEAM, EOS, LIMITS, SETTINGS, V, tab
 from tests.test_search_label_sync import TrigramTableScorer, random_tables
 
 #: (beam, vocab, float16 log-probs of the first scorer): one lane list per lane, several segments
-#: of a lane (V > label_step.SEGMENT), a beam whose 2 × beam candidates fill a 16-key list
-CASES = [(1, 7, False), (3, 7, False), (4, 7, True), (8, 5, False), (2, label_step.SEGMENT + 40, False)]
+#: of a lane (V > label_step.SEGMENT), beams whose 2 × beam candidates fill a 16-key list and the
+#: largest, 32 (GenAI's merge then holds 48 entries)
+CASES = [(1, 7, False), (3, 7, False), (4, 7, True), (8, 5, False), (2, label_step.SEGMENT + 40, False),
+         (label_step.MAX_SEPARATE_BEAM, 3, False)]
 
 
 def _on(cupy, beam: Beam) -> Beam:

@@ -185,3 +185,26 @@ def test_load_training_data_default_reads_dev_split_and_stats(tmp_path, monkeypa
 def test_hold_out_speaker_option_default_none():
     assert _parse_args(["--data", "x"]).hold_out_speaker is None
     assert _parse_args(["--data", "x", "--hold-out-speaker", "jackson"]).hold_out_speaker == "jackson"
+
+
+@pytest.mark.parametrize("keep_by, kept_epoch", [("dev-loss", 2), ("dev-wer", 4)])
+def test_the_kept_checkpoint_is_the_lowest_dev_figure_chosen(tmp_path, keep_by, kept_epoch):
+    """A dev loss lowest at epoch 2 while the dev WER keeps falling to epoch 4 (and ties it at 5):
+    ``--keep-by`` decides which epoch's checkpoint stays."""
+    torch = pytest.importorskip("torch")
+    import argparse
+
+    from train_ctc import train_epochs
+
+    (tmp_path / "front_end.json").write_text("{}")
+    args = argparse.Namespace(exp=tmp_path / "exp", data=tmp_path, seed=0, epochs=5, batch_frames=100, grad_clip=1.0,
+                              log_every=1000, max_minutes=None)
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimiser = torch.optim.SGD([weight], lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: 1.0)
+    records = iter([{"dev_loss": loss, "dev_wer": wer} for loss, wer in
+                    ((3.0, 0.5), (1.0, 0.4), (2.0, 0.3), (2.5, 0.2), (2.6, 0.2))])
+    train_epochs(args, [weight], optimiser, schedule, [10, 20, 30], lambda ids: (weight.sum() * 0, torch.zeros(())),
+                 lambda: next(records), lambda: {"model": "stub"}, keep_by=keep_by)
+    assert torch.load(args.exp / "checkpoint.pt", weights_only=False)["epoch"] == kept_epoch
+    assert _parse_args(["--keep-by", "dev-wer"]).keep_by == "dev-wer" and _parse_args([]).keep_by == "dev-loss"

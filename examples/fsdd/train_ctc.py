@@ -4,8 +4,8 @@ HDF5 features of make_data.py.
 
     python examples/fsdd/train_ctc.py [--data examples/fsdd/data] [--exp examples/fsdd/exp/ctc]
 
-Writes ``--exp``/checkpoint.pt (the best dev-loss model: weights, options, vocabulary, front
-end) and ``--exp``/log.jsonl (one record per logged step and per epoch: train loss, dev loss,
+Writes ``--exp``/checkpoint.pt (the best dev-loss model, or with ``--keep-by dev-wer`` the lowest
+dev greedy WER: weights, options, vocabulary, front end) and ``--exp``/log.jsonl (one record per logged step and per epoch: train loss, dev loss,
 dev greedy WER). Losses are CTC negative log-likelihoods in nats per utterance. Stops after
 ``--epochs`` or ``--max-minutes``, whichever comes first.
 
@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exp", type=Path, default=RECIPE_DIR / "exp" / "ctc", help="output folder")
     p.add_argument("--epochs", type=int, default=60)
     p.add_argument("--max-minutes", type=float, default=None, help="wall-clock limit")
+    p.add_argument("--keep-by", choices=sorted(KEEP_BY), default="dev-loss",
+                   help="the dev figure that picks the kept checkpoint (lower is better; the earlier on ties)")
     p.add_argument("--max-train-utterances", type=int, default=None,
                    help="use only the first N training utterances (smoke runs)")
     p.add_argument("--max-dev-utterances", type=int, default=None)
@@ -194,22 +196,29 @@ def main(argv=None) -> None:
 
     train_epochs(args, list(model.parameters()), optimiser, schedule, [f.shape[0] for f in train_feats], batch_loss,
                  lambda: evaluate(model, dev_feats, dev_labels, args.batch_frames, args.device, blank),
-                 lambda: {"model": "ctc", "options": opts.to_dict(), "state_dict": model.state_dict()})
+                 lambda: {"model": "ctc", "options": opts.to_dict(), "state_dict": model.state_dict()},
+                 keep_by=args.keep_by)
+
+
+#: ``--keep-by``: the dev record's figure that picks the kept checkpoint
+KEEP_BY = {"dev-loss": "dev_loss", "dev-wer": "dev_wer"}
 
 
 def train_epochs(args, params, optimiser, schedule, train_lengths, batch_loss, evaluate_dev, checkpoint, *,
-                 evaluate_first: bool = False) -> None:
+                 evaluate_first: bool = False, keep_by: str = "dev-loss") -> None:
     """The epoch loop of the FSDD trainers: batches of ``--batch-frames`` frames, one optimiser
     step each (``batch_loss(ids)`` -> (loss to minimise, loss to log), both summed over the
     batch; gradients of ``params`` clipped to ``--grad-clip``), a train-loss record every
     ``--log-every`` steps, a dev record (``evaluate_dev()``) per epoch (and before the first
     with ``evaluate_first``), ``--exp``/checkpoint.pt (``checkpoint()`` + vocabulary, front end,
-    epoch, step and the dev figures) at each new best dev loss, and ``--max-minutes``. Records go
-    to stdout and ``--exp``/log.jsonl."""
+    epoch, step and the dev figures) at each new lowest dev figure of ``keep_by`` (:data:`KEEP_BY`:
+    the dev loss, or the dev greedy WER), and ``--max-minutes``. Records go to stdout and
+    ``--exp``/log.jsonl."""
     args.exp.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     started = time.perf_counter()
-    best_dev_loss, step, out_of_time = float("inf"), 0, False
+    kept_figure = KEEP_BY[keep_by]
+    best_kept, step, out_of_time = float("inf"), 0, False
     with open(args.exp / "log.jsonl", "w", encoding="utf-8") as log:
 
         def write(record):
@@ -245,8 +254,8 @@ def train_epochs(args, params, optimiser, schedule, train_lengths, batch_loss, e
                     break
             result = dev_record(epoch)
             log.flush()
-            if result["dev_loss"] < best_dev_loss:
-                best_dev_loss = result["dev_loss"]
+            if result[kept_figure] < best_kept:
+                best_kept = result[kept_figure]
                 torch.save({**checkpoint(), "vocabulary": list(VOCABULARY),
                             "front_end": json.loads((args.data / "front_end.json").read_text()),
                             "epoch": epoch, "step": step, **result}, args.exp / "checkpoint.pt")

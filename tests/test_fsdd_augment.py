@@ -207,4 +207,25 @@ def test_the_kept_checkpoint_is_the_lowest_dev_figure_chosen(tmp_path, keep_by, 
     train_epochs(args, [weight], optimiser, schedule, [10, 20, 30], lambda ids: (weight.sum() * 0, torch.zeros(())),
                  lambda: next(records), lambda: {"model": "stub"}, keep_by=keep_by)
     assert torch.load(args.exp / "checkpoint.pt", weights_only=False)["epoch"] == kept_epoch
+    from loso import last_records
+
+    assert last_records(args.exp / "log.jsonl")["kept_epoch"] == kept_epoch  # the log marks the kept epoch
     assert _parse_args(["--keep-by", "dev-wer"]).keep_by == "dev-wer" and _parse_args([]).keep_by == "dev-loss"
+
+
+def test_the_summary_reads_the_kept_epoch_from_the_log(tmp_path):
+    """loso.py's summary of a training log: the last dev record marked ``kept`` (whatever rule kept
+    it), or, in a log without the marks, the best dev-loss epoch."""
+    import json
+
+    from loso import last_records
+
+    records = [{"epoch": e, "minutes": e, "dev_loss": loss, "dev_wer": wer, "kept": kept}
+               for e, loss, wer, kept in ((1, 3.0, 0.5, True), (2, 1.0, 0.4, True), (3, 2.0, 0.3, True),
+                                          (4, 2.5, 0.35, False))]
+    marked, unmarked = tmp_path / "marked.jsonl", tmp_path / "unmarked.jsonl"
+    marked.write_text("".join(json.dumps(r) + "\n" for r in records))
+    unmarked.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "kept"}) + "\n" for r in records))
+    assert last_records(marked) == {"epochs_run": 4, "train_minutes_logged": 4, "kept_epoch": 3,
+                                    "kept_dev_loss": 2.0, "kept_dev_greedy_wer": 0.3}
+    assert last_records(unmarked)["kept_epoch"] == 2

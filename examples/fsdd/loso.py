@@ -138,9 +138,11 @@ def run(command: list[str], log: Path, env: dict | None = None) -> float:
 
 
 def last_records(log_jsonl: Path) -> dict:
-    """The training log's summary: epochs run, minutes, and the best dev-loss epoch's record."""
+    """The training log's summary: epochs run, minutes, and the kept checkpoint's epoch record (the
+    last dev record marked ``kept``; a log without the marks: the best dev-loss epoch)."""
     epochs = [r for r in map(json.loads, log_jsonl.read_text().splitlines()) if "dev_loss" in r]
-    best = min(epochs, key=lambda r: r["dev_loss"])
+    marked = [r for r in epochs if r.get("kept")]
+    best = marked[-1] if marked else min(epochs, key=lambda r: r["dev_loss"])
     return {"epochs_run": epochs[-1]["epoch"], "train_minutes_logged": epochs[-1]["minutes"],
             "kept_epoch": best["epoch"], "kept_dev_loss": best["dev_loss"],
             "kept_dev_greedy_wer": best.get("dev_wer")}

@@ -212,8 +212,8 @@ def train_epochs(args, params, optimiser, schedule, train_lengths, batch_loss, e
     ``--log-every`` steps, a dev record (``evaluate_dev()``) per epoch (and before the first
     with ``evaluate_first``), ``--exp``/checkpoint.pt (``checkpoint()`` + vocabulary, front end,
     epoch, step and the dev figures) at each new lowest dev figure of ``keep_by`` (:data:`KEEP_BY`:
-    the dev loss, or the dev greedy WER), and ``--max-minutes``. Records go to stdout and
-    ``--exp``/log.jsonl."""
+    the dev loss, or the dev greedy WER; the dev record says ``kept``), and ``--max-minutes``.
+    Records go to stdout and ``--exp``/log.jsonl."""
     args.exp.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     started = time.perf_counter()
@@ -225,14 +225,20 @@ def train_epochs(args, params, optimiser, schedule, train_lengths, batch_loss, e
             print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")
 
-        def dev_record(epoch):
+        def dev_record(epoch, kept_if_best: bool = True):
+            """The dev figures of ``epoch``, logged with ``kept``: whether this epoch's checkpoint is
+            the one kept now (a new lowest figure of ``keep_by``)."""
+            nonlocal best_kept
             result = evaluate_dev()
+            kept = kept_if_best and result[kept_figure] < best_kept
+            if kept:
+                best_kept = result[kept_figure]
             write({"epoch": epoch, "step": step, "minutes": round((time.perf_counter() - started) / 60, 2),
-                   **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}})
-            return result
+                   **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}, "kept": kept})
+            return result, kept
 
         if evaluate_first:
-            dev_record(0)
+            dev_record(0, kept_if_best=False)
         for epoch in range(1, args.epochs + 1):
             window_loss, window_utts = 0.0, 0
             for ids in batches(train_lengths, args.batch_frames, rng):
@@ -252,10 +258,9 @@ def train_epochs(args, params, optimiser, schedule, train_lengths, batch_loss, e
                 if args.max_minutes is not None and minutes >= args.max_minutes:
                     out_of_time = True
                     break
-            result = dev_record(epoch)
+            result, kept = dev_record(epoch)
             log.flush()
-            if result[kept_figure] < best_kept:
-                best_kept = result[kept_figure]
+            if kept:
                 torch.save({**checkpoint(), "vocabulary": list(VOCABULARY),
                             "front_end": json.loads((args.data / "front_end.json").read_text()),
                             "epoch": epoch, "step": step, **result}, args.exp / "checkpoint.pt")

@@ -7,7 +7,7 @@
 //
 // Memory layout
 // -------------
-//   logits   [R, V] float32 or float16 (is_half), row r starting at element r * row_stride
+//   logits   [R, V] float32 or float16 (is_half), contiguous
 //   out      [R, V] float32, contiguous
 
 #include "search_math.cuh"
@@ -15,11 +15,11 @@
 #define SOFTMAX_THREADS 256
 
 extern "C" __global__ void __launch_bounds__(SOFTMAX_THREADS)
-log_softmax_rows(const void* __restrict__ logits, int is_half, long long row_stride, long long vocab_size,
+log_softmax_rows(const void* __restrict__ logits, int is_half, long long vocab_size,
                  float* __restrict__ out) {
     __shared__ float partial[SOFTMAX_THREADS];
     const long long row = blockIdx.x;
-    const long long start = row * row_stride;
+    const long long start = row * vocab_size;
     const int t = threadIdx.x;
     float best = neg_inf();  // (fmaxf skips NaN)
     for (long long v = t; v < vocab_size; v += SOFTMAX_THREADS) best = fmaxf(best, load_score(logits, start + v, is_half));

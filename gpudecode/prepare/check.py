@@ -156,10 +156,14 @@ def compare_steps(original: onnx.ModelProto, prepared: onnx.ModelProto, options:
     return worst_logits, worst_states
 
 
-def _vocab(model: onnx.ModelProto) -> int:
+def _vocab(model: onnx.ModelProto, missing: int | None = None) -> int:
+    """The size of the ``logits`` output's last axis (2 where symbolic); ``missing`` for a model
+    without logits (None: an error)."""
     for value in model.graph.output:
         if value.name == "logits":
             return int(value.type.tensor_type.shape.dim[-1].dim_value or 2)
+    if missing is not None:
+        return missing
     raise ValueError("the model has no 'logits' output")
 
 
@@ -267,8 +271,7 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict:
     same size), labels below the vocabulary, masks of ones, positions counting up, cache branches
     on, other integers (lengths) the symbolic size, floats normal."""
     rng = np.random.default_rng(seed)
-    vocab = next((int(v.type.tensor_type.shape.dim[-1].dim_value or 2) for v in model.graph.output
-                  if v.name == "logits"), 2)
+    vocab = _vocab(model, missing=2)
     feeds = {}
     for value in model.graph.input:
         tensor = value.type.tensor_type

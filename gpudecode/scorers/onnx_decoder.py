@@ -48,6 +48,9 @@ class DecoderContext:
     all_fresh: bool = False  # every lane is fresh: the step model need not run
 
 
+_SOFTMAX_THREADS = 256  # SOFTMAX_THREADS of kernels/log_softmax.cu
+
+
 def log_softmax(xp, x):
     """Log-softmax over the last axis of ``x`` (numpy or CuPy): on CuPy, a C-contiguous float32 or
     float16 [R, V] array in one launch (:func:`log_softmax_rows`), as float32."""
@@ -65,8 +68,8 @@ def log_softmax_rows(cupy, x):
 
     rows, vocab = x.shape
     out = cupy.empty((rows, vocab), dtype=np.float32)
-    kernel_function("log_softmax", "log_softmax_rows", x.device.id)((rows,), (256,), (  # SOFTMAX_THREADS
-        x, np.int32(x.dtype == np.float16), np.int64(vocab), np.int64(vocab), out))
+    kernel_function("log_softmax", "log_softmax_rows", x.device.id)((rows,), (_SOFTMAX_THREADS,), (
+        x, np.int32(x.dtype == np.float16), np.int64(vocab), out))
     return out
 
 

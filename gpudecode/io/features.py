@@ -290,9 +290,14 @@ class FeatureSource:
         excluded = set(exclude)
         lengths = [(u, n) for u, n in self.lengths().items() if u not in excluded]
         for batch_ids in bucket_by_length(lengths, batch_size, longest_first=longest_first):
-            batch = [u for u in map(self._read_or_skip, batch_ids) if u is not None]
+            batch = self._read_batch(batch_ids)
             if batch:
-                yield PaddedBatch.of(batch)
+                yield batch
+
+    def _read_batch(self, utt_ids: Sequence[str]) -> PaddedBatch:
+        """The batch of ``utt_ids`` (bad utterances skipped or raised as ``on_error`` says), padded.
+        A format that can read a batch straight into its padded array overrides it (same result)."""
+        return PaddedBatch.of(u for u in map(self._read_or_skip, utt_ids) if u is not None)
 
     def close(self) -> None:
         """Release open files (a no-op for formats that keep none open)."""

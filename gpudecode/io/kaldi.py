@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
+from collections.abc import Sequence
 from typing import BinaryIO
 
 import numpy as np
 
 from gpudecode.io.errors import FeatureError
-from gpudecode.io.features import FeatureSource
+from gpudecode.io.features import FeatureSource, PaddedBatch, Utterance
 
 
 class KaldiArkSource(FeatureSource):
@@ -86,6 +88,9 @@ class KaldiScpSource(FeatureSource):
         self._order = list(self._entries)
         self._ark: tuple[str, BinaryIO] | None = None  # the archive open while lengths() reads
         self._matrices = _MatrixReader()
+        #: per id, (archive, offset, rows, cols) of a float32 matrix as its header said in lengths()
+        self._float32: dict[str, tuple[str, int, int, int]] = {}
+        self._headers: dict[tuple[str, int], bytes] = {}  # the headers lengths() read, by entry
 
     def _keys(self) -> list[str]:
         return self._order
@@ -100,8 +105,30 @@ class KaldiScpSource(FeatureSource):
 
     def _num_frames(self, utt_id: str) -> int:
         located = _ark_offset(self._entries[utt_id])
-        rows = None if located is None else self._header_rows(*located)
-        return super()._num_frames(utt_id) if rows is None else rows
+        header = None if located is None else self._header(*located)
+        rows = None if header is None else _matrix_rows(header)
+        if rows is None:
+            return super()._num_frames(utt_id)
+        layout = _plain_matrix(header)
+        if layout is not None and layout[0] == np.float32:
+            self._float32[utt_id] = (*located, layout[1], layout[2])
+        return rows
+
+    def _read_batch(self, utt_ids: Sequence[str]) -> PaddedBatch:
+        """The batch read straight into its padded array (:meth:`_MatrixReader.read_padded`) where
+        every utterance is a float32 matrix whose header ``lengths()`` read; else, or where that
+        read finds anything else (a changed header, data cut short, NaN/Inf, a wrong dimension),
+        utterance by utterance as :meth:`FeatureSource._read_batch` does (its checks, messages and
+        skips)."""
+        located = [self._float32.get(utt_id) for utt_id in utt_ids]
+        padded = None if None in located else self._matrices.read_padded(located, self.num_features)
+        if padded is None:
+            return super()._read_batch(utt_ids)
+        if self.num_features is None:
+            self.num_features = padded.shape[2]
+            self._features_from = f"as in utterance {utt_ids[0]!r}"
+        return PaddedBatch([Utterance(utt_id, padded[i, :where[2]])
+                            for i, (utt_id, where) in enumerate(zip(utt_ids, located))], padded)
 
     def lengths(self) -> dict[str, int]:
         """Frames per utterance id, from the matrix headers (one archive open at a time)."""
@@ -117,8 +144,15 @@ class KaldiScpSource(FeatureSource):
             self._ark = None
         self._matrices.close()
 
-    def _header_rows(self, ark: str, offset: int) -> int | None:
-        """Rows from the matrix header at ``offset`` of ``ark`` (None: not a known header)."""
+    def _header(self, ark: str, offset: int) -> bytes:
+        """The first bytes of the entry at ``offset`` of ``ark`` (read once per entry: a script
+        may list one matrix under several ids)."""
+        header = self._headers.get((ark, offset))
+        if header is None:
+            header = self._headers[(ark, offset)] = self._read_header(ark, offset)
+        return header
+
+    def _read_header(self, ark: str, offset: int) -> bytes:
         if self._ark is None or self._ark[0] != ark:
             self.close()
             self._ark = (ark, open(ark, "rb", buffering=0))
@@ -126,9 +160,9 @@ class KaldiScpSource(FeatureSource):
                 os.posix_fadvise(self._ark[1].fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         fd = self._ark[1]
         if hasattr(os, "pread"):
-            return _matrix_rows(os.pread(fd.fileno(), _HEADER_BYTES, offset))
+            return os.pread(fd.fileno(), _HEADER_BYTES, offset)
         fd.seek(offset)
-        return _matrix_rows(fd.read(_HEADER_BYTES))
+        return fd.read(_HEADER_BYTES)
 
 
 def _read_scp(path) -> dict[str, str]:
@@ -225,8 +259,52 @@ class _MatrixReader:
             return None
         return np.frombuffer(data, dtype=dtype).reshape(rows, cols)
 
+    def read_padded(self, located: Sequence[tuple[str, int, int, int]], num_features: int | None):
+        """[U, T_max, F] float32, zero-padded (as ``pad_features`` pads what :meth:`read` gives):
+        the float32 matrices ``(archive, offset, rows, cols)`` read by one ``os.preadv`` each,
+        header and data, the data straight into its row. None where that cannot give exactly what
+        reading them one by one and checking them gives: no ``preadv`` or a big-endian host, columns
+        that differ (or differ from ``num_features``), an empty matrix, a header other than the
+        expected one, data cut short, an error, or a NaN/Inf anywhere (the caller then reads them one
+        by one, which names the utterance and the frame)."""
+        if not located or not hasattr(os, "preadv") or sys.byteorder != "little":
+            return None
+        cols = {where[3] for where in located}
+        num_cols = cols.pop()
+        if cols or (num_features is not None and num_cols != num_features) or num_cols == 0:
+            return None
+        if min(where[2] for where in located) == 0:
+            return None
+        padded = np.empty((len(located), max(where[2] for where in located), num_cols), np.float32)
+        header = bytearray(_PLAIN_HEADER_BYTES)
+        try:
+            for i, (ark, offset, rows, _) in enumerate(located):
+                if self._ark is None or self._ark[0] != ark:
+                    self.close()
+                    file = open(ark, "rb", buffering=0)
+                    self._ark = (ark, file, os.fstat(file.fileno()).st_size)
+                _, file, size = self._ark
+                data_bytes = rows * num_cols * 4
+                if offset + _PLAIN_HEADER_BYTES + data_bytes > size:
+                    return None
+                row = padded[i, :rows]
+                if os.preadv(file.fileno(), [header, memoryview(row).cast("B")], offset) != (
+                        _PLAIN_HEADER_BYTES + data_bytes) or bytes(header) != _float32_header(rows, num_cols):
+                    return None
+                padded[i, rows:] = 0
+        except OSError:
+            return None
+        if not (np.isfinite(padded.max()) and np.isfinite(padded.min())):  # NaN and ±Inf reach one of them
+            return None
+        return padded
+
     def close(self) -> None:
         """Close the archive left open."""
         if self._ark is not None:
             self._ark[1].close()
             self._ark = None
+
+
+def _float32_header(rows: int, cols: int) -> bytes:
+    """The header of an uncompressed float32 binary matrix of ``rows`` × ``cols``."""
+    return b"\0BFM " + struct.pack("<BiBi", 4, rows, 4, cols)

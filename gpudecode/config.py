@@ -151,6 +151,7 @@ class CudaGraphsConfig(_Section):
     min_rows: PositiveInt = defaults.GRAPH_MIN_ROWS
     shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
     warm_up_time: NonNegativeInt = defaults.GRAPH_WARM_UP_TIME
+    resident_greedy: bool = defaults.GRAPH_RESIDENT_GREEDY
 
     @model_validator(mode="before")
     @classmethod

@@ -1,5 +1,6 @@
-// State copy kernels: merge (state-pool slots -> batched model inputs) and split (model outputs
-// -> newly allocated slots) for ALL state variables of a model in ONE launch each.
+// State copy kernels: merge (state-pool slots -> batched model inputs), split (model outputs
+// -> newly allocated slots) and copy_steps (a resident greedy step's new token states: model outputs
+// -> the step's own inputs, no pool) for ALL state variables of a model in ONE launch each.
 //
 // Memory layout
 // -------------
@@ -800,5 +801,48 @@ split_states(const long long* __restrict__ geometry,
         counters[0] = remaining;
         counters[1] = max(counters[1], capacity - remaining);
         counters[3] = 0;
+    }
+}
+
+// ---- resident steps -------------------------------------------------------------------------------
+// A greedy search's states can stay in the captured step's own state inputs between steps
+// (gpudecode/session/step_model.py: ResidentRows), with no pool at all: after each step the new token
+// state of row b, at time positions[b] of the state output src[var] (a left-aligned Hugging Face
+// present: [pre, rows, mid, src_time, inner], each row's history first, its new step at its length),
+// is written at the same time of the state input dst[var] ([pre, rows, mid, dst_time, inner], same
+// dtype), for rows b < num_rows; a position outside [0, min(src_time, dst_time)) is left alone (the
+// caller moves whole histories into a larger time bucket itself).
+// grid: 1-D; block: 32 * WARPS_PER_BLOCK threads.  One warp per (variable, row, span), its lanes over
+// the span's 4-byte words (bytes where a span or an address is not a multiple of 4).
+extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK)
+copy_steps(const long long* __restrict__ geometry, STATE_POINTERS sources, STATE_POINTERS targets,
+           int num_rows, int rows, int src_time, int dst_time, const int* __restrict__ positions,
+           int num_variables) {
+    const int lane = threadIdx.x & 31;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long long num_warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (int var = 0; var < num_variables; ++var) {
+        const long long* geo = geometry + (long long)var * GEOMETRY_FIELDS;
+        const long long mid = geo[1], inner = geo[2], itemsize = geo[7];
+        const long long spans = geo[0] * mid;
+        const long long span_bytes = inner * itemsize;
+        const unsigned long long src = STATE_POINTER(sources, var), dst = STATE_POINTER(targets, var);
+        const bool words = (span_bytes & 3) == 0 && ((src | dst) & 3ull) == 0;
+        for (long long item = warp; item < (long long)num_rows * spans; item += num_warps) {
+            const int b = (int)(item / spans);
+            const long long q = item - (long long)b * spans;  // q = a * mid + m
+            const int t = positions[b];
+            if (t < 0 || t >= src_time || t >= dst_time) continue;
+            const long long a = q / mid, m = q - a * mid;
+            const long long row = (a * rows + b) * mid + m;
+            const unsigned char* from = reinterpret_cast<const unsigned char*>(src) + (row * src_time + t) * span_bytes;
+            unsigned char* to = reinterpret_cast<unsigned char*>(dst) + (row * dst_time + t) * span_bytes;
+            if (words) {
+                for (long long w = lane; w < span_bytes / 4; w += 32)
+                    reinterpret_cast<unsigned int*>(to)[w] = reinterpret_cast<const unsigned int*>(from)[w];
+            } else {
+                for (long long x = lane; x < span_bytes; x += 32) to[x] = from[x];
+            }
+        }
     }
 }

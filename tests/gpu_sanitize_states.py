@@ -24,6 +24,7 @@ cupy.cuda.set_pinned_memory_allocator(None)
 from gpudecode.spec import StateVariable  # noqa: E402
 from gpudecode.states import StateManagerOptions, create_state_manager  # noqa: E402
 from tests.test_dense_states import children_mismatches  # noqa: E402
+from tests.test_resident_greedy import copy_mismatches  # noqa: E402
 from tests.test_scorer_cache import scorer_cache_mismatches  # noqa: E402
 from tests.test_split_positions import split_position_mismatches  # noqa: E402
 from tests.test_state_managers import (  # noqa: E402
@@ -85,6 +86,8 @@ def main() -> int:
         assert not bad, f"scorer cache: {bad}"
         bad = split_position_mismatches(cupy)  # split at per-row positions (src_positions)
         assert not bad, f"split at positions: {bad}"
+        bad = copy_mismatches(cupy)  # copy_steps: resident greedy steps' new states
+        assert not bad, f"copy steps: {bad}"
     except AssertionError as error:
         print(f"MISMATCH: {error}", file=sys.stderr)
         return 2

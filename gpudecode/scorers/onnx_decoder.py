@@ -27,7 +27,7 @@ from gpudecode.session.conventions import load_step_model_spec, resolve_model_pa
 from gpudecode.session.dense_graphs import DenseStepGraphs
 from gpudecode.session.graphs import GraphOptions
 from gpudecode.session.pairs import check_state_kind
-from gpudecode.session.step_model import StepModelRunner
+from gpudecode.session.step_model import ResidentRows, StepModelRunner
 from gpudecode.states.dense import DenseRecurrentStates, dense_states_apply
 from gpudecode.states.factory import create_state_manager
 from gpudecode.states.history import StateHistory
@@ -36,9 +36,10 @@ from gpudecode.states.options import StateManagerOptions
 
 @dataclass
 class DecoderContext:
-    """Per lane: the state history, the label to feed next, and (after ``score``) its new slots."""
+    """Per lane: the state history, the label to feed next, and (after ``score``) its new slots.
+    Greedy steps whose states stay in the step's inputs (``resident``) have no pool histories."""
 
-    histories: StateHistory
+    histories: StateHistory | None
     next_labels: Any  # [N] int64
     new_slots: Any = None  # [N, 1] int32, set by score()
     #: [N] bool on the states' array module, or None: lanes whose history already holds their
@@ -46,6 +47,9 @@ class DecoderContext:
     #: append the step's new token state (see ``prefix-lm``).
     fresh: Any = None
     all_fresh: bool = False  # every lane is fresh: the step model need not run
+    #: the lanes' states in the bucketed step's own inputs (greedy steps; ``histories`` then None)
+    resident: ResidentRows | None = None
+    new_resident: ResidentRows | None = None  # set by score(): the rows holding the step's new states
 
 
 _SOFTMAX_THREADS = 256  # SOFTMAX_THREADS of kernels/log_softmax.cu
@@ -126,6 +130,7 @@ class OnnxDecoderScorer(LabelScorer):
     """
 
     _uses_start_labels = True
+    _resident_steps = False  # greedy steps keep their states in the step's inputs (set by begin)
     _wanted = None  # during score_lanes: the lanes asked for ([R] int64 host)
     _lane_scores = None  # [N, V] host scores of a lane subset (rows of lanes not run keep old ones)
     _exp_scratch = None  # float32 host scratch of the in-place log-softmax
@@ -208,11 +213,30 @@ class OnnxDecoderScorer(LabelScorer):
         if self.lanes.grouped:
             lane_rows //= layout.beam_size
         self.lanes.resize(layout, lane_rows)
+        #: greedy steps keep their states in the step's inputs (``ResidentRows``): one lane per
+        #: utterance (each lane continues only itself), the lanes in one bucketed call
+        self._resident_steps = (self.graph_options.resident_greedy and layout.beam_size == 1 and self.dense is None
+                                and self.runner.resident_capable and len(self._chunks()) == 1)
 
     def admit(self, utterances: UtteranceBatch, groups) -> None:
         """Writes the utterances' per-utterance inputs into their groups' lanes (once)."""
+        self._leave_resident()
         self.lanes.write_utterances(utterances, groups)
         self._maybe_warm_up()
+
+    def _leave_resident(self) -> None:
+        """Before anything writes the step's buffers or asks for pool histories (admitting or
+        releasing utterances, warming up): the resident lanes' states go into the pool."""
+        self._ctx = self._pool_context(self._ctx)
+
+    def _pool_context(self, ctx):
+        """``ctx`` with pool histories: a resident context's states split into the pool
+        (``StepModelRunner.materialize``, once per resident rows: the search's own context object
+        and this scorer's latest one get the same histories)."""
+        if not isinstance(ctx, DecoderContext) or ctx.resident is None:
+            return ctx
+        return replace(ctx, histories=self.runner.materialize(ctx.resident, self.lanes), resident=None,
+                       new_resident=None)
 
     def _maybe_warm_up(self) -> None:
         graphs = self.runner.graphs
@@ -221,7 +245,7 @@ class OnnxDecoderScorer(LabelScorer):
 
     def release(self, groups) -> None:
         """Frees the state slots of the lanes of ``groups``."""
-        ctx = self._ctx
+        ctx = self._ctx = self._pool_context(self._ctx)
         if ctx is None or isinstance(ctx, DenseContext):  # dense states hold no slots
             return
         xp = self.states.xp
@@ -237,6 +261,7 @@ class OnnxDecoderScorer(LabelScorer):
     def initial_context(self, groups, ctx: Context | None = None) -> DecoderContext:
         """Lanes of ``groups`` restart from ``start_labels``; the other lanes keep ``ctx``."""
         xp, num_lanes = self.states.xp, self.layout.num_lanes
+        ctx = self._pool_context(ctx)
         self._group_bound[np.asarray(groups, dtype=np.int64)] = 0
         if self.dense is not None:
             context = self._dense_initial_context(groups, ctx)
@@ -304,6 +329,10 @@ class OnnxDecoderScorer(LabelScorer):
                                                                                      ctx.version)
             else:
                 raw, ctx.new_states = self.runner.run_dense(ctx.states, ctx.next_labels)
+            return self._log_probs(raw, copy=False)
+        if ctx.resident is not None or (self._resident_steps and self.runner.resident_capable):
+            raw, ctx.new_resident, ctx.new_slots = self.runner.run_resident(
+                ctx.histories if ctx.resident is None else ctx.resident, ctx.next_labels, self.lanes)
             return self._log_probs(raw, copy=False)
         lanes = self._subset()
         if lanes is not None:
@@ -421,11 +450,20 @@ class OnnxDecoderScorer(LabelScorer):
         xp = self.states.xp
         if isinstance(ctx, DenseContext):
             return self._dense_extend(ctx, parents, labels)
-        if ctx.new_slots is None:
+        if ctx.new_slots is None and ctx.new_resident is None:
             raise AssertionError("extend() before score(): the parents' new token states are unknown")
         parents = self._on_states(parents).astype(np.int64, copy=False)
         labels = self._on_states(labels).astype(np.int64, copy=False)
         append = labels >= 0
+        if ctx.new_resident is not None:  # one lane per utterance: each lane is its own parent
+            next_labels = xp.where(append, labels, ctx.next_labels)
+            if ctx.fresh is not None:
+                append &= ~self._on_states(ctx.fresh)
+            self._group_bound += 1
+            if ctx.resident is None:  # the pool's slots of these lanes are no longer read
+                self.states.retain(*self._held_histories())
+            self._ctx = DecoderContext(None, next_labels, resident=ctx.new_resident.extended(append))
+            return self._ctx
         next_labels = xp.where(append, labels, ctx.next_labels[parents])
         if ctx.fresh is not None:  # a fresh parent's history already ends with its whole prompt
             append &= ~self._on_states(ctx.fresh)[parents]
@@ -434,6 +472,10 @@ class OnnxDecoderScorer(LabelScorer):
                                                 width=int(self._group_bound.max()))
         self._ctx = DecoderContext(histories, next_labels)
         return self._ctx
+
+    def _held_histories(self) -> list[StateHistory]:
+        """Pool histories this scorer holds besides its lanes' (none here; a prefix LM's pending prompts)."""
+        return []
 
     def _dense_extend(self, ctx: DenseContext, parents, labels) -> DenseContext:
         """Children of dense states: the parent's new state where a label was fed, else its own."""

@@ -405,6 +405,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
     def admit(self, utterances: UtteranceBatch, groups) -> None:
         """Runs the prefill over the utterances (in ``max_batch_size`` chunks), splits its states into
         slots (held until :meth:`initial_context`) and writes the step model's per-utterance inputs."""
+        self._leave_resident()
         groups = np.asarray(groups, dtype=np.int64).reshape(-1)
         chunk = self.max_batch_size or max(len(groups), 1)
         for start in range(0, len(groups), chunk):
@@ -461,6 +462,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
         """Frees the lanes' slots, and the prefill slots of groups not yet started."""
         gone = np.asarray(groups, dtype=np.int64).reshape(-1)
         self._pending = [p for p in self._pending if not np.isin(p[0], gone).any()]
+        self._leave_resident()
         ctx, keep = self._ctx, self._pending_histories()
         if ctx is not None:
             xp = self.states.xp
@@ -473,6 +475,9 @@ class PrefixLmScorer(OnnxDecoderScorer):
         if self.layout is not None:
             self.states.retain(*keep)
 
+    def _held_histories(self) -> list[StateHistory]:
+        return self._pending_histories()
+
     def _pending_histories(self) -> list[StateHistory]:
         return [StateHistory(table=self.states.xp.ascontiguousarray(slots), lengths=counts)
                 for _, slots, counts in self._pending]
@@ -483,6 +488,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
         from the prefill); the other lanes keep ``ctx``."""
         xp, layout = self.states.xp, self.layout
         num_lanes, beam = layout.num_lanes, layout.beam_size
+        ctx = self._pool_context(ctx)
         groups = np.asarray(groups, dtype=np.int64).reshape(-1)
         pending = [p for p in self._pending if np.isin(p[0], groups).all()]
         self._pending = [p for p in self._pending if not np.isin(p[0], groups).all()]

@@ -41,7 +41,9 @@ class GraphOptions:
     ``warm_up_time``: capture every bucket up to this history length when a batch begins
     (0: capture lazily on first use). ``auto``: ``enabled`` came from ``"auto"``; a recurrent
     model whose states can stay dense then runs without graphs (``gpudecode.states.dense``: its
-    plain steps cost less host time than the captured pool steps).
+    plain steps cost less host time than the captured pool steps). ``resident_greedy``: with one
+    hypothesis per utterance, a left-aligned Hugging Face model's states stay in the step's own
+    inputs between steps, with no state pool (``gpudecode.session.step_model.ResidentRows``).
     """
 
     enabled: bool = defaults.GRAPHS_ENABLED
@@ -49,6 +51,7 @@ class GraphOptions:
     min_rows: int = defaults.GRAPH_MIN_ROWS
     shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
     warm_up_time: int = defaults.GRAPH_WARM_UP_TIME
+    resident_greedy: bool = defaults.GRAPH_RESIDENT_GREEDY
     auto: bool = False
 
     def __post_init__(self) -> None:

@@ -129,6 +129,27 @@ def _input_rows(rows: slice, group_size: int) -> slice:
 
 
 @dataclass
+class ResidentRows:
+    """Greedy steps' states kept in the bucketed step's own state inputs, with no state pool: row
+    b's history at positions ``[0, lengths[b])`` of the state inputs of ``bucket`` (a left-aligned
+    Hugging Face model: each row's history first). A step writes its new token states there at each
+    row's length (:meth:`StepModelRunner.run_resident`); the search's ``extend`` then counts them
+    (:meth:`extended`). One row per lane, and the lanes never reorder: a search with one hypothesis
+    per utterance (beam 1), whose lanes each continue only themselves."""
+
+    bucket: tuple  # (first row, padded rows, padded time) whose static state inputs hold the rows
+    lengths: Any  # [N] int32 on the states' array module: the rows' history lengths
+    bound: int  # host upper bound of lengths.max()
+    #: the pool histories :meth:`StepModelRunner.materialize` made of these rows (made once)
+    materialized: StateHistory | None = None
+
+    def extended(self, appended) -> ResidentRows:
+        """The rows after a step: ``appended`` [N] bool, the rows whose new token state joins their
+        history (the others keep theirs; their written step is past their length, never read)."""
+        return ResidentRows(self.bucket, self.lengths + appended.astype(np.int32), self.bound + 1)
+
+
+@dataclass
 class _StaticInputs:
     """One bucket's static model inputs (views that stay valid while the buffers do)."""
 
@@ -459,6 +480,119 @@ class StepModelRunner:
             new_slots = self.states.split(states_out, **at)[:num_rows]
         return outputs[spec.scores_output][:num_rows], new_slots
 
+    # --- resident greedy steps ---------------------------------------------------------------------
+    @property
+    def resident_capable(self) -> bool:
+        """Whether greedy steps can keep their states in the step's own inputs (:class:`ResidentRows`):
+        bucketed steps (graphs) of a left-aligned Hugging Face model padded in time, every state with a
+        time axis, no in-place outputs, no history truncation (``max_history``), and no step of
+        this runner found a state output that does not hold the whole history (see :meth:`run_resident`)."""
+        spec = self.spec
+        return (self.graphs is not None and self._resident_steps and spec.convention == "huggingface"
+                and spec.history_alignment == "left" and self._pad_time and not self._by_length
+                and not spec.in_place_outputs and self.states.options.max_history is None
+                and all(v.time_axis is not None for v in spec.state_variables))
+
+    _resident_steps = True  # cleared for good by a step whose state outputs hold the new step alone
+    resident_runs = 0  # steps run on resident rows (their states not merged from the pool)
+
+    def run_resident(self, source, labels, lanes):
+        """A greedy step over all lanes (one row each, never reordered) that keeps the states in the
+        step's own inputs: ``source`` the pool histories (the first such step: merged as usual) or
+        the :class:`ResidentRows` of the previous step (nothing merged). The model's left-aligned
+        present outputs hold each row's new step at its length; it is written into the state inputs
+        there (one ``StateManager.copy_steps``), or, where the next step needs a larger time bucket,
+        the whole presents are (a copy per state, once per bucket). Returns (raw scores [N, ...],
+        the :class:`ResidentRows` before the search's extension, None), or — a model whose state
+        outputs do not hold the whole history, after which this runner never tries again — the
+        plain bucketed step's (raw scores, None, new slots [N, 1])."""
+        graphs, limit = self.graphs, self.spec.max_time
+        if isinstance(source, ResidentRows):
+            num_rows, bucket, bound = int(source.lengths.shape[0]), source.bucket, source.bound
+            if limit is not None and bucket[2] > limit:
+                self._check_context(int(to_host(source.lengths.max())) if num_rows else 0)
+            static = self._static_io(bucket, lanes)
+            static.prefix[:num_rows] = source.lengths
+            prefix_lengths, lengths = static.prefix, source.lengths
+            self.resident_runs += 1
+        else:
+            num_rows = source.num_rows
+            bound = self._natural_time(source, None)
+            padded = graphs.time(bound)
+            bucket = (0, graphs.rows(num_rows, lanes.group_size),
+                      padded if limit is None else max(bound, min(padded, limit)))
+            static = self._static_io(bucket, lanes)
+            prefix_lengths = self.states.merge(source, out=static.states, prefix_lengths_out=static.prefix).prefix_lengths
+            lengths = None
+        padded_rows, padded_time = bucket[1], bucket[2]
+        feeds = dict(static.feeds)
+        if num_rows < padded_rows:
+            static.labels[num_rows:] = 0
+        static.labels[:num_rows, 0] = labels
+        names = self.spec.hypothesis_inputs
+        write_attention_inputs(prefix_lengths, padded_time, "left", feeds.get(names.get("attention_mask")),
+                               feeds.get(names.get("position_ids")))
+        outputs = graphs.run(static.key, feeds, self._output_names({}),
+                             lambda name, dtype, shape: graphs.buffers.view(name, dtype, shape, bucket))
+        scores = outputs[self.spec.scores_output][:num_rows]
+        presents = {layout.name: outputs[layout.variable.output_name] for layout in self.states.layouts}
+        if any(layout.rows_and_time(tuple(presents[layout.name].shape), "state output")[1] != padded_time + 1
+               for layout in self.states.layouts):
+            self._resident_steps = False  # the new step alone (or another form): split as before
+            states_out, at = self._new_steps(self._state_outputs(outputs), prefix_lengths, for_split=True)
+            return scores, None, self.states.split(states_out, **at)[:num_rows]
+        if lengths is None:
+            lengths = prefix_lengths[:num_rows].copy()
+        next_time = self._next_time(bound + 1, lengths)
+        if next_time == padded_time:
+            self.states.copy_steps(presents, static.states, prefix_lengths, num_rows=num_rows)
+        else:  # the next step reads a longer bucket (sharing the shorter one's buffers): the whole presents
+            target = self._static_io((0, padded_rows, next_time), lanes)
+            kept = min(padded_time + 1, next_time)
+            for layout in self.states.layouts:
+                into = target.states[layout.name].reshape(layout.pre, padded_rows, layout.mid, next_time, layout.inner)
+                into[:, :, :, :kept] = presents[layout.name].reshape(
+                    layout.pre, padded_rows, layout.mid, padded_time + 1, layout.inner)[:, :, :, :kept]
+            target.prefix[num_rows:] = 0
+        return scores, ResidentRows((0, padded_rows, next_time), lengths, bound), None
+
+    def _next_time(self, natural: int, lengths) -> int:
+        """The time bucket of the next resident step, whose histories hold at most ``natural``
+        positions, capped at the model's context (``spec.max_time``): past it, the exact bound from
+        the rows' ``lengths`` now (read back; only near the context), which the next step checks."""
+        limit = self.spec.max_time
+        if limit is not None and natural > limit:
+            natural = int(to_host(lengths.max())) + 1 if lengths.shape[0] else 0
+        padded = self.graphs.time(natural)
+        return padded if limit is None else max(natural, min(padded, limit))
+
+    def _check_context(self, longest: int) -> None:
+        """Raises where a history of ``longest`` labels passes the model's context (``spec.max_time``)."""
+        limit = self.spec.max_time
+        if limit is not None and longest > limit:
+            raise ModelError(f"{self.spec.source}: a history of {longest} labels (prompt included) "
+                             f"exceeds the model's context of {limit + 1} positions; lower "
+                             "search.max_labels or shorten the prompts")
+
+    def materialize(self, rows: ResidentRows, lanes) -> StateHistory:
+        """Pool histories of the resident ``rows`` (their states split from the step's inputs into new
+        slots), for what needs them: admitting utterances into other lanes, and the steps after."""
+        if rows.materialized is None:
+            static = self._static_io(rows.bucket, lanes)
+            num_rows, (_, padded_rows, padded_time) = int(rows.lengths.shape[0]), rows.bucket
+            xp = self.states.xp
+            width = min(rows.bound, padded_time)
+            if width == 0:
+                table = xp.full((num_rows, 0), -1, dtype=np.int32)
+            else:
+                counts = xp.zeros(padded_rows, dtype=np.int32)
+                counts[:num_rows] = rows.lengths
+                outputs = {layout.variable.output_name: static.states[layout.name] for layout in self.states.layouts}
+                table = self.states.split(outputs, num_new_tokens=width, token_counts=counts,
+                                          positions=xp.zeros(padded_rows, dtype=np.int32))[:num_rows]
+            rows.materialized = StateHistory(table=xp.ascontiguousarray(table), lengths=rows.lengths.copy())
+        return rows.materialized
+
     def warm_up(self, max_time: int, chunks: list[slice], lanes) -> int:
         """Captures the step's graphs for every history bucket up to ``max_time`` and each chunk
         of rows; returns the number of graphs. Runs on empty histories; the slots it allocates
@@ -534,10 +668,7 @@ class StepModelRunner:
         if limit is not None and natural > limit:  # the width is a bound: the longest history decides
             longest = min(int(to_host(histories.lengths.max())) if histories.num_rows else 0,
                           self.states.max_history)
-            if longest > limit:
-                raise ModelError(f"{self.spec.source}: a history of {longest} labels (prompt included) "
-                                 f"exceeds the model's context of {limit + 1} positions; lower "
-                                 "search.max_labels or shorten the prompts")
+            self._check_context(longest)
             natural = longest
         return natural + bool(self.spec.in_place_outputs)
 

@@ -113,6 +113,7 @@ class CudaStateCopy:
         self._pointers = np.zeros(1, dtype=_POINTERS)
         self._merge = _kernel("merge_states", device_id)
         self._split = _kernel("split_states", device_id)
+        self._copy_steps = None  # copy_steps, loaded with the first resident step
         # one resident wave: each warp takes an equal contiguous share of the (variable, token) copies
         self._full_grid = {
             "merge": _num_sms(device_id) * _resident_blocks(self._merge, device_id),
@@ -185,3 +186,22 @@ class CudaStateCopy:
                 ),
             )
         self.num_launches += 1
+
+    def copy_steps(self, sources, targets, *, num_rows: int, rows: int, source_time: int, target_time: int,
+                   positions) -> None:
+        """Row b's token state at time ``positions[b]`` ([>= num_rows] int32, C-contiguous) of each
+        variable's ``sources`` tensor ([.., rows, .., source_time, ..]) written at that time of its
+        ``targets`` tensor ([.., rows, .., target_time, ..], same dtype), rows b < ``num_rows``, in one
+        launch (``copy_steps``); positions outside both time axes are skipped."""
+        if num_rows == 0:
+            return
+        if self._copy_steps is None:
+            self._copy_steps = _kernel("copy_steps", self.device_id)
+        spans = max(layout.pre * layout.mid for layout in self.layouts)
+        grid = (max(1, min(-(-num_rows * spans // WARPS_PER_BLOCK), self._full_grid["split"])),)
+        with on_shared_stream(self.device_id):
+            self._copy_steps(grid, (THREADS_PER_BLOCK,), (
+                self.geometry, self._pointer_struct(sources), self._pointer_struct(targets), np.int32(num_rows),
+                np.int32(rows), np.int32(source_time), np.int32(target_time), positions, np.int32(len(self.layouts))))
+        self.num_launches += 1
+

@@ -453,6 +453,33 @@ class StateManager:
                              **at)
         return new_slots
 
+    def copy_steps(self, sources: Mapping[str, object], targets: Mapping[str, object], positions, *,
+                   num_rows: int) -> None:
+        """Row b's token state at time ``positions[b]`` of each state variable's ``sources[name]`` (by
+        state input name; [.., R, .., S, ..], a left-aligned present output) written at that time of
+        ``targets[name]`` ([.., R, .., T, ..], the model dtype: the step's own state input), rows
+        b < ``num_rows``; positions outside [0, min(S, T)) are left alone. The resident greedy steps'
+        new states (:class:`gpudecode.session.step_model.ResidentRows`): one launch on CUDA, numpy per
+        variable on the host."""
+        if not self.has_time_axis:
+            raise ValueError(f"copy_steps: states without a time axis ({self.options.type!r})")
+        src = [sources[layout.name] for layout in self.layouts]
+        dst = [targets[layout.name] for layout in self.layouts]
+        (rows, source_time), (_, target_time) = (self.layouts[0].rows_and_time(tuple(a.shape), "copy_steps")
+                                                 for a in (src[0], dst[0]))
+        if self.device == "cuda":
+            self._copy.copy_steps(src, dst, num_rows=num_rows, rows=rows, source_time=source_time,
+                                  target_time=target_time, positions=self._split_positions(positions, num_rows))
+            return
+        at = to_host(positions[:num_rows]).astype(np.int64)
+        kept = np.flatnonzero((at >= 0) & (at < min(source_time, target_time)))
+        for layout, source, target in zip(self.layouts, src, dst):
+            s = source.reshape(layout.pre, rows, layout.mid, source_time, layout.inner)
+            if not target.flags.c_contiguous:
+                raise ValueError(f"copy_steps: target {layout.name!r} must be C-contiguous (written in place)")
+            t = target.reshape(layout.pre, rows, layout.mid, target_time, layout.inner)
+            t[:, kept, :, at[kept], :] = s[:, kept, :, at[kept], :]
+
     def _split_positions(self, positions, num_rows: int):
         """The first ``num_rows`` of split's ``positions``: int32 C-contiguous on the GPU (as they
         are when already so), int64 numpy on the host."""

@@ -1,0 +1,182 @@
+"""Greedy steps whose states stay in the bucketed step's own inputs (``ResidentRows``): GenAI's
+export (GroupQueryAttention, left-aligned histories) decoded with one beam gives GenAI's own greedy
+sequences and token scores (the peer's output, committed with the export), with resident steps on
+and off, through bucket changes, continuous batching (the rows go back into the pool at each
+admission) and the model's context limit. On the CPU the bucketed steps are padded plain runs
+(``PaddedRuns``) and the new steps are copied with numpy; on CUDA the graphs are captured and the
+copy is one launch of ``copy_steps`` (``kernels/state_copy.cu``), which the kernel emulator also
+checks against the numpy copy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpudecode.scorers.prefix_lm import PrefixLmScorer
+from gpudecode.search import LabelSyncOptions, label_sync_search
+from gpudecode.session import SessionOptions
+from gpudecode.session.discovery import ModelError
+from gpudecode.session.graphs import GraphOptions
+from gpudecode.spec import StateVariable
+from gpudecode.states import StateManagerOptions, create_state_manager
+from tests.hf_generate import prompt_batch
+from tests.test_ctc_prefix_kernel import assert_none_in_emulation, needs_gxx
+from tests.test_split_positions import emulator_device
+
+ROOT = Path(__file__).resolve().parents[1]
+#: GenAI's exports and its own decodes of them: the CPU (float32) one, and its CUDA (float16) one
+FIXTURES = {"cpu": ROOT / "tests" / "fixtures" / "peers" / "genai",
+            "cuda": ROOT / "tests" / "fixtures" / "peers" / "genai-cuda"}
+DOCUMENTS = {device: json.loads((folder / "expected.json").read_text()) for device, folder in FIXTURES.items()}
+DOCUMENT = DOCUMENTS["cpu"]
+PROMPTS, EOS, MAX_LENGTH = DOCUMENT["prompts"], DOCUMENT["eos"], DOCUMENT["max_length"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+TOLERANCES = {"cpu": 1e-4, "cuda": 2e-2}  # float16 on CUDA
+
+
+def scorer(device: str, resident: bool, time_step: int = 4) -> PrefixLmScorer:
+    return PrefixLmScorer(model=str(FIXTURES[device]), vocab_size=128, scores_kind="logits",
+                          state_manager=StateManagerOptions(type=f"transformer-{device}"),
+                          session_options=SessionOptions(device=device),
+                          graphs=GraphOptions(enabled=True, time_step=time_step, resident_greedy=resident))
+
+
+def greedy(lm, device: str, continuous: int | None = None, **options):
+    xp = np
+    if device == "cuda":
+        import cupy as xp
+    document = DOCUMENTS[device]
+    prompts = document["prompts"]
+    batch = prompt_batch(prompts, document["max_length"] - np.array([len(p) for p in prompts]))
+    search = LabelSyncOptions(beam_size=1, sentence_end=document["eos"], max_labels_per_input=1.0, **options)
+    return label_sync_search([("genai", lm, 1.0)], batch, search, xp=xp, max_active_utterances=continuous)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("finished", ["in-beam", "separate"])
+@pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
+def test_resident_greedy_steps_give_genais_greedy_decodes(device, finished, continuous):
+    document = DOCUMENTS[device]
+    expected = document["greedy"]
+    results = {}
+    for resident in (True, False):
+        lm = scorer(device, resident)
+        try:
+            results[resident] = greedy(lm, device, continuous, finished=finished)
+            runs = lm.runner.resident_runs
+            assert (runs > 0) == resident, runs  # the resident path ran (and only where asked)
+            assert lm.states.statistics().live_slots == 0
+        finally:
+            lm.close()
+    for resident, nbest in results.items():
+        for prompt, hyps, sequence, log_probs in zip(document["prompts"], nbest, expected["sequences"],
+                                                     expected["token_log_probs"]):
+            hyp = hyps[0]
+            assert [*prompt, *hyp.labels] == sequence, resident  # GenAI leaves out the final EOS
+            assert hyp.score == pytest.approx(sum(log_probs), abs=TOLERANCES[device])
+    assert {len(s) < document["max_length"] for s in expected["sequences"]} == {True, False}  # EOS and the limit
+
+
+@pytest.mark.parametrize("time_step", [1, 2, 32])
+def test_every_bucket_change_keeps_the_histories(time_step):
+    """Buckets of 1, 2, 4, ... positions (a change every step or two) and one large bucket."""
+    lm = scorer("cpu", True, time_step)
+    try:
+        nbest = greedy(lm, "cpu")
+        assert [[*p, *h[0].labels] for p, h in zip(PROMPTS, nbest)] == DOCUMENT["greedy"]["sequences"]
+        assert lm.runner.resident_runs > 0
+    finally:
+        lm.close()
+
+
+def test_past_the_context_the_resident_step_fails_as_the_pool_step_does():
+    """A model declared to hold fewer positions than the prompts and labels need: both forms stop
+    with the same error, where the longest history passes it."""
+    messages = []
+    for resident in (True, False):
+        lm = scorer("cpu", resident)
+        lm.runner.spec = type(lm.runner.spec)(**{**lm.runner.spec.__dict__, "max_time": 13})
+        try:
+            with pytest.raises(ModelError, match="exceeds the model's context of 14 positions") as raised:
+                greedy(lm, "cpu")
+            messages.append(str(raised.value))
+        finally:
+            lm.close()
+    assert messages[0] == messages[1]
+
+
+# --- the copy ------------------------------------------------------------------------------------------
+def _variables(dtype) -> list[StateVariable]:
+    """Keys [N, 2, T, 4] and values [N, T, 6] (heads folded: another span layout), and one with a
+    layer axis before the rows (batch axis 1)."""
+    return [StateVariable(input_name="past_k", output_name="present_k", dtype=np.dtype(dtype),
+                          shape=(None, 2, None, 4), batch_axis=0, time_axis=2),
+            StateVariable(input_name="past_v", output_name="present_v", dtype=np.dtype(dtype),
+                          shape=(None, None, 6), batch_axis=0, time_axis=1),
+            StateVariable(input_name="past_l", output_name="present_l", dtype=np.dtype(dtype),
+                          shape=(3, None, None, 2), batch_axis=1, time_axis=2)]
+
+
+def copy_mismatches(cupy) -> list[str]:
+    """The CUDA manager's ``copy_steps`` (one launch) against the host manager's numpy copy, over
+    dtypes, positions inside and outside both time axes and rows past ``num_rows``."""
+    emulator_device(cupy)
+    bad = []
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.float16):
+        variables = _variables(dtype)
+        managers = {device: create_state_manager(StateManagerOptions(type=f"transformer-{device}"), variables,
+                                                 execution_provider=device) for device in ("cpu", "cuda")}
+        rows, num_rows, source_time, target_time = 6, 5, 7, 5
+        positions = np.array([0, 4, 5, 6, -1, 2], np.int32)  # 5, 6: past the target; -1; row 5 not copied
+        sources = {v.input_name: rng.standard_normal(_shape(v, rows, source_time)).astype(dtype) for v in variables}
+        targets = {v.input_name: rng.standard_normal(_shape(v, rows, target_time)).astype(dtype) for v in variables}
+        expected = {k: v.copy() for k, v in targets.items()}
+        managers["cpu"].copy_steps(sources, expected, positions, num_rows=num_rows)
+        on_device = {k: cupy.asarray(v) for k, v in targets.items()}
+        managers["cuda"].copy_steps({k: cupy.asarray(v) for k, v in sources.items()}, on_device,
+                                    cupy.asarray(positions), num_rows=num_rows)
+        for v in variables:
+            got = cupy.asnumpy(on_device[v.input_name])
+            if got.tobytes() != expected[v.input_name].tobytes():
+                bad.append(f"{np.dtype(dtype).name} {v.input_name}")
+            if np.array_equal(expected[v.input_name], targets[v.input_name]):
+                bad.append(f"{v.input_name}: the oracle copied nothing")
+        for manager in managers.values():
+            manager.close()
+    return bad
+
+
+def _shape(variable: StateVariable, rows: int, time: int) -> tuple[int, ...]:
+    shape = list(variable.shape)
+    shape[variable.batch_axis], shape[variable.time_axis] = rows, time
+    return tuple(shape)
+
+
+def test_the_host_copy_writes_each_rows_step_at_its_position():
+    variables = _variables(np.float32)
+    manager = create_state_manager(StateManagerOptions(type="transformer-cpu"), variables, execution_provider="cpu")
+    rng = np.random.default_rng(0)
+    sources = {v.input_name: rng.standard_normal(_shape(v, 3, 4)).astype(np.float32) for v in variables}
+    targets = {v.input_name: np.zeros(_shape(v, 3, 3), np.float32) for v in variables}
+    manager.copy_steps(sources, targets, np.array([2, 3, 0], np.int32), num_rows=2)  # row 1: past the target
+    key, source = targets["past_k"], sources["past_k"]
+    np.testing.assert_array_equal(key[0, :, 2], source[0, :, 2])
+    assert not key[1].any() and not key[2].any()  # row 1 out of range, row 2 beyond num_rows
+    assert np.count_nonzero(key) == np.count_nonzero(source[0, :, 2])
+    layered = targets["past_l"]
+    np.testing.assert_array_equal(layered[:, 0, 2], sources["past_l"][:, 0, 2])
+
+
+@needs_gxx
+def test_the_copy_kernel_equals_the_host_copy_in_emulation():
+    assert_none_in_emulation("tests.test_resident_greedy", "copy_mismatches")
+
+
+@pytest.mark.gpu
+def test_the_copy_kernel_equals_the_host_copy_on_cuda():
+    cupy = pytest.importorskip("cupy")
+    assert copy_mismatches(cupy) == []

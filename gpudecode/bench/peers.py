@@ -14,7 +14,8 @@ for exactly ``new_tokens`` labels (sentence-end masked by ``min_length`` / ``min
 side), length penalty 0, one best sequence. Sides: ``hf_generate`` (torch, the cell's float type,
 ``attn_implementation="sdpa"``, its default cache), ``hf_generate_compiled`` (static cache and
 ``torch.compile``; with ``compile``), ``gpudecode`` (the Python API: ``PrefixLmScorer`` +
-``label_sync_search`` in the ``finished="separate"`` mode; CUDA graphs on CUDA), ``gpudecode_prepared``
+``label_sync_search``: beams in the ``finished="separate"`` mode, one beam in ``"in-beam"`` — greedy
+search, a lane ending at its sentence end; CUDA graphs on CUDA), ``gpudecode_prepared``
 (the same on ``gpudecode.prepare``'s rewrite of the step export, where that package provides
 ``prepare_model``), ``genai`` (GenAI's own greedy / beam search). Per side: seconds (fastest of
 ``repeats`` after a warm-up), ms per step (÷ ``new_tokens``), tokens/s, throughput ÷ ``hf_generate``'s,
@@ -371,9 +372,11 @@ def _toolkit_decode(lm, prompts: np.ndarray, beam: int, options: PeerBenchOption
     n = len(prompts)
     batch = UtteranceBatch(ids=[f"p{u}" for u in range(n)], input_lengths=np.full(n, options.new_tokens),
                            inputs={"prompt": prompts}, sizes={"prompt": np.full(n, prompts.shape[1])})
+    # greedy (one beam) as generate's and GenAI's greedy search: a lane ends at its sentence end; beams
+    # as their beam searches: finished hypotheses kept apart
     search = LabelSyncOptions(beam_size=beam, sentence_end=EOS, max_labels_per_input=1.0, max_labels=options.new_tokens,
-                              finished="separate", early_stopping=False, length_norm_scale=0.0, nbest=1,
-                              min_length=options.new_tokens)
+                              finished="separate" if beam > 1 else "in-beam", early_stopping=False,
+                              length_norm_scale=0.0, nbest=1, min_length=options.new_tokens)
     nbest = label_sync_search([("lm", lm, 1.0)], batch, search, xp=xp)
     return [h[0].labels for h in nbest], np.array([h[0].score for h in nbest])
 

@@ -430,9 +430,12 @@ class OnnxDecoderScorer(LabelScorer):
         log-probabilities stay float16, everything else becomes float32."""
         xp = self.layout.xp
         scores = xp.asarray(raw)
+        scores = scores.reshape(scores.shape[0], -1, scores.shape[-1])[:, -1, :]
+        if (self.scores_kind == "logits" and xp is not np and scores.dtype in (np.float16, np.float32)
+                and scores.flags.c_contiguous and scores.size):
+            return log_softmax_rows(xp, scores)  # float16 read as it is; a new float32 array either way
         kept = np.float16 if scores.dtype == np.float16 and self.scores_kind == "log-probs" else np.float32
-        scores = scores.reshape(scores.shape[0], -1, scores.shape[-1])[:, -1, :].astype(kept, copy=copy)
-        return converted_scores(xp, scores, self.scores_kind)
+        return converted_scores(xp, scores.astype(kept, copy=copy), self.scores_kind)
 
     @property
     def captured_graphs(self) -> int:
@@ -452,7 +455,6 @@ class OnnxDecoderScorer(LabelScorer):
             return self._dense_extend(ctx, parents, labels)
         if ctx.new_slots is None and ctx.new_resident is None:
             raise AssertionError("extend() before score(): the parents' new token states are unknown")
-        parents = self._on_states(parents).astype(np.int64, copy=False)
         labels = self._on_states(labels).astype(np.int64, copy=False)
         append = labels >= 0
         if ctx.new_resident is not None:  # one lane per utterance: each lane is its own parent
@@ -464,6 +466,7 @@ class OnnxDecoderScorer(LabelScorer):
                 self.states.retain(*self._held_histories())
             self._ctx = DecoderContext(None, next_labels, resident=ctx.new_resident.extended(append))
             return self._ctx
+        parents = self._on_states(parents).astype(np.int64, copy=False)
         next_labels = xp.where(append, labels, ctx.next_labels[parents])
         if ctx.fresh is not None:  # a fresh parent's history already ends with its whole prompt
             append &= ~self._on_states(ctx.fresh)[parents]

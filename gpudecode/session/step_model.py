@@ -535,9 +535,8 @@ class StepModelRunner:
         outputs = graphs.run(static.key, feeds, self._output_names({}),
                              lambda name, dtype, shape: graphs.buffers.view(name, dtype, shape, bucket))
         scores = outputs[self.spec.scores_output][:num_rows]
-        presents = {layout.name: outputs[layout.variable.output_name] for layout in self.states.layouts}
-        if any(layout.rows_and_time(tuple(presents[layout.name].shape), "state output")[1] != padded_time + 1
-               for layout in self.states.layouts):
+        presents = self._presents(outputs, padded_time)
+        if presents is None:
             self._resident_steps = False  # the new step alone (or another form): split as before
             states_out, at = self._new_steps(self._state_outputs(outputs), prefix_lengths, for_split=True)
             return scores, None, self.states.split(states_out, **at)[:num_rows]
@@ -555,6 +554,22 @@ class StepModelRunner:
                     layout.pre, padded_rows, layout.mid, padded_time + 1, layout.inner)[:, :, :, :kept]
             target.prefix[num_rows:] = 0
         return scores, ResidentRows((0, padded_rows, next_time), lengths, bound), None
+
+    def _presents(self, outputs: dict, padded_time: int) -> dict | None:
+        """The state outputs of a step over ``padded_time`` positions by state input name, or None
+        where one does not hold the whole history and the new step (``padded_time + 1`` positions).
+        Made once per output dict (a captured bucket returns the same one each replay)."""
+        cached = self._presents_of
+        if cached is not None and cached[0] is outputs:
+            return cached[1]
+        presents = {layout.name: outputs[layout.variable.output_name] for layout in self.states.layouts}
+        if any(layout.rows_and_time(tuple(presents[layout.name].shape), "state output")[1] != padded_time + 1
+               for layout in self.states.layouts):
+            presents = None
+        self._presents_of = (outputs, presents)
+        return presents
+
+    _presents_of: tuple | None = None  # (the output dict, its presents) of the latest resident step
 
     def _next_time(self, natural: int, lengths) -> int:
         """The time bucket of the next resident step, whose histories hold at most ``natural``

@@ -465,11 +465,15 @@ class StateManager:
             raise ValueError(f"copy_steps: states without a time axis ({self.options.type!r})")
         src = [sources[layout.name] for layout in self.layouts]
         dst = [targets[layout.name] for layout in self.layouts]
-        (rows, source_time), (_, target_time) = (self.layouts[0].rows_and_time(tuple(a.shape), "copy_steps")
-                                                 for a in (src[0], dst[0]))
+        variable = self.layouts[0].variable
+        rows, source_time = src[0].shape[variable.batch_axis], src[0].shape[variable.time_axis]
+        target_time = dst[0].shape[variable.time_axis]
         if self.device == "cuda":
+            if not (is_device_array(positions) and positions.dtype == np.int32 and positions.flags.c_contiguous
+                    and positions.shape[0] >= num_rows):
+                positions = self._split_positions(positions, num_rows)
             self._copy.copy_steps(src, dst, num_rows=num_rows, rows=rows, source_time=source_time,
-                                  target_time=target_time, positions=self._split_positions(positions, num_rows))
+                                  target_time=target_time, positions=positions)
             return
         at = to_host(positions[:num_rows]).astype(np.int64)
         kept = np.flatnonzero((at >= 0) & (at < min(source_time, target_time)))

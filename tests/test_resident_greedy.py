@@ -9,6 +9,7 @@ checks against the numpy copy."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -98,11 +99,12 @@ def test_past_the_context_the_resident_step_fails_as_the_pool_step_does():
     messages = []
     for resident in (True, False):
         lm = scorer("cpu", resident)
-        lm.runner.spec = type(lm.runner.spec)(**{**lm.runner.spec.__dict__, "max_time": 13})
+        lm.runner.spec = dataclasses.replace(lm.runner.spec, max_time=13)  # this scorer's own runner
         try:
             with pytest.raises(ModelError, match="exceeds the model's context of 14 positions") as raised:
                 greedy(lm, "cpu")
             messages.append(str(raised.value))
+            assert (lm.runner.resident_runs > 0) == resident  # resident steps ran up to the limit
         finally:
             lm.close()
     assert messages[0] == messages[1]

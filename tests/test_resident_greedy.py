@@ -110,6 +110,63 @@ def test_past_the_context_the_resident_step_fails_as_the_pool_step_does():
     assert messages[0] == messages[1]
 
 
+def test_a_ctc_prefix_search_fuses_a_resident_lm_at_beam_one(tmp_path):
+    """The CTC prefix search with one beam extends its LM's lanes frame by frame (a lane that emits
+    nothing carries its state): resident steps give the pool's n-best."""
+    from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
+    from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
+    from gpudecode.testing import build_genai_lm
+
+    vocab = 16
+    path = build_genai_lm(3, vocab_size=vocab).save(tmp_path / "lm.onnx")
+    rng = np.random.default_rng(0)
+    log_probs = (rng.standard_normal((3, 30, vocab)) * 3).astype(np.float32)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    results, runs = {}, {}
+    for resident in (True, False):
+        lm = RecurrentLmScorer(model=str(path), vocab_size=vocab, start_labels=[1], scores_kind="logits",
+                               state_manager=StateManagerOptions(type="transformer-cpu"),
+                               graphs=GraphOptions(enabled=True, time_step=2, resident_greedy=resident))
+        nbest = ctc_prefix_search(log_probs, np.array([30, 22, 9]), CtcPrefixOptions(beam_size=1, blank=0),
+                                  [("lm", lm, 0.5)])
+        results[resident] = [[(h.labels, h.score) for h in hyps] for hyps in nbest]
+        runs[resident] = lm.runner.resident_runs
+        lm.close()
+    assert runs[True] > 0 and runs[False] == 0
+    assert [[labels for labels, _ in u] for u in results[True]] == [[labels for labels, _ in u] for u in results[False]]
+    np.testing.assert_allclose([s for u in results[True] for _, s in u], [s for u in results[False] for _, s in u],
+                               atol=1e-4)
+    assert all(len(u[0][0]) > 3 for u in results[True])  # the LM ran over many emissions
+
+
+def test_an_older_resident_context_is_refused_not_read():
+    """Resident rows live in buffers the next step overwrites: scoring (or splitting into the pool) a
+    context older than the latest one raises instead of reading another step's states."""
+    from gpudecode.scorers.base import LaneLayout
+
+    lm = scorer("cpu", True)
+    try:
+        batch = prompt_batch(PROMPTS, 6)
+        lm.begin(LaneLayout(num_groups=len(PROMPTS), beam_size=1, xp=np))
+        lm.admit(batch, np.arange(len(PROMPTS)))
+        ctx = lm.initial_context(np.arange(len(PROMPTS)))
+        contexts = []
+        for _ in range(3):
+            scores = lm.score(ctx)
+            ctx = lm.extend(ctx, np.arange(len(PROMPTS)), scores.argmax(axis=1))
+            contexts.append(ctx)
+        assert contexts[-1].resident is not None and contexts[-2].resident is not None
+        with pytest.raises(AssertionError, match="used after a newer one"):
+            lm.score(contexts[-2])
+        with pytest.raises(AssertionError, match="used after a newer one"):
+            lm.initial_context(np.arange(1), contexts[-2])
+        lm.score(contexts[-1])  # the latest one still runs
+        lm.release(np.arange(len(PROMPTS)))
+        assert lm.states.statistics().live_slots == 0
+    finally:
+        lm.close()
+
+
 # --- the copy ------------------------------------------------------------------------------------------
 def _variables(dtype) -> list[StateVariable]:
     """Keys [N, 2, T, 4] and values [N, T, 6] (heads folded: another span layout), and one with a

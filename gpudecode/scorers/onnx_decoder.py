@@ -235,8 +235,18 @@ class OnnxDecoderScorer(LabelScorer):
         and this scorer's latest one get the same histories)."""
         if not isinstance(ctx, DecoderContext) or ctx.resident is None:
             return ctx
+        if ctx.resident.materialized is None:
+            self._check_latest(ctx.resident)
         return replace(ctx, histories=self.runner.materialize(ctx.resident, self.lanes), resident=None,
                        new_resident=None)
+
+    def _check_latest(self, rows: ResidentRows) -> None:
+        """Resident rows live in buffers every step overwrites: only the latest ones can be read."""
+        if rows is not self._latest_rows:
+            raise AssertionError("a resident greedy context used after a newer one: its states were overwritten "
+                                 "(runtime.cuda_graphs.resident_greedy: false keeps every context readable)")
+
+    _latest_rows: ResidentRows | None = None  # the rows of the latest resident extend
 
     def _maybe_warm_up(self) -> None:
         graphs = self.runner.graphs
@@ -331,6 +341,8 @@ class OnnxDecoderScorer(LabelScorer):
                 raw, ctx.new_states = self.runner.run_dense(ctx.states, ctx.next_labels)
             return self._log_probs(raw, copy=False)
         if ctx.resident is not None or (self._resident_steps and self.runner.resident_capable):
+            if ctx.resident is not None:
+                self._check_latest(ctx.resident)
             raw, ctx.new_resident, ctx.new_slots = self.runner.run_resident(
                 ctx.histories if ctx.resident is None else ctx.resident, ctx.next_labels, self.lanes)
             return self._log_probs(raw, copy=False)
@@ -464,7 +476,8 @@ class OnnxDecoderScorer(LabelScorer):
             self._group_bound += 1
             if ctx.resident is None:  # the pool's slots of these lanes are no longer read
                 self.states.retain(*self._held_histories())
-            self._ctx = DecoderContext(None, next_labels, resident=ctx.new_resident.extended(append))
+            self._latest_rows = ctx.new_resident.extended(append)
+            self._ctx = DecoderContext(None, next_labels, resident=self._latest_rows)
             return self._ctx
         parents = self._on_states(parents).astype(np.int64, copy=False)
         next_labels = xp.where(append, labels, ctx.next_labels[parents])

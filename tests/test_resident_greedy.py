@@ -62,16 +62,20 @@ def greedy(lm, device: str, continuous: int | None = None, **options):
 def test_resident_greedy_steps_give_genais_greedy_decodes(device, finished, continuous):
     document = DOCUMENTS[device]
     expected = document["greedy"]
-    results = {}
+    results, peaks = {}, {}
     for resident in (True, False):
         lm = scorer(device, resident)
         try:
             results[resident] = greedy(lm, device, continuous, finished=finished)
             runs = lm.runner.resident_runs
             assert (runs > 0) == resident, runs  # the resident path ran (and only where asked)
-            assert lm.states.statistics().live_slots == 0
+            statistics = lm.states.statistics()
+            assert statistics.live_slots == 0
+            peaks[resident] = statistics.peak_live_slots
         finally:
             lm.close()
+    if continuous is None:  # the pool held the prompts alone (not split back at the end), the pool path everything
+        assert peaks[True] <= sum(map(len, document["prompts"])) < peaks[False]
     for resident, nbest in results.items():
         for prompt, hyps, sequence, log_probs in zip(document["prompts"], nbest, expected["sequences"],
                                                      expected["token_log_probs"]):

@@ -224,10 +224,17 @@ class OnnxDecoderScorer(LabelScorer):
         self.lanes.write_utterances(utterances, groups)
         self._maybe_warm_up()
 
-    def _leave_resident(self) -> None:
+    def _leave_resident(self, released=None) -> None:
         """Before anything writes the step's buffers or asks for pool histories (admitting or
-        releasing utterances, warming up): the resident lanes' states go into the pool."""
-        self._ctx = self._pool_context(self._ctx)
+        releasing utterances, warming up): the resident lanes' states go into the pool — none where
+        ``released`` (groups) takes every lane, as at the end of a search."""
+        ctx = self._ctx
+        if (released is not None and isinstance(ctx, DecoderContext) and ctx.resident is not None
+                and ctx.resident.materialized is None
+                and np.unique(np.asarray(released)).size >= self.layout.num_groups):
+            self._check_latest(ctx.resident)
+            ctx.resident.materialized = self.states.initial_histories(self.layout.num_lanes)
+        self._ctx = self._pool_context(ctx)
 
     def _pool_context(self, ctx):
         """``ctx`` with pool histories: a resident context's states split into the pool
@@ -255,7 +262,8 @@ class OnnxDecoderScorer(LabelScorer):
 
     def release(self, groups) -> None:
         """Frees the state slots of the lanes of ``groups``."""
-        ctx = self._ctx = self._pool_context(self._ctx)
+        self._leave_resident(groups)
+        ctx = self._ctx
         if ctx is None or isinstance(ctx, DenseContext):  # dense states hold no slots
             return
         xp = self.states.xp

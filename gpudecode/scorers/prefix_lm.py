@@ -462,7 +462,7 @@ class PrefixLmScorer(OnnxDecoderScorer):
         """Frees the lanes' slots, and the prefill slots of groups not yet started."""
         gone = np.asarray(groups, dtype=np.int64).reshape(-1)
         self._pending = [p for p in self._pending if not np.isin(p[0], gone).any()]
-        self._leave_resident()
+        self._leave_resident(gone)
         ctx, keep = self._ctx, self._pending_histories()
         if ctx is not None:
             xp = self.states.xp

@@ -452,10 +452,7 @@ class StepModelRunner:
         if not self.states.has_time_axis:
             padded_time = 1
         else:
-            natural = self._natural_time(histories, time_size)
-            padded_time = graphs.time(natural) if self._pad_time else natural
-            if spec.max_time is not None:  # no bucket beyond the model's context
-                padded_time = max(natural, min(padded_time, spec.max_time))
+            padded_time = self._time_bucket(self._natural_time(histories, time_size))
         bucket = (rows.start, padded_rows, padded_time)
         static = self._static_io(bucket, lanes)
         merged = self.states.merge(histories, out=static.states, prefix_lengths_out=static.prefix)
@@ -518,9 +515,7 @@ class StepModelRunner:
         else:
             num_rows = source.num_rows
             bound = self._natural_time(source, None)
-            padded = graphs.time(bound)
-            bucket = (0, graphs.rows(num_rows, lanes.group_size),
-                      padded if limit is None else max(bound, min(padded, limit)))
+            bucket = (0, graphs.rows(num_rows, lanes.group_size), self._time_bucket(bound))
             static = self._static_io(bucket, lanes)
             prefix_lengths = self.states.merge(source, out=static.states, prefix_lengths_out=static.prefix).prefix_lengths
             lengths = None
@@ -578,7 +573,14 @@ class StepModelRunner:
         limit = self.spec.max_time
         if limit is not None and natural > limit:
             natural = int(to_host(lengths.max())) + 1 if lengths.shape[0] else 0
-        padded = self.graphs.time(natural)
+        return self._time_bucket(natural)
+
+    def _time_bucket(self, natural: int) -> int:
+        """The padded time of a bucketed call over histories of ``natural`` positions: the graphs'
+        bucket (``natural`` itself where the model cannot be padded in time), never beyond the model's
+        context (``spec.max_time``) unless ``natural`` already is."""
+        padded = self.graphs.time(natural) if self._pad_time else natural
+        limit = self.spec.max_time
         return padded if limit is None else max(natural, min(padded, limit))
 
     def _check_context(self, longest: int) -> None:

@@ -166,7 +166,7 @@ class CudaStateCopy:
               positions=None) -> None:
         """``allocate``: ``new_slots`` is filled here with ``num_new`` slots per row from the pool's
         free stack (booked by ``StatePool.book_uniform``), the allocation fused into the copy.
-        ``positions``: ``[num_rows]`` int32 CuPy array, C-contiguous: row b's new token p is read at
+        ``positions``: ``[>= num_rows]`` int32 CuPy array, C-contiguous: row b's new token p is read at
         time index ``positions[b] + p`` (clamped into ``[0, source_time - num_new]``) instead of
         ``source_time - num_new + p``, in the same launch."""
         pool = self.pool

@@ -468,14 +468,11 @@ class StateManager:
         variable = self.layouts[0].variable
         rows, source_time = src[0].shape[variable.batch_axis], src[0].shape[variable.time_axis]
         target_time = dst[0].shape[variable.time_axis]
+        at = self._split_positions(positions, num_rows)
         if self.device == "cuda":
-            if not (is_device_array(positions) and positions.dtype == np.int32 and positions.flags.c_contiguous
-                    and positions.shape[0] >= num_rows):
-                positions = self._split_positions(positions, num_rows)
             self._copy.copy_steps(src, dst, num_rows=num_rows, rows=rows, source_time=source_time,
-                                  target_time=target_time, positions=positions)
+                                  target_time=target_time, positions=at)
             return
-        at = to_host(positions[:num_rows]).astype(np.int64)
         kept = np.flatnonzero((at >= 0) & (at < min(source_time, target_time)))
         for layout, source, target in zip(self.layouts, src, dst):
             s = source.reshape(layout.pre, rows, layout.mid, source_time, layout.inner)
@@ -485,19 +482,19 @@ class StateManager:
             t[:, kept, :, at[kept], :] = s[:, kept, :, at[kept], :]
 
     def _split_positions(self, positions, num_rows: int):
-        """The first ``num_rows`` of split's ``positions``: int32 C-contiguous on the GPU (as they
-        are when already so), int64 numpy on the host."""
+        """Split's ``positions`` as the copies read them: on the GPU int32 C-contiguous (as they are
+        when already so; the kernels read the first ``num_rows``), on the host the first ``num_rows``
+        as int64 numpy."""
         if not self.has_time_axis:
             raise ValueError(f"split: positions apply to states with a time axis, not {self.options.type!r}")
         if len(positions.shape) != 1 or positions.shape[0] < num_rows:
             raise ValueError(f"split: positions must have shape (>= {num_rows},), got {tuple(positions.shape)}")
-        rows = positions[:num_rows]
         if self.device == "cpu":
-            return to_host(rows).astype(np.int64)
-        if is_device_array(rows) and rows.dtype == np.int32 and rows.flags.c_contiguous:
-            return rows
+            return to_host(positions[:num_rows]).astype(np.int64)
+        if is_device_array(positions) and positions.dtype == np.int32 and positions.flags.c_contiguous:
+            return positions
         with on_shared_stream(self.options.device_id):
-            return self.xp.ascontiguousarray(self.xp.asarray(rows), dtype=np.int32)
+            return self.xp.ascontiguousarray(self.xp.asarray(positions[:num_rows]), dtype=np.int32)
 
     def _check_new_tokens(self, num_new_tokens: int) -> None:
         """Raises when this family cannot take ``num_new_tokens`` new states per row."""

@@ -114,62 +114,57 @@ def test_past_the_context_the_resident_step_fails_as_the_pool_step_does():
     assert messages[0] == messages[1]
 
 
-def test_a_ctc_prefix_search_fuses_a_resident_lm_at_beam_one(tmp_path):
-    """The CTC prefix search with one beam extends its LM's lanes frame by frame (a lane that emits
-    nothing carries its state): resident steps give the pool's n-best."""
+def _resident_and_pool(tmp_path, search) -> list:
+    """``search(lm)``'s n-best with an LM in GenAI's convention, resident steps on and off: the
+    resident steps ran (only where on) and gave the pool's n-best. Returns the resident n-best as
+    (labels, score) lists."""
     from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
-    from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
     from gpudecode.testing import build_genai_lm
 
-    vocab = 16
-    path = build_genai_lm(3, vocab_size=vocab).save(tmp_path / "lm.onnx")
-    rng = np.random.default_rng(0)
-    log_probs = (rng.standard_normal((3, 30, vocab)) * 3).astype(np.float32)
-    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    path = build_genai_lm(3, vocab_size=VOCAB).save(tmp_path / "lm.onnx")
     results, runs = {}, {}
     for resident in (True, False):
-        lm = RecurrentLmScorer(model=str(path), vocab_size=vocab, start_labels=[1], scores_kind="logits",
+        lm = RecurrentLmScorer(model=str(path), vocab_size=VOCAB, start_labels=[1], scores_kind="logits",
                                state_manager=StateManagerOptions(type="transformer-cpu"),
                                graphs=GraphOptions(enabled=True, time_step=2, resident_greedy=resident))
-        nbest = ctc_prefix_search(log_probs, np.array([30, 22, 9]), CtcPrefixOptions(beam_size=1, blank=0),
-                                  [("lm", lm, 0.5)])
-        results[resident] = [[(h.labels, h.score) for h in hyps] for hyps in nbest]
+        results[resident] = [[(h.labels, h.score) for h in hyps] for hyps in search(lm)]
         runs[resident] = lm.runner.resident_runs
         lm.close()
     assert runs[True] > 0 and runs[False] == 0
     assert [[labels for labels, _ in u] for u in results[True]] == [[labels for labels, _ in u] for u in results[False]]
     np.testing.assert_allclose([s for u in results[True] for _, s in u], [s for u in results[False] for _, s in u],
                                atol=1e-4)
-    assert all(len(u[0][0]) > 3 for u in results[True])  # the LM ran over many emissions
+    return results[True]
+
+
+VOCAB = 16  # the LM of the searches with scorers
+
+
+def test_a_ctc_prefix_search_fuses_a_resident_lm_at_beam_one(tmp_path):
+    """The CTC prefix search with one beam extends its LM's lanes frame by frame (a lane that emits
+    nothing carries its state): resident steps give the pool's n-best."""
+    from gpudecode.search import CtcPrefixOptions, ctc_prefix_search
+
+    rng = np.random.default_rng(0)
+    log_probs = (rng.standard_normal((3, 30, VOCAB)) * 3).astype(np.float32)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nbest = _resident_and_pool(tmp_path, lambda lm: ctc_prefix_search(
+        log_probs, np.array([30, 22, 9]), CtcPrefixOptions(beam_size=1, blank=0), [("lm", lm, 0.5)]))
+    assert all(len(u[0][0]) > 3 for u in nbest)  # the LM ran over many emissions
 
 
 @pytest.mark.parametrize("max_symbols", [1, 3])
 def test_a_transducer_search_fuses_a_resident_lm_at_beam_one(tmp_path, max_symbols):
     """The transducer search with one beam scores its LM once per symbol step (several per frame with
     ``max_symbols_per_frame`` 3): resident steps give the pool's n-best."""
-    from gpudecode.scorers.onnx_decoder import RecurrentLmScorer
     from gpudecode.search.transducer import TransducerOptions, transducer_search
-    from gpudecode.testing import build_genai_lm
     from tests.test_transducer_search import make_models, random_encoder_states
 
-    vocab = 16
-    path = build_genai_lm(3, vocab_size=vocab).save(tmp_path / "lm.onnx")
-    models = make_models(5, vocab)
+    models = make_models(5, VOCAB)
     encoder_states, lengths = random_encoder_states(5, 3, 12), np.array([12, 9, 5])
-    results, runs = {}, {}
-    for resident in (True, False):
-        lm = RecurrentLmScorer(model=str(path), vocab_size=vocab, start_labels=[1], scores_kind="logits",
-                               state_manager=StateManagerOptions(type="transformer-cpu"),
-                               graphs=GraphOptions(enabled=True, time_step=2, resident_greedy=resident))
-        nbest = transducer_search(encoder_states, lengths, models.prediction(), models.joint(),
-                                  TransducerOptions(beam_size=1, max_symbols_per_frame=max_symbols), [("lm", lm, 0.5)])
-        results[resident] = [[(h.labels, h.score) for h in hyps] for hyps in nbest]
-        runs[resident] = lm.runner.resident_runs
-        lm.close()
-    assert runs[True] > 0 and runs[False] == 0
-    assert [[labels for labels, _ in u] for u in results[True]] == [[labels for labels, _ in u] for u in results[False]]
-    np.testing.assert_allclose([s for u in results[True] for _, s in u], [s for u in results[False] for _, s in u],
-                               atol=1e-4)
+    _resident_and_pool(tmp_path, lambda lm: transducer_search(
+        encoder_states, lengths, models.prediction(), models.joint(),
+        TransducerOptions(beam_size=1, max_symbols_per_frame=max_symbols), [("lm", lm, 0.5)]))
 
 
 def test_an_older_resident_context_is_refused_not_read():

@@ -152,6 +152,7 @@ class CudaGraphsConfig(_Section):
     shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
     warm_up_time: NonNegativeInt = defaults.GRAPH_WARM_UP_TIME
     resident_greedy: bool = defaults.GRAPH_RESIDENT_GREEDY
+    shared_presents: bool = defaults.GRAPH_SHARED_PRESENTS
 
     @model_validator(mode="before")
     @classmethod

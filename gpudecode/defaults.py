@@ -19,6 +19,7 @@ GRAPH_MIN_ROWS = 8  # the smallest row bucket
 GRAPH_SHARED_BUFFERS = True  # one buffer per tensor name across buckets (SGLang's trick)
 GRAPH_WARM_UP_TIME = 0  # 0: capture lazily; else every history bucket up to this at the start
 GRAPH_RESIDENT_GREEDY = True  # greedy steps keep their states in the captured step's inputs
+GRAPH_SHARED_PRESENTS = True  # GroupQueryAttention's presents bound to their pasts' buffers (appended in place)
 ORT_ARENA_LIMIT_BYTES: int | None = None  # None: no limit
 CUPY_POOL_LIMIT_BYTES: int | None = None  # CuPy's device memory pool, the process's; None: no limit
 CUDNN_CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")

@@ -61,12 +61,19 @@ def prompts_up_to(max_length: int) -> UtteranceBatch:
     return prompt_batch(PROMPTS, max_length - np.array([len(p) for p in PROMPTS]))
 
 
-def scorer(graphs: bool) -> PrefixLmScorer:
-    """The GenAI model folder as it is, on CUDA."""
+#: CUDA graphs off, on (the presents sharing their pasts' buffers: GroupQueryAttention appends in
+#: place), and on with each present in a buffer of its own
+GRAPHS = {"no-graphs": GraphOptions(enabled=False), "graphs": GraphOptions(enabled=True),
+          "graphs-unshared": GraphOptions(enabled=True, shared_presents=False)}
+
+
+def scorer(graphs: str) -> PrefixLmScorer:
+    """The GenAI model folder as it is, on CUDA, with the graph options ``GRAPHS[graphs]``."""
     lm = PrefixLmScorer(model=str(FIXTURE), vocab_size=128, scores_kind="logits",
                         state_manager=StateManagerOptions(type="transformer-cuda"),
-                        session_options=SessionOptions(device="cuda"), graphs=GraphOptions(enabled=graphs))
+                        session_options=SessionOptions(device="cuda"), graphs=GRAPHS[graphs])
     assert lm.self_prefill and lm.spec.history_alignment == "left"
+    assert lm.runner.shares_presents == (graphs == "graphs")
     return lm
 
 
@@ -79,7 +86,7 @@ def search(lm: PrefixLmScorer, options: LabelSyncOptions, max_length: int, conti
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
-@pytest.mark.parametrize("graphs", [False, True], ids=["no-graphs", "graphs"])
+@pytest.mark.parametrize("graphs", list(GRAPHS))
 def test_greedy_on_cuda_equals_genai_on_cuda(graphs, continuous):
     expected = DOCUMENT["greedy"]
     options = LabelSyncOptions(beam_size=1, sentence_end=EOS, max_labels_per_input=1.0)
@@ -96,7 +103,7 @@ def test_greedy_on_cuda_equals_genai_on_cuda(graphs, continuous):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["beam", "beam_at_max_length_20"])
 @pytest.mark.parametrize("continuous", [None, 2], ids=["one-batch", "continuous"])
-@pytest.mark.parametrize("graphs", [False, True], ids=["no-graphs", "graphs"])
+@pytest.mark.parametrize("graphs", list(GRAPHS))
 def test_beam_search_on_cuda_equals_genai_on_cuda(graphs, continuous, case):
     beam = DOCUMENT[case]
     options = LabelSyncOptions(  # GenAI's search options: genai_config.json's early_stopping, length_penalty

@@ -1,7 +1,7 @@
 """``gpudecode prepare``'s float16 form on CUDA (``GroupQueryAttention`` runs float16 only there): the
 committed GPT-2 export (``tests/fixtures/peers/gpt2``) prepared with ``--float16`` decodes with the
-same n-best lists with CUDA graphs on and off (scores within 1e-3: a graph's bucket pads the
-history), is captured, and gives the float32 original's best
+same n-best lists with CUDA graphs on (its presents sharing their pasts' buffers, or not) and off
+(scores within 1e-3: a graph's bucket pads the history), is captured, and gives the float32 original's best
 sequence on at least 95 % of the prompts (float16 rounding may decide a near-tie) with scores within
 float16's error; its float32 prompt model feeds the float16 step (the prefill's states converted).
 The float32 prepared form is refused on CUDA with the reason. The CPU tests are ``test_prepare.py``."""
@@ -23,11 +23,11 @@ PREFILL = GPT2 / "decoder_model.onnx"
 CASES = ("greedy", "beam4-late", "beam8-late")
 
 
-def _lm(model, device: str, graphs: bool) -> PrefixLmScorer:
+def _lm(model, device: str, graphs: bool, shared_presents: bool = True) -> PrefixLmScorer:
     return PrefixLmScorer(model=str(model), prefill_model=str(PREFILL), vocab_size=100, scores_kind="logits",
                           state_manager=StateManagerOptions(type=f"transformer-{device}"),
                           session_options=SessionOptions(device=device, use_tf32=False),
-                          graphs=GraphOptions(enabled=graphs))
+                          graphs=GraphOptions(enabled=graphs, shared_presents=shared_presents))
 
 
 def _prompts(doc: dict) -> list[list[int]]:
@@ -62,17 +62,20 @@ def test_the_float16_form_on_cuda_graphs_on_and_off_and_against_the_float32_orig
     doc = document(GPT2)
     prompts, settings = _prompts(doc), doc["cases"][case]
     results = {}
-    for name, model, graphs in (("graphs", prepared16, True), ("plain", prepared16, False),
-                                ("original", GPT2_STEP, False)):
-        lm = _lm(model, "cuda", graphs)
+    for name, model, graphs, shared in (("graphs", prepared16, True, True), ("unshared", prepared16, True, False),
+                                        ("plain", prepared16, False, True), ("original", GPT2_STEP, False, True)):
+        lm = _lm(model, "cuda", graphs, shared)
         results[name] = decode_like_generate(lm, prompts, settings, eos=doc["eos"], max_new=doc["max_new_tokens"],
                                              device="cuda")
-        if name == "graphs":
+        if graphs:
             assert lm.captured_graphs > 0  # the prepared form is captured
+        # the graphs' calls append to the pasts' own buffers (GroupQueryAttention in place)
+        assert lm.runner.shares_presents == (name == "graphs")
         lm.close()
-    for graphs, plain in zip(results["graphs"], results["plain"], strict=True):  # the same n-best
-        assert [h["tokens"] for h in graphs] == [h["tokens"] for h in plain]
-        np.testing.assert_allclose([h["score"] for h in graphs], [h["score"] for h in plain], atol=1e-3)
+    for other in ("unshared", "plain"):  # the same n-best
+        for graphs, plain in zip(results["graphs"], results[other], strict=True):
+            assert [h["tokens"] for h in graphs] == [h["tokens"] for h in plain]
+            np.testing.assert_allclose([h["score"] for h in graphs], [h["score"] for h in plain], atol=1e-3)
     best = [(r[0]["tokens"], o[0]["tokens"]) for r, o in zip(results["graphs"], results["original"])]
     same = [a == b for a, b in best]
     assert sum(same) >= 0.95 * len(prompts), f"{sum(same)} of {len(prompts)} best sequences equal"

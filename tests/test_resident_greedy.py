@@ -85,14 +85,18 @@ def test_resident_greedy_steps_give_genais_greedy_decodes(device, finished, cont
     assert {len(s) < document["max_length"] for s in expected["sequences"]} == {True, False}  # EOS and the limit
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("time_step", [1, 2, 32])
-def test_every_bucket_change_keeps_the_histories(time_step):
-    """Buckets of 1, 2, 4, ... positions (a change every step or two) and one large bucket."""
-    lm = scorer("cpu", True, time_step)
+def test_every_bucket_change_keeps_the_histories(time_step, device):
+    """Buckets of 1, 2, 4, ... positions (a change every step or two) and one large bucket; on CUDA
+    the presents share their pasts' buffers (the bucket change copies them out of the way first)."""
+    lm = scorer(device, True, time_step)
     try:
-        nbest = greedy(lm, "cpu")
-        assert [[*p, *h[0].labels] for p, h in zip(PROMPTS, nbest)] == DOCUMENT["greedy"]["sequences"]
+        nbest = greedy(lm, device)
+        assert [[*p, *h[0].labels] for p, h in zip(DOCUMENTS[device]["prompts"], nbest)] == \
+            DOCUMENTS[device]["greedy"]["sequences"]
         assert lm.runner.resident_runs > 0
+        assert lm.runner.shares_presents == (device == "cuda")
     finally:
         lm.close()
 

@@ -151,6 +151,22 @@ def graph_state_dims(model_proto) -> dict[str, int]:
     return dims
 
 
+def gqa_present_pairs(model_proto) -> dict[str, str]:
+    """Present output -> past input of every ONNX Runtime ``GroupQueryAttention`` node that reads a
+    graph input as its past key / value (inputs 3, 4) and writes a graph output as its present
+    (outputs 1, 2): caches the op can append to in place when both are bound to one buffer."""
+    graph = model_proto.graph
+    inputs, outputs = {v.name for v in graph.input}, {v.name for v in graph.output}
+    pairs = {}
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 5 or len(node.output) < 3:
+            continue
+        for past, present in zip(node.input[3:5], node.output[1:3]):
+            if past in inputs and present in outputs:
+                pairs[present] = past
+    return pairs
+
+
 def uses_group_query_attention(model_proto) -> bool:
     """Whether the graph runs ONNX Runtime's ``GroupQueryAttention``."""
     return any(node.op_type == "GroupQueryAttention" for node in model_proto.graph.node)

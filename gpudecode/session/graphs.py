@@ -44,6 +44,9 @@ class GraphOptions:
     plain steps cost less host time than the captured pool steps). ``resident_greedy``: with one
     hypothesis per utterance, a left-aligned Hugging Face model's states stay in the step's own
     inputs between steps, with no state pool (``gpudecode.session.step_model.ResidentRows``).
+    ``shared_presents``: a left-aligned Hugging Face model whose presents come straight from ONNX
+    Runtime's ``GroupQueryAttention`` gets each present bound to its past's buffer (one position
+    wider than the bucket), so the op appends the new step in place instead of copying the past.
     """
 
     enabled: bool = defaults.GRAPHS_ENABLED
@@ -52,6 +55,7 @@ class GraphOptions:
     shared_buffers: bool = defaults.GRAPH_SHARED_BUFFERS
     warm_up_time: int = defaults.GRAPH_WARM_UP_TIME
     resident_greedy: bool = defaults.GRAPH_RESIDENT_GREEDY
+    shared_presents: bool = defaults.GRAPH_SHARED_PRESENTS
     auto: bool = False
 
     def __post_init__(self) -> None:

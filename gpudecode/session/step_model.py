@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpudecode.backend import get_array_module, to_host
 from gpudecode.session.discovery import HF_BRANCH_INPUT, ModelError, ModelSpec
+from gpudecode.session.genai import gqa_present_pairs
 from gpudecode.session.graphs import GraphBuckets, GraphOptions
 from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states, write_attention_inputs
 from gpudecode.session.runner import OnnxSession
@@ -206,6 +208,10 @@ class StepModelRunner:
         #: in-place output -> (its state input, its declared shape), bound when the states live on CUDA
         self._in_place_outputs = {} if session.provider != "cuda" or states.device == "cpu" else {
             output: (name, session.tensors.output(output).shape) for output, name in spec.in_place_outputs.items()}
+        #: present output -> its past input, both bound to one buffer in bucketed calls (the past one
+        #: position wider than the bucket): GroupQueryAttention appends the new step in place
+        self._shared_presents = self._shareable_presents(graphs)
+        self._present_room = int(bool(self._shared_presents))  # the extra position of those buffers
         #: on the CPU, a left-aligned Hugging Face model (GroupQueryAttention) with states that can stay
         #: resident (``StateManager.resident_supported``) is fed the resident merge and writes each new
         #: step into it (present bound to the past buffer); the first such call is checked against a
@@ -464,7 +470,7 @@ class StepModelRunner:
         if spec.convention != "rasr":
             write_attention_inputs(merged.prefix_lengths, padded_time, spec.history_alignment,
                                    feeds.get(names.get("attention_mask")), feeds.get(names.get("position_ids")))
-        in_place = self._in_place(static.states)
+        in_place = {**self._in_place(static.states), **self._shared(static.states)}
         outputs = graphs.run(static.key, feeds, self._output_names(in_place),
                              lambda name, dtype, shape: in_place[name] if name in in_place
                              else buffers.view(name, dtype, shape, bucket))
@@ -498,8 +504,9 @@ class StepModelRunner:
         step's own inputs: ``source`` the pool histories (the first such step: merged as usual) or
         the :class:`ResidentRows` of the previous step (nothing merged). The model's left-aligned
         present outputs hold each row's new step at its length; it is written into the state inputs
-        there (one ``StateManager.copy_steps``), or, where the next step needs a larger time bucket,
-        the whole presents are (a copy per state, once per bucket). Returns (raw scores [N, ...],
+        there (one ``StateManager.copy_steps``; nothing with shared presents, which the model wrote
+        into the inputs itself), or, where the next step needs a larger time bucket, the whole
+        presents are (a copy per state, once per bucket). Returns (raw scores [N, ...],
         the :class:`ResidentRows` before the search's extension, None), or — a model whose state
         outputs do not hold the whole history, after which this runner never tries again — the
         plain bucketed step's (raw scores, None, new slots [N, 1])."""
@@ -527,10 +534,13 @@ class StepModelRunner:
         names = self.spec.hypothesis_inputs
         write_attention_inputs(prefix_lengths, padded_time, "left", feeds.get(names.get("attention_mask")),
                                feeds.get(names.get("position_ids")))
-        outputs = graphs.run(static.key, feeds, self._output_names({}),
-                             lambda name, dtype, shape: graphs.buffers.view(name, dtype, shape, bucket))
+        shared = self._shared(static.states)
+        outputs = graphs.run(static.key, feeds, self._output_names(shared),
+                             lambda name, dtype, shape: shared[name] if name in shared
+                             else graphs.buffers.view(name, dtype, shape, bucket))
         scores = outputs[self.spec.scores_output][:num_rows]
-        presents = self._presents(outputs, padded_time)
+        # shared presents: the step is in the inputs already; else the presents [.., T + 1, ..]
+        presents = static.states if shared else self._presents(outputs, padded_time)
         if presents is None:
             self._resident_steps = False  # the new step alone (or another form): split as before
             states_out, at = self._new_steps(self._state_outputs(outputs), prefix_lengths, for_split=True)
@@ -539,12 +549,17 @@ class StepModelRunner:
             lengths = prefix_lengths[:num_rows].copy()
         next_time = self._next_time(bound + 1, lengths)
         if next_time == padded_time:
-            self.states.copy_steps(presents, static.states, prefix_lengths, num_rows=num_rows)
+            if not shared:
+                self.states.copy_steps(presents, static.states, prefix_lengths, num_rows=num_rows)
         else:  # the next step reads a longer bucket (sharing the shorter one's buffers): the whole presents
+            if shared:  # (the next bucket's inputs are other views of the same buffers)
+                presents = {name: array.copy() for name, array in presents.items()}
             target = self._static_io((0, padded_rows, next_time), lanes)
-            kept = min(padded_time + 1, next_time)
+            target_time = next_time + self._present_room
+            kept = min(padded_time + 1, target_time)
             for layout in self.states.layouts:
-                into = target.states[layout.name].reshape(layout.pre, padded_rows, layout.mid, next_time, layout.inner)
+                into = target.states[layout.name].reshape(layout.pre, padded_rows, layout.mid, target_time,
+                                                          layout.inner)
                 into[:, :, :, :kept] = presents[layout.name].reshape(
                     layout.pre, padded_rows, layout.mid, padded_time + 1, layout.inner)[:, :, :, :kept]
             target.prefix[num_rows:] = 0
@@ -702,6 +717,33 @@ class StepModelRunner:
             bound[output] = buffer if shape == tuple(buffer.shape) else buffer.reshape(shape)
         return bound
 
+    def _shareable_presents(self, options: GraphOptions) -> dict:
+        """Present output -> past input where bucketed calls bind both to one buffer: with
+        ``options.shared_presents``, CUDA graphs over device states, and a left-aligned Hugging Face
+        model padded in time, with no history truncation, whose every state output is the
+        GroupQueryAttention present of its own past input (:func:`gqa_present_pairs`); else empty."""
+        spec, states = self.spec, self.states
+        if not (options.shared_presents and self.graphs is not None and self.session.provider == "cuda"
+                and states.device != "cpu" and spec.convention == "huggingface" and spec.history_alignment == "left"
+                and self._pad_time and not spec.in_place_outputs and states.options.max_history is None
+                and spec.state_variables and all(v.time_axis is not None for v in spec.state_variables)
+                and Path(self.session.source).is_file()):
+            return {}
+        import onnx
+
+        pairs = gqa_present_pairs(onnx.load(self.session.source, load_external_data=False))
+        wanted = {v.output_name: v.input_name for v in spec.state_variables}
+        return wanted if all(pairs.get(output) == name for output, name in wanted.items()) else {}
+
+    @property
+    def shares_presents(self) -> bool:
+        """Whether bucketed calls bind the presents to their pasts' buffers (:meth:`_shareable_presents`)."""
+        return bool(self._shared_presents)
+
+    def _shared(self, state_inputs: dict) -> dict:
+        """The shared presents bound to their pasts' buffers (:meth:`_shareable_presents`)."""
+        return {output: state_inputs[name] for output, name in self._shared_presents.items()}
+
     def _static_io(self, bucket, lanes) -> _StaticInputs:
         """The static inputs of ``bucket``: views of the graph buffers (and of the lane buffers),
         made once per bucket, buffer generation and lane-buffer version."""
@@ -714,7 +756,8 @@ class StepModelRunner:
         def view(name, dtype, shape):
             return buffers.view(name, dtype, shape, bucket)
 
-        states = {layout.name: view(layout.name, layout.model_dtype, layout.tensor_shape(padded_rows, padded_time))
+        state_time = padded_time + self._present_room
+        states = {layout.name: view(layout.name, layout.model_dtype, layout.tensor_shape(padded_rows, state_time))
                   for layout in self.states.layouts}
         prefix_name = names.get("prefix-length")
         prefix_direct = prefix_name is not None and self._input_dtype("prefix-length") == np.int32

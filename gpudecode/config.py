@@ -179,6 +179,8 @@ class RuntimeConfig(_Section):
     device: Literal[defaults.DEVICES] = defaults.DEVICE
     device_id: NonNegativeInt = defaults.DEVICE_ID
     tf32: bool = defaults.TF32
+    #: ONNX Runtime's XQA kernel for GroupQueryAttention decoding over a shared past/present buffer
+    gqa_xqa: bool = defaults.GQA_XQA
     cuda_graphs: CudaGraphsConfig = Field(default_factory=CudaGraphsConfig)
     ort_arena_limit_bytes: PositiveInt | None = defaults.ORT_ARENA_LIMIT_BYTES
     cupy_pool_limit_bytes: PositiveInt | None = defaults.CUPY_POOL_LIMIT_BYTES  # CuPy's device memory pool

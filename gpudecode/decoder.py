@@ -52,7 +52,7 @@ class Decoder:
             with self.xp.cuda.Device(runtime.device_id):
                 self.xp.get_default_memory_pool().set_limit(size=runtime.cupy_pool_limit_bytes)
         self.session_options = SessionOptions(
-            device=runtime.device, device_id=runtime.device_id, use_tf32=runtime.tf32,
+            device=runtime.device, device_id=runtime.device_id, use_tf32=runtime.tf32, gqa_xqa=runtime.gqa_xqa,
             arena_limit_bytes=runtime.ort_arena_limit_bytes,
             cudnn_conv_algo_search=runtime.cudnn_conv_algo_search, dump_inputs=runtime.dump_inputs,
         )

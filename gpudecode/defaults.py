@@ -12,6 +12,10 @@ DEVICES = ("cpu", "cuda")
 DEVICE = "cpu"
 DEVICE_ID = 0
 TF32 = False  # TF32 off by default: CUDA results equal the CPU's only with TF32 off
+#: ONNX Runtime's XQA kernel for GroupQueryAttention's decoding steps over a shared past/present
+#: (ORT_ENABLE_XQA): off — on the H200 it took 4× the attention time of a 512-row beam step (6×512
+#: GPT-2: 772 against 181 µs per step) and rounds float16 otherwise than the unshared form
+GQA_XQA = False
 CUDA_GRAPHS = "auto"  # "auto": on with runtime.device cuda (off, with a warning naming why, where a model cannot be captured)
 GRAPHS_ENABLED = False  # a scorer built from the Python API (GraphOptions) captures graphs only when asked
 GRAPH_TIME_STEP = 32  # history buckets: powers of two up to this, then multiples of it

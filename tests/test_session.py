@@ -1,11 +1,17 @@
 """The ONNX Runtime session layer on the CPU provider."""
 
+import os
+from pathlib import Path
+
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
 
 from gpudecode import backend
 from gpudecode.session import OnnxSession, SessionError, SessionOptions, hf_attention_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def double_model():
@@ -112,3 +118,31 @@ def test_hf_attention_inputs_from_prefix_lengths():
     assert mask.dtype == np.int64 and positions.dtype == np.int64
     mask, positions = hf_attention_inputs(np.array([0, 0]), past_time=0)
     np.testing.assert_array_equal(mask, [[1], [1]])
+
+
+def test_xqa_is_set_only_for_group_query_attention_graphs():
+    from gpudecode.session.runner import xqa_setting
+
+    genai = onnx.load(str(ROOT / "tests" / "fixtures" / "peers" / "genai" / "model.onnx"), load_external_data=False)
+    gpt2 = onnx.load(str(ROOT / "tests" / "fixtures" / "peers" / "gpt2" / "decoder_with_past_model.onnx"),
+                     load_external_data=False)
+    assert xqa_setting(genai, False) == "0" and xqa_setting(genai, True) == "1"
+    assert xqa_setting(gpt2, False) is None and xqa_setting(gpt2, True) is None
+
+
+@pytest.mark.parametrize("before", [None, "1"])
+def test_xqa_environment_holds_only_while_the_session_is_made(monkeypatch, before):
+    from gpudecode.session.runner import XQA_VARIABLE, xqa_environment
+
+    if before is None:
+        monkeypatch.delenv(XQA_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(XQA_VARIABLE, before)
+    with xqa_environment("0"):
+        assert os.environ[XQA_VARIABLE] == "0"
+    assert os.environ.get(XQA_VARIABLE) == before
+    with pytest.raises(RuntimeError), xqa_environment("0"):
+        raise RuntimeError("the session failed")
+    assert os.environ.get(XQA_VARIABLE) == before
+    with xqa_environment(None):
+        assert os.environ.get(XQA_VARIABLE) == before

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from gpudecode import defaults
+
 CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 
 
@@ -19,7 +21,9 @@ class SessionOptions:
     receives every call's inputs as ``.npz``. ``cuda_graphs``: create the CUDA session with ONNX
     Runtime's CUDA graphs (``enable_cuda_graph``); plain runs then use graph id -1 and
     :class:`gpudecode.session.graphs.StepGraphs` captures one graph per bucket. A model that
-    cannot be captured runs without graphs (``OnnxSession.graph_blocker`` says why).
+    cannot be captured runs without graphs (``OnnxSession.graph_blocker`` says why). ``gqa_xqa``:
+    ONNX Runtime's XQA kernel for ``GroupQueryAttention`` decoding steps whose past and present
+    share a buffer (``ORT_ENABLE_XQA`` while a CUDA session of such a model is created).
     """
 
     device: Literal["cpu", "cuda"] = "cpu"
@@ -32,6 +36,7 @@ class SessionOptions:
     check_placement: bool = True
     dump_inputs: Path | None = None
     cuda_graphs: bool = False
+    gqa_xqa: bool = defaults.GQA_XQA
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

@@ -8,6 +8,7 @@ caller-preallocated buffers or zero-copy views of ONNX-Runtime-owned memory.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -93,16 +94,19 @@ class OnnxSession:
         #: why CUDA graphs were asked for but are off for this model (None: on, or not asked for)
         self.graph_blocker: str | None = None
         self.cuda_graphs = options.device == "cuda" and options.cuda_graphs
+        proto = _load_proto(model) if options.device == "cuda" else None  # (the graph without its weights)
         if self.cuda_graphs:
-            self.graph_blocker = capture_blocker(_load_proto(model))
+            self.graph_blocker = capture_blocker(proto)
             self.cuda_graphs = self.graph_blocker is None
             # captured graphs keep the addresses of their first runs: no per-shape memory patterns
             ort_options.enable_mem_pattern = False
         warned = False
+        xqa = None if proto is None else xqa_setting(proto, options.gqa_xqa)
         try:
-            self.session, refused = create_inference_session(
-                self._session_factory, model, ort_options, providers, cuda_graphs=self.cuda_graphs,
-                source=self.source)
+            with xqa_environment(xqa):
+                self.session, refused = create_inference_session(
+                    self._session_factory, model, ort_options, providers, cuda_graphs=self.cuda_graphs,
+                    source=self.source)
             if refused is not None:
                 self.graph_blocker, self.cuda_graphs, warned = refused, False, True
             if options.device == "cuda":
@@ -327,6 +331,37 @@ def _raw_binding(binding):
     if not (callable(getattr(raw, "bind_input", None)) and callable(getattr(raw, "bind_output", None))):
         return None
     return raw, device
+
+
+#: the environment variable ONNX Runtime's CUDA GroupQueryAttention reads (when its kernel is made)
+XQA_VARIABLE = "ORT_ENABLE_XQA"
+_XQA_LOCK = threading.Lock()  # one session creation at a time changes the variable
+
+
+def xqa_setting(model_proto, enabled: bool) -> str | None:
+    """``ORT_ENABLE_XQA``'s value for creating a CUDA session of ``model_proto``: "1" / "0" for a graph
+    that runs ``GroupQueryAttention`` (``SessionOptions.gqa_xqa``), None (left alone) otherwise."""
+    if not any(node.op_type == "GroupQueryAttention" for node in model_proto.graph.node):
+        return None
+    return "1" if enabled else "0"
+
+
+@contextlib.contextmanager
+def xqa_environment(value: str | None):
+    """``ORT_ENABLE_XQA`` = ``value`` while the block runs (None: nothing changes), then as before."""
+    if value is None:
+        yield
+        return
+    with _XQA_LOCK:
+        before = os.environ.get(XQA_VARIABLE)
+        os.environ[XQA_VARIABLE] = value
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(XQA_VARIABLE, None)
+            else:
+                os.environ[XQA_VARIABLE] = before
 
 
 def create_inference_session(factory, model, sess_options, providers: Sequence, *, cuda_graphs: bool,

@@ -66,5 +66,6 @@ def test_the_cpu_provider_shares_nothing():
                         session_options=SessionOptions(device="cpu"), graphs=GraphOptions(enabled=True))
     try:
         assert lm.runner.graphs is not None and not lm.runner.shares_presents
+        assert lm.runner.session.gqa_present_pairs == {}  # looked for on CUDA only
     finally:
         lm.close()

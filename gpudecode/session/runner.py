@@ -22,6 +22,7 @@ import numpy as np
 
 from gpudecode import backend
 from gpudecode.session.cuda_libs import preload_cuda_libraries, provider_failure
+from gpudecode.session.genai import gqa_present_pairs
 from gpudecode.session.graphs import SKIP_GRAPH, capture_blocker, host_copy_blocker
 from gpudecode.session.options import SessionOptions
 from gpudecode.session.placement import data_copies
@@ -94,7 +95,10 @@ class OnnxSession:
         #: why CUDA graphs were asked for but are off for this model (None: on, or not asked for)
         self.graph_blocker: str | None = None
         self.cuda_graphs = options.device == "cuda" and options.cuda_graphs
-        proto = _load_proto(model) if options.device == "cuda" else None  # (the graph without its weights)
+        proto = _load_proto(model) if options.device == "cuda" else None  # (external weights left out)
+        #: present output -> past input of the GroupQueryAttention caches a call may append to in place
+        #: (:func:`gqa_present_pairs`; found on CUDA only, where the step runner binds them)
+        self.gqa_present_pairs: dict[str, str] = {} if proto is None else gqa_present_pairs(proto)
         if self.cuda_graphs:
             self.graph_blocker = capture_blocker(proto)
             self.cuda_graphs = self.graph_blocker is None

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpudecode.backend import get_array_module, to_host
 from gpudecode.session.discovery import HF_BRANCH_INPUT, ModelError, ModelSpec
-from gpudecode.session.genai import gqa_present_pairs
 from gpudecode.session.graphs import GraphBuckets, GraphOptions
 from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states, write_attention_inputs
 from gpudecode.session.runner import OnnxSession
@@ -721,17 +719,14 @@ class StepModelRunner:
         """Present output -> past input where bucketed calls bind both to one buffer: with
         ``options.shared_presents``, CUDA graphs over device states, and a left-aligned Hugging Face
         model padded in time, with no history truncation, whose every state output is the
-        GroupQueryAttention present of its own past input (:func:`gqa_present_pairs`); else empty."""
+        GroupQueryAttention present of its own past input (``OnnxSession.gqa_present_pairs``); else empty."""
         spec, states = self.spec, self.states
         if not (options.shared_presents and self.graphs is not None and self.session.provider == "cuda"
                 and states.device != "cpu" and spec.convention == "huggingface" and spec.history_alignment == "left"
                 and self._pad_time and not spec.in_place_outputs and states.options.max_history is None
-                and spec.state_variables and all(v.time_axis is not None for v in spec.state_variables)
-                and Path(self.session.source).is_file()):
+                and spec.state_variables and all(v.time_axis is not None for v in spec.state_variables)):
             return {}
-        import onnx
-
-        pairs = gqa_present_pairs(onnx.load(self.session.source, load_external_data=False))
+        pairs = self.session.gqa_present_pairs
         wanted = {v.output_name: v.input_name for v in spec.state_variables}
         return wanted if all(pairs.get(output) == name for output, name in wanted.items()) else {}
 

@@ -10,7 +10,7 @@ import onnx
 from gpudecode.prepare.detect import prepare_hint
 from gpudecode.session.conventions import discover_with_hints, model_hints
 from gpudecode.session.discovery import ModelError, discover_encoder
-from gpudecode.session.genai import uses_group_query_attention
+from gpudecode.session.genai import gqa_present_pairs, uses_group_query_attention
 from gpudecode.session.tensors import ModelTensors, from_onnx_model
 
 
@@ -38,6 +38,19 @@ def _alignment(spec, model) -> str:
         return ("left, expected (GroupQueryAttention: the mask's ones over each row's first prefix+1 positions, "
                 "the new step read at the row's own length); proven at load by a parity probe, else refused")
     return "right, expected (padding first, masked by attention_mask); proven at load by a parity probe, else refused"
+
+
+def _shared_presents_line(spec, model) -> str | None:
+    """What CUDA graphs do with the cache of a Hugging Face decoder whose presents all come straight
+    from GroupQueryAttention over their own pasts (``runtime.cuda_graphs.shared_presents``); None
+    for any other model."""
+    variables = spec.state_variables
+    pairs = gqa_present_pairs(model)
+    if (spec.convention != "huggingface" or spec.in_place_outputs or not variables
+            or any(pairs.get(v.output_name) != v.input_name for v in variables)):
+        return None
+    return ("cache with CUDA graphs: appended in place (each present bound to its past's buffer: "
+            "GroupQueryAttention writes only the new step; runtime.cuda_graphs.shared_presents)")
 
 
 def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) -> str:
@@ -142,6 +155,9 @@ def describe_model(path: str | Path, io_map: Mapping[str, str] | None = None) ->
             if spec.in_place_outputs:
                 lines.append("written in place (output -> the state input whose buffer it writes):")
                 lines += _table(sorted(spec.in_place_outputs.items()))
+            shared = _shared_presents_line(spec, model)
+            if shared:
+                lines.append(shared)
             rows_of = "one row per utterance" if spec.utterance_rows == "utterance" else "one row per hypothesis"
             lines.append(f"per-utterance inputs ({len(spec.utterance_inputs)}"
                          + (f", {rows_of}" if spec.utterance_inputs else "") + "):")

@@ -95,3 +95,15 @@ def test_inspect_lists_outputs_written_in_place(tmp_path):
     assert "written in place" in out and "kv-cache-key-0" in out and "history alignment: left" in out, out
     dense = build_transformer_decoder(seed=1).save(tmp_path / "dense.onnx")
     assert "written in place" not in CliRunner().invoke(main, ["inspect", str(dense)]).output
+
+
+def test_inspect_says_where_cuda_graphs_append_the_cache_in_place():
+    """GenAI's export: every present is GroupQueryAttention's over its own past; a plain-attention
+    export (the GPT-2 fixture) copies its cache and gets no such line."""
+    from pathlib import Path
+
+    peers = Path(__file__).resolve().parent / "fixtures" / "peers"
+    out = CliRunner().invoke(main, ["inspect", str(peers / "genai")]).output
+    assert "cache with CUDA graphs: appended in place" in out, out
+    plain = CliRunner().invoke(main, ["inspect", str(peers / "gpt2" / "decoder_with_past_model.onnx")]).output
+    assert "state variables" in plain and "appended in place" not in plain, plain

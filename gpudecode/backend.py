@@ -35,6 +35,15 @@ def _import_cupy() -> tuple[ModuleType | None, str]:
     return cupy, ""
 
 
+@functools.cache
+def numba_available() -> bool:
+    """Whether numba is installed (found, not imported: what never runs a compiled loop never
+    imports it), for the compiled host loops of the ``cpu-jit`` extra."""
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
 def gpu_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
     return _import_cupy()[0] is not None

@@ -11,6 +11,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from gpudecode.backend import numba_available
 from gpudecode.io.errors import FeatureError
 from gpudecode.io.features import FeatureSource, PaddedBatch, Utterance
 
@@ -74,7 +75,9 @@ class KaldiScpSource(FeatureSource):
 
     format = "kaldi-scp"
 
-    def __init__(self, path, **kwargs):
+    def __init__(self, path, *, compiled_reads: bool | None = None, **kwargs):
+        """``compiled_reads``: batches copied from memory-mapped archives by a compiled call
+        (``_MatrixReader``'s ``compiled``; None: where numba is installed)."""
         super().__init__(path, **kwargs)
         import kaldiio  # noqa: F401  (a missing kaldiio fails here, not per utterance)
 
@@ -87,7 +90,7 @@ class KaldiScpSource(FeatureSource):
                                path=self.path) from exc
         self._order = list(self._entries)
         self._ark: tuple[str, BinaryIO] | None = None  # the archive open while lengths() reads
-        self._matrices = _MatrixReader()
+        self._matrices = _MatrixReader(compiled=compiled_reads)
         #: per id, (archive, offset, rows, cols) of a float32 matrix as its header said in lengths()
         self._float32: dict[str, tuple[str, int, int, int]] = {}
         self._headers: dict[tuple[str, int], bytes] = {}  # the headers lengths() read, by entry
@@ -228,10 +231,19 @@ def _matrix_rows(header: bytes) -> int | None:
 class _MatrixReader:
     """Reads uncompressed binary matrices (``FM``/``DM``) straight from archives, a header and
     a data ``os.pread`` each, keeping the last archive open (kaldiio opens the archive and parses
-    in Python per matrix). One thread at a time reads through it."""
+    in Python per matrix). One thread at a time reads through it.
 
-    def __init__(self):
+    ``compiled`` (None: where numba is installed): :meth:`read_padded` copies a batch of one
+    archive from its memory map in one compiled call without the GIL (:mod:`gpudecode.io.kaldi_jit`)
+    instead of a ``preadv`` a matrix — each of which takes the GIL back, a wait of up to the
+    interpreter's switch interval while another thread (the decoding loop, the writer) runs."""
+
+    def __init__(self, compiled: bool | None = None):
         self._ark: tuple[str, BinaryIO, int] | None = None  # path, open file, size when opened
+        self.compiled = numba_available() if compiled is None else compiled
+        #: (path, (inode, size, modification time), its memory map) of the archive last mapped
+        self._mapped: tuple[str, tuple, np.ndarray] | None = None
+        self.mapped_batches = 0  # batches read from a memory map
 
     def read(self, ark: str, offset: int) -> np.ndarray | None:
         """The ``FM``/``DM`` matrix at ``offset`` of ``ark`` as ``kaldiio.load_mat`` gives it (a
@@ -262,7 +274,8 @@ class _MatrixReader:
     def read_padded(self, located: Sequence[tuple[str, int, int, int]], num_features: int | None):
         """[U, T_max, F] float32, zero-padded (as ``pad_features`` pads what :meth:`read` gives):
         the float32 matrices ``(archive, offset, rows, cols)`` read by one ``os.preadv`` each,
-        header and data, the data straight into its row. None where that cannot give exactly what
+        header and data, the data straight into its row — or, ``compiled`` and all in one archive,
+        copied from its memory map by one compiled call that checks the same headers. None where that cannot give exactly what
         reading them one by one and checking them gives: no ``preadv`` or a big-endian host, columns
         that differ (or differ from ``num_features``), an empty matrix, a header other than the
         expected one, data cut short, an error, or a NaN/Inf anywhere (the caller then reads them one
@@ -276,6 +289,52 @@ class _MatrixReader:
         if min(where[2] for where in located) == 0:
             return None
         padded = np.empty((len(located), max(where[2] for where in located), num_cols), np.float32)
+        if self.compiled and len({where[0] for where in located}) == 1:
+            if not self._copy_mapped(located, num_cols, padded):
+                return None
+        elif not self._read_each(located, num_cols, padded):
+            return None
+        if not (np.isfinite(padded.max()) and np.isfinite(padded.min())):  # NaN and ±Inf reach one of them
+            return None
+        return padded
+
+    def _copy_mapped(self, located, num_cols: int, padded: np.ndarray) -> bool:
+        """The batch (one archive) copied from the archive's memory map in one compiled call;
+        False where a header differs, data is cut short or the archive cannot be mapped."""
+        archive = self._map(located[0][0])
+        if archive is None:
+            return False
+        from gpudecode.io import kaldi_jit
+
+        count = len(located)
+        offsets = np.fromiter((where[1] for where in located), np.int64, count)
+        rows = np.fromiter((where[2] for where in located), np.int64, count)
+        failed = kaldi_jit.copy_float32_matrices(archive, offsets, rows, num_cols, _FLOAT32_TOKEN,
+                                                 padded.view(np.uint8).reshape(count, -1))
+        self.mapped_batches += failed < 0
+        return failed < 0
+
+    def _map(self, ark: str) -> np.ndarray | None:
+        """The archive's memory map (uint8), made again when the file is another one or has
+        changed (inode, size, modification time); None for an empty or unreadable file."""
+        try:
+            status = os.stat(ark)
+        except OSError:
+            return None
+        identity = (status.st_ino, status.st_size, status.st_mtime_ns)
+        if self._mapped is None or self._mapped[:2] != (ark, identity):
+            self._mapped = None
+            if not status.st_size:
+                return None
+            try:
+                self._mapped = (ark, identity, np.memmap(ark, dtype=np.uint8, mode="r"))
+            except (OSError, ValueError):
+                return None
+        return self._mapped[2]
+
+    def _read_each(self, located, num_cols: int, padded: np.ndarray) -> bool:
+        """The batch read by one ``os.preadv`` a matrix, header and data, the data straight into
+        its row; False where a header differs, data is cut short or a read fails."""
         header = bytearray(_PLAIN_HEADER_BYTES)
         try:
             for i, (ark, offset, rows, _) in enumerate(located):
@@ -286,23 +345,27 @@ class _MatrixReader:
                 _, file, size = self._ark
                 data_bytes = rows * num_cols * 4
                 if offset + _PLAIN_HEADER_BYTES + data_bytes > size:
-                    return None
+                    return False
                 row = padded[i, :rows]
                 if os.preadv(file.fileno(), [header, memoryview(row).cast("B")], offset) != (
                         _PLAIN_HEADER_BYTES + data_bytes) or bytes(header) != _float32_header(rows, num_cols):
-                    return None
+                    return False
                 padded[i, rows:] = 0
         except OSError:
-            return None
-        if not (np.isfinite(padded.max()) and np.isfinite(padded.min())):  # NaN and ±Inf reach one of them
-            return None
-        return padded
+            return False
+        return True
 
     def close(self) -> None:
-        """Close the archive left open."""
+        """Close the archive left open, and drop the memory map."""
         if self._ark is not None:
             self._ark[1].close()
             self._ark = None
+        self._mapped = None
+
+
+#: the first bytes of an uncompressed float32 matrix's header (then "\4" rows "\4" cols), as the
+#: compiled batch copy compares them
+_FLOAT32_TOKEN = np.frombuffer(b"\0BFM ", np.uint8)
 
 
 def _float32_header(rows: int, cols: int) -> bytes:

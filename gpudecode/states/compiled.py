@@ -10,16 +10,16 @@ tests compare them). Without numba, or with ``StateManager.compiled`` False, the
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import numpy as np
 
+from gpudecode.backend import numba_available
 
-@functools.cache
+
 def available() -> bool:
-    """Whether numba is installed (found, not imported: a manager that never steps on the host
-    never imports it)."""
-    return importlib.util.find_spec("numba") is not None
+    """Whether numba is installed (:func:`gpudecode.backend.numba_available`: found, not imported,
+    so a manager that never steps on the host never imports it)."""
+    return numba_available()
 
 
 #: the state dtypes the compiled copies take (numba has no float16 or bfloat16 arrays)

@@ -113,7 +113,9 @@ def _decode_all(decoder: Decoder, source, writer: ResultWriter, config: Config, 
             items = items[1:]
         written, before = time.perf_counter(), writer.num_written
         try:
-            writer.write_many([UtteranceResult(id=utterance.id, nbest=nbest) for utterance, nbest in items])
+            for start in range(0, len(items), defaults.WRITE_CHUNK):
+                writer.write_many([UtteranceResult(id=utterance.id, nbest=nbest)
+                                   for utterance, nbest in items[start:start + defaults.WRITE_CHUNK]])
         finally:  # those written before a failure are done
             timings.writing_s += time.perf_counter() - written
             done = items[:writer.num_written - before]

@@ -10,7 +10,7 @@ import onnx
 from gpudecode.prepare.detect import prepare_hint
 from gpudecode.session.conventions import discover_with_hints, model_hints
 from gpudecode.session.discovery import ModelError, discover_encoder
-from gpudecode.session.genai import gqa_present_pairs, uses_group_query_attention
+from gpudecode.session.genai import gqa_present_pairs, shared_presents, uses_group_query_attention
 from gpudecode.session.tensors import ModelTensors, from_onnx_model
 
 
@@ -44,10 +44,8 @@ def _shared_presents_line(spec, model) -> str | None:
     """What CUDA graphs do with the cache of a Hugging Face decoder whose presents all come straight
     from GroupQueryAttention over their own pasts (``runtime.cuda_graphs.shared_presents``); None
     for any other model."""
-    variables = spec.state_variables
-    pairs = gqa_present_pairs(model)
-    if (spec.convention != "huggingface" or spec.in_place_outputs or not variables
-            or any(pairs.get(v.output_name) != v.input_name for v in variables)):
+    if (spec.convention != "huggingface" or spec.in_place_outputs
+            or not shared_presents(spec.state_variables, gqa_present_pairs(model))):
         return None
     return ("cache with CUDA graphs: appended in place (each present bound to its past's buffer: "
             "GroupQueryAttention writes only the new step; runtime.cuda_graphs.shared_presents)")

@@ -275,8 +275,9 @@ class _MatrixReader:
         """[U, T_max, F] float32, zero-padded (as ``pad_features`` pads what :meth:`read` gives):
         the float32 matrices ``(archive, offset, rows, cols)`` read by one ``os.preadv`` each,
         header and data, the data straight into its row — or, ``compiled`` and all in one archive,
-        copied from its memory map by one compiled call that checks the same headers. None where that cannot give exactly what
-        reading them one by one and checking them gives: no ``preadv`` or a big-endian host, columns
+        copied from its memory map by one compiled call that checks the same headers. None where
+        that cannot give exactly what reading them one by one and checking them gives: no
+        ``preadv`` or a big-endian host, columns
         that differ (or differ from ``num_features``), an empty matrix, a header other than the
         expected one, data cut short, an error, or a NaN/Inf anywhere (the caller then reads them one
         by one, which names the utterance and the frame)."""
@@ -363,11 +364,11 @@ class _MatrixReader:
         self._mapped = None
 
 
-#: the first bytes of an uncompressed float32 matrix's header (then "\4" rows "\4" cols), as the
-#: compiled batch copy compares them
-_FLOAT32_TOKEN = np.frombuffer(b"\0BFM ", np.uint8)
+#: the first bytes of an uncompressed float32 matrix's header (then "\4" rows "\4" cols)
+_FLOAT32_MAGIC = b"\0BFM "
+_FLOAT32_TOKEN = np.frombuffer(_FLOAT32_MAGIC, np.uint8)  # as the compiled batch copy compares them
 
 
 def _float32_header(rows: int, cols: int) -> bytes:
     """The header of an uncompressed float32 binary matrix of ``rows`` × ``cols``."""
-    return b"\0BFM " + struct.pack("<BiBi", 4, rows, 4, cols)
+    return _FLOAT32_MAGIC + struct.pack("<BiBi", 4, rows, 4, cols)

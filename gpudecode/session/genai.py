@@ -167,6 +167,14 @@ def gqa_present_pairs(model_proto) -> dict[str, str]:
     return pairs
 
 
+def shared_presents(state_variables, pairs: dict[str, str]) -> dict[str, str]:
+    """Present output -> past input of every state variable where each is the GroupQueryAttention
+    present of its own past (``pairs``: :func:`gqa_present_pairs`); empty where one is not, or
+    there are none (caches are shared for every state or for none)."""
+    wanted = {v.output_name: v.input_name for v in state_variables}
+    return wanted if wanted and all(pairs.get(output) == name for output, name in wanted.items()) else {}
+
+
 def uses_group_query_attention(model_proto) -> bool:
     """Whether the graph runs ONNX Runtime's ``GroupQueryAttention``."""
     return any(node.op_type == "GroupQueryAttention" for node in model_proto.graph.node)

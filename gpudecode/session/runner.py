@@ -22,7 +22,7 @@ import numpy as np
 
 from gpudecode import backend
 from gpudecode.session.cuda_libs import preload_cuda_libraries, provider_failure
-from gpudecode.session.genai import gqa_present_pairs
+from gpudecode.session.genai import gqa_present_pairs, uses_group_query_attention
 from gpudecode.session.graphs import SKIP_GRAPH, capture_blocker, host_copy_blocker
 from gpudecode.session.options import SessionOptions
 from gpudecode.session.placement import data_copies
@@ -345,7 +345,7 @@ _XQA_LOCK = threading.Lock()  # one session creation at a time changes the varia
 def xqa_setting(model_proto, enabled: bool) -> str | None:
     """``ORT_ENABLE_XQA``'s value for creating a CUDA session of ``model_proto``: "1" / "0" for a graph
     that runs ``GroupQueryAttention`` (``SessionOptions.gqa_xqa``), None (left alone) otherwise."""
-    if not any(node.op_type == "GroupQueryAttention" for node in model_proto.graph.node):
+    if not uses_group_query_attention(model_proto):
         return None
     return "1" if enabled else "0"
 

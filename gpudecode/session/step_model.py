@@ -21,6 +21,7 @@ import numpy as np
 
 from gpudecode.backend import get_array_module, to_host
 from gpudecode.session.discovery import HF_BRANCH_INPUT, ModelError, ModelSpec
+from gpudecode.session.genai import shared_presents
 from gpudecode.session.graphs import GraphBuckets, GraphOptions
 from gpudecode.session.hf import hf_attention_inputs, hf_length_inputs, new_step_states, write_attention_inputs
 from gpudecode.session.runner import OnnxSession
@@ -159,6 +160,8 @@ class _StaticInputs:
     prefix: Any  # int32 prefix lengths (the merge writes them)
     prefix_converted: Any  # the model's prefix-length when it is not int32, else None
     labels: Any
+    #: outputs bound to the state inputs' buffers (in-place outputs, shared presents), by output name
+    bound: dict
 
 
 class StepModelRunner:
@@ -468,9 +471,9 @@ class StepModelRunner:
         if spec.convention != "rasr":
             write_attention_inputs(merged.prefix_lengths, padded_time, spec.history_alignment,
                                    feeds.get(names.get("attention_mask")), feeds.get(names.get("position_ids")))
-        in_place = {**self._in_place(static.states), **self._shared(static.states)}
-        outputs = graphs.run(static.key, feeds, self._output_names(in_place),
-                             lambda name, dtype, shape: in_place[name] if name in in_place
+        bound = static.bound
+        outputs = graphs.run(static.key, feeds, self._output_names(bound),
+                             lambda name, dtype, shape: bound[name] if name in bound
                              else buffers.view(name, dtype, shape, bucket))
         states_out, at = self._new_steps(self._state_outputs(outputs), merged.prefix_lengths, for_split=True)
         if self._rows_outermost:
@@ -488,10 +491,16 @@ class StepModelRunner:
         bucketed steps (graphs) of a left-aligned Hugging Face model padded in time, every state with a
         time axis, no in-place outputs, no history truncation (``max_history``), and no step of
         this runner found a state output that does not hold the whole history (see :meth:`run_resident`)."""
+        return self._resident_steps and self._whole_left_histories
+
+    @property
+    def _whole_left_histories(self) -> bool:
+        """Bucketed steps (graphs) of a left-aligned Hugging Face model padded in time, every state
+        with a time axis, no in-place outputs and no history truncation (``max_history``): each
+        present holds a row's whole history and its new step at the row's length."""
         spec = self.spec
-        return (self.graphs is not None and self._resident_steps and spec.convention == "huggingface"
-                and spec.history_alignment == "left" and self._pad_time and not self._by_length
-                and not spec.in_place_outputs and self.states.options.max_history is None
+        return (self.graphs is not None and spec.convention == "huggingface" and spec.history_alignment == "left"
+                and self._pad_time and not spec.in_place_outputs and self.states.options.max_history is None
                 and all(v.time_axis is not None for v in spec.state_variables))
 
     _resident_steps = True  # cleared for good by a step whose state outputs hold the new step alone
@@ -522,7 +531,8 @@ class StepModelRunner:
             bound = self._natural_time(source, None)
             bucket = (0, graphs.rows(num_rows, lanes.group_size), self._time_bucket(bound))
             static = self._static_io(bucket, lanes)
-            prefix_lengths = self.states.merge(source, out=static.states, prefix_lengths_out=static.prefix).prefix_lengths
+            merged = self.states.merge(source, out=static.states, prefix_lengths_out=static.prefix)
+            prefix_lengths = merged.prefix_lengths
             lengths = None
         padded_rows, padded_time = bucket[1], bucket[2]
         feeds = dict(static.feeds)
@@ -532,9 +542,9 @@ class StepModelRunner:
         names = self.spec.hypothesis_inputs
         write_attention_inputs(prefix_lengths, padded_time, "left", feeds.get(names.get("attention_mask")),
                                feeds.get(names.get("position_ids")))
-        shared = self._shared(static.states)
-        outputs = graphs.run(static.key, feeds, self._output_names(shared),
-                             lambda name, dtype, shape: shared[name] if name in shared
+        shared, binding = bool(self._shared_presents), static.bound  # (no in-place outputs here)
+        outputs = graphs.run(static.key, feeds, self._output_names(binding),
+                             lambda name, dtype, shape: binding[name] if name in binding
                              else graphs.buffers.view(name, dtype, shape, bucket))
         scores = outputs[self.spec.scores_output][:num_rows]
         # shared presents: the step is in the inputs already; else the presents [.., T + 1, ..]
@@ -720,24 +730,15 @@ class StepModelRunner:
         ``options.shared_presents``, CUDA graphs over device states, and a left-aligned Hugging Face
         model padded in time, with no history truncation, whose every state output is the
         GroupQueryAttention present of its own past input (``OnnxSession.gqa_present_pairs``); else empty."""
-        spec, states = self.spec, self.states
-        if not (options.shared_presents and self.graphs is not None and self.session.provider == "cuda"
-                and states.device != "cpu" and spec.convention == "huggingface" and spec.history_alignment == "left"
-                and self._pad_time and not spec.in_place_outputs and states.options.max_history is None
-                and spec.state_variables and all(v.time_axis is not None for v in spec.state_variables)):
+        if not (options.shared_presents and self.session.provider == "cuda" and self.states.device != "cpu"
+                and self._whole_left_histories):
             return {}
-        pairs = self.session.gqa_present_pairs
-        wanted = {v.output_name: v.input_name for v in spec.state_variables}
-        return wanted if all(pairs.get(output) == name for output, name in wanted.items()) else {}
+        return shared_presents(self.spec.state_variables, self.session.gqa_present_pairs)
 
     @property
     def shares_presents(self) -> bool:
         """Whether bucketed calls bind the presents to their pasts' buffers (:meth:`_shareable_presents`)."""
         return bool(self._shared_presents)
-
-    def _shared(self, state_inputs: dict) -> dict:
-        """The shared presents bound to their pasts' buffers (:meth:`_shareable_presents`)."""
-        return {output: state_inputs[name] for output, name in self._shared_presents.items()}
 
     def _static_io(self, bucket, lanes) -> _StaticInputs:
         """The static inputs of ``bucket``: views of the graph buffers (and of the lane buffers),
@@ -783,8 +784,9 @@ class StepModelRunner:
             lane_key.append((name, buffer.shape))
         if self.session.provider == "cuda":
             lane_key += [buffer.data.ptr for buffer in lanes.buffers.values()]
+        bound = {**self._in_place(states), **{output: states[name] for output, name in self._shared_presents.items()}}
         static = _StaticInputs(key=(bucket, tuple(lane_key)), feeds=feeds, states=states, prefix=prefix,
-                               prefix_converted=converted, labels=labels)
+                               prefix_converted=converted, labels=labels, bound=bound)
         current = (buffers.generation, lanes.version)  # after any growth above
         # views of replaced buffers would keep them alive
         self._static = {k: v for k, v in self._static.items() if k[1:] == current}

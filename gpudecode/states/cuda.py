@@ -212,4 +212,3 @@ class CudaStateCopy:
         with on_shared_stream(self.device_id):
             self._copy_steps(grid, (THREADS_PER_BLOCK,), (*args, positions, np.int32(len(self.layouts))))
         self.num_launches += 1
-

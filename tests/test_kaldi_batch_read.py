@@ -1,8 +1,8 @@
 """A script file's batches read straight into their padded arrays (``_MatrixReader.read_padded``)
 equal the batches read utterance by utterance — kaldiio's matrices, checked and padded — and every
 case the direct read cannot vouch for goes the per-utterance way, with its messages and skips.
-Each test runs both direct reads: a ``preadv`` a matrix, and the compiled copy of a whole batch
-from the archive's memory map (``compiled_reads``, numba)."""
+Each test runs both direct reads: a ``preadv`` a matrix, and a ``preadv`` a stretch of the archive
+(``span_reads``)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from gpudecode.io.kaldi import KaldiScpSource
 SIZING = BatchSizing(utterances=3, frames=None, first=2)
 
 
-@pytest.fixture(params=[False, True], ids=["preadv", "compiled"])
-def compiled(request):
-    """The direct reads of each source: one ``preadv`` a matrix, or the compiled batch copy."""
+@pytest.fixture(params=[False, True], ids=["preadv", "spans"])
+def spans(request):
+    """The direct reads of each source: one ``preadv`` a matrix, or one a stretch of the archive."""
     return request.param
 
 
@@ -63,7 +63,7 @@ def _batches(source):
 
 
 @pytest.mark.parametrize("cols", [40, 1])
-def test_direct_batches_equal_the_per_utterance_ones(tmp_path, loads, cols, compiled):
+def test_direct_batches_equal_the_per_utterance_ones(tmp_path, loads, cols, spans):
     rng = np.random.default_rng(cols)
     utts = {f"u{n}": rng.standard_normal((n, cols)).astype(np.float32) for n in (7, 1, 300, 2, 30, 30, 5)}
     utts["u7"][0, 0] = -0.0
@@ -73,11 +73,11 @@ def test_direct_batches_equal_the_per_utterance_ones(tmp_path, loads, cols, comp
     repeated.write_text("".join(f"{line.split()[0]}-r{k} {line.split()[1]}\n" for k in (1, 2) for line in lines))
     loads.clear()
     for path in (scp, repeated):
-        with KaldiScpSource(path, compiled_reads=compiled) as source:
+        with KaldiScpSource(path, span_reads=spans) as source:
             batches, per_utterance = _batches(source)
             assert source.num_features == cols
-            # the compiled copy read every batch (it does not fall back to preadv unnoticed)
-            assert source._matrices.mapped_batches == (len(batches) if compiled else 0)
+            # the span reads read every batch (they do not fall back unnoticed)
+            assert source._matrices.span_batches == (len(batches) if spans else 0)
         assert per_utterance == 0 and loads == []  # every batch read directly
         expected = _oracle(path, [[u.id for u in batch] for batch in batches])
         assert sum(len(b) for b in batches) == len(_entries(path))
@@ -110,7 +110,7 @@ def _mixed(tmp_path, bad: str):
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "cols", "empty"])
 @pytest.mark.parametrize("on_error", ["stop", "skip"])
-def test_bad_utterances_go_the_per_utterance_way(tmp_path, bad, on_error, compiled):
+def test_bad_utterances_go_the_per_utterance_way(tmp_path, bad, on_error, spans):
     utts = _mixed(tmp_path, bad)
     _, scp = _save(tmp_path, utts)
     bad_id = {"nan": "u1", "inf": "u2", "cols": "u2", "empty": "u3"}[bad]
@@ -121,7 +121,7 @@ def test_bad_utterances_go_the_per_utterance_way(tmp_path, bad, on_error, compil
         except FeatureError as exc:
             return None, exc
 
-    with KaldiScpSource(scp, on_error=on_error, compiled_reads=compiled) as direct:
+    with KaldiScpSource(scp, on_error=on_error, span_reads=spans) as direct:
         got, error = run(direct)
         skipped = [str(e) for e in direct.skipped]
     # the oracle: the same source asked for its utterances one by one
@@ -141,11 +141,11 @@ def test_bad_utterances_go_the_per_utterance_way(tmp_path, bad, on_error, compil
         assert skipped == expected_skipped and len(skipped) == 1
 
 
-def test_float64_matrices_are_read_one_by_one(tmp_path, loads, compiled):
+def test_float64_matrices_are_read_one_by_one(tmp_path, loads, spans):
     utts = _mixed(tmp_path, "float64")
     _, scp = _save(tmp_path, utts)
     loads.clear()
-    with KaldiScpSource(scp, compiled_reads=compiled) as source:
+    with KaldiScpSource(scp, span_reads=spans) as source:
         batches, per_utterance = _batches(source)
     with_u1 = next(b for b in batches if "u1" in [u.id for u in b])
     assert per_utterance == len(with_u1)  # that batch one by one; the others directly
@@ -154,12 +154,12 @@ def test_float64_matrices_are_read_one_by_one(tmp_path, loads, compiled):
         assert batch.padded.tobytes() == padded.tobytes()
 
 
-def test_an_archive_changed_after_the_headers_were_read(tmp_path, loads, compiled):
+def test_an_archive_changed_after_the_headers_were_read(tmp_path, loads, spans):
     rng = np.random.default_rng(5)
     utts = {f"u{n}": rng.standard_normal((n, 3)).astype(np.float32) for n in (6, 5, 4)}
     ark, scp = _save(tmp_path, utts)
     entries = _entries(scp)
-    with KaldiScpSource(scp, compiled_reads=compiled) as source:
+    with KaldiScpSource(scp, span_reads=spans) as source:
         assert source.lengths()["u6"] == 6
         offset = int(entries["u6"].rsplit(":", 1)[1])
         with open(ark, "r+b") as fd:  # u6's header now says 5 rows (its first 5 rows stay valid data)
@@ -177,56 +177,79 @@ def test_an_archive_changed_after_the_headers_were_read(tmp_path, loads, compile
         assert got[key].tobytes() == utts[key].tobytes()
 
 
-def test_a_batch_from_two_archives_is_read_by_preadv(tmp_path, loads):
-    """The compiled copy maps one archive; a batch that spans two is read a matrix at a time, and
-    equals kaldiio's matrices."""
+def test_a_batch_from_two_archives_is_read_a_span_of_each(tmp_path, loads):
+    """A batch whose matrices lie in two archives, interleaved in the script, is read a span of
+    each archive, and equals kaldiio's matrices."""
     rng = np.random.default_rng(7)
     first = {f"a{n}": rng.standard_normal((n, 2)).astype(np.float32) for n in (3, 6, 9)}
     second = {f"b{n}": rng.standard_normal((n, 2)).astype(np.float32) for n in (4, 7)}
     _, scp_a = _save(tmp_path, first, name="a")
     _, scp_b = _save(tmp_path, second, name="b")
+    a, b = scp_a.read_text().splitlines(), scp_b.read_text().splitlines()
     both = tmp_path / "both.scp"
-    both.write_text(scp_a.read_text() + scp_b.read_text())
+    both.write_text("\n".join([b[1], a[0], b[0], a[2], a[1]]) + "\n")
     loads.clear()
-    with KaldiScpSource(both, compiled_reads=True) as source:
+    with KaldiScpSource(both) as source:
         batches, per_utterance = _batches(source)
-        mapped = source._matrices.mapped_batches
+        spanned = source._matrices.span_batches
     archives = [{u.id[0] for u in batch} for batch in batches]
     assert per_utterance == 0 and loads == []  # every batch read directly
-    assert {"a", "b"} in archives and mapped == sum(len(a) == 1 for a in archives) < len(batches)
+    assert {"a", "b"} in archives and spanned == len(batches)
     expected = _oracle(both, [[u.id for u in b] for b in batches])
     for batch, (_, padded) in zip(batches, expected):
         assert batch.padded.tobytes() == padded.tobytes()
 
 
+def test_spans_split_at_the_buffer_limit_and_at_long_gaps(tmp_path, loads):
+    """700 matrices in one batch (more than one ``preadv`` can take), every third listed, and one
+    matrix beyond a gap longer than a span reads through: the batch equals kaldiio's matrices."""
+    from gpudecode.io import kaldi
+
+    rng = np.random.default_rng(11)
+    utts = {f"u{k:04d}": rng.standard_normal((1 + k % 5, 3)).astype(np.float32) for k in range(2100)}
+    utts["z"] = rng.standard_normal((kaldi._SPAN_GAP // 12 + 10, 3)).astype(np.float32)  # > _SPAN_GAP bytes
+    utts["zz"] = rng.standard_normal((2, 3)).astype(np.float32)
+    _, scp = _save(tmp_path, utts)
+    lines = scp.read_text().splitlines()
+    listed = tmp_path / "listed.scp"
+    listed.write_text("\n".join(lines[:2100:3] + [lines[-1]]) + "\n")
+    ids = [line.split()[0] for line in listed.read_text().splitlines()]
+    assert len(ids) * 3 > kaldi._SPAN_BUFFERS
+    loads.clear()
+    with KaldiScpSource(listed) as source:
+        source.lengths()
+        batch = source._read_batch(ids)
+        assert source._matrices.span_batches == 1 and loads == []
+    (_, padded), = _oracle(listed, [ids])
+    assert batch.padded.tobytes() == padded.tobytes()
+
+
 @pytest.mark.parametrize("byte, value", [(0, 1), (1, ord("b")), (2, ord("D")), (4, 0), (5, 8), (6, 4), (10, 8),
                                          (11, 3)], ids=["binary", "B", "type", "space", "size", "rows",
                                                         "cols-size", "cols"])
-def test_the_compiled_copy_stops_at_the_first_header_not_as_read(byte, value):
-    """Two float32 matrices in one archive; any byte of the second's header changed (its token,
-    either size byte, its rows or its columns), or its data cut short, and the copy returns 1,
-    the first row written and the second not."""
-    from gpudecode.io import kaldi_jit
-    from gpudecode.io.kaldi import _FLOAT32_TOKEN, _float32_header
+def test_a_span_read_fails_on_any_header_byte_not_as_read(tmp_path, byte, value):
+    """Two float32 matrices in one archive read as one span; any byte of the second's header
+    changed (its token, either size byte, its rows or its columns), or its data cut short, and the
+    read says so."""
+    from gpudecode.io.kaldi import _float32_header, _MatrixReader
 
     first, second = np.arange(6, dtype=np.float32).reshape(3, 2), np.full((2, 2), 7, np.float32)
     archive = bytearray(b"x " + _float32_header(3, 2) + first.tobytes() + b"y " + _float32_header(2, 2)
                         + second.tobytes())
-    offsets = np.array([2, 2 + 15 + first.nbytes + 2], np.int64)
-    rows = np.array([3, 2], np.int64)
+    offsets = [2, 2 + 15 + first.nbytes + 2]
+    path = tmp_path / "m.ark"
 
-    def copy(data: bytes):
-        out = np.full((2, 3 * 2 * 4), 255, np.uint8)
-        return kaldi_jit.copy_float32_matrices(np.frombuffer(data, np.uint8), offsets, rows, 2, _FLOAT32_TOKEN,
-                                               out), out
+    def read(data: bytes):
+        path.write_bytes(data)
+        reader = _MatrixReader()
+        out = np.zeros((2, 3, 2), np.float32)
+        ok = reader._read_spans([(0, str(path), offsets[0], 3), (1, str(path), offsets[1], 2)], 2, out)
+        reader.close()
+        return ok, out
 
-    failed, out = copy(bytes(archive))
-    assert failed == -1
-    assert out.view(np.float32)[0].tobytes() == first.tobytes()
-    assert out.view(np.float32)[1].tobytes() == second.tobytes() + bytes(8)  # padded with zeros
+    ok, out = read(bytes(archive))
+    assert ok and out[0].tobytes() == first.tobytes() and out[1, :2].tobytes() == second.tobytes()
     changed = bytearray(archive)
     changed[offsets[1] + byte] = value
-    failed, out = copy(bytes(changed))
-    assert failed == 1 and out.view(np.float32)[0].tobytes() == first.tobytes() and set(out[1]) == {255}
-    failed, _ = copy(bytes(archive[:-1]))  # the second's data one byte short
-    assert failed == 1
+    assert not read(bytes(changed))[0]
+    assert not read(bytes(archive[:-1]))[0]

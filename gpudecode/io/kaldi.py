@@ -11,7 +11,6 @@ from typing import BinaryIO
 
 import numpy as np
 
-from gpudecode.backend import numba_available
 from gpudecode.io.errors import FeatureError
 from gpudecode.io.features import FeatureSource, PaddedBatch, Utterance
 
@@ -75,9 +74,9 @@ class KaldiScpSource(FeatureSource):
 
     format = "kaldi-scp"
 
-    def __init__(self, path, *, compiled_reads: bool | None = None, **kwargs):
-        """``compiled_reads``: batches copied from memory-mapped archives by a compiled call
-        (``_MatrixReader``'s ``compiled``; None: where numba is installed)."""
+    def __init__(self, path, *, span_reads: bool = True, **kwargs):
+        """``span_reads``: a batch read a stretch of its archive per ``os.preadv`` (else one a
+        matrix; ``_MatrixReader``'s ``spans``)."""
         super().__init__(path, **kwargs)
         import kaldiio  # noqa: F401  (a missing kaldiio fails here, not per utterance)
 
@@ -90,7 +89,7 @@ class KaldiScpSource(FeatureSource):
                                path=self.path) from exc
         self._order = list(self._entries)
         self._ark: tuple[str, BinaryIO] | None = None  # the archive open while lengths() reads
-        self._matrices = _MatrixReader(compiled=compiled_reads)
+        self._matrices = _MatrixReader(spans=span_reads)
         #: per id, (archive, offset, rows, cols) of a float32 matrix as its header said in lengths()
         self._float32: dict[str, tuple[str, int, int, int]] = {}
         self._headers: dict[tuple[str, int], bytes] = {}  # the headers lengths() read, by entry
@@ -233,17 +232,17 @@ class _MatrixReader:
     a data ``os.pread`` each, keeping the last archive open (kaldiio opens the archive and parses
     in Python per matrix). One thread at a time reads through it.
 
-    ``compiled`` (None: where numba is installed): :meth:`read_padded` copies a batch of one
-    archive from its memory map in one compiled call without the GIL (:mod:`gpudecode.io.kaldi_jit`)
-    instead of a ``preadv`` a matrix — each of which takes the GIL back, a wait of up to the
-    interpreter's switch interval while another thread (the decoding loop, the writer) runs."""
+    ``spans`` (default): :meth:`read_padded` reads a batch's matrices in file order with one
+    ``os.preadv`` per stretch of the archive (headers into one buffer, data straight into the
+    padded rows, the bytes between into a scratch buffer) instead of one per matrix: every call
+    gives the GIL up and must take it back, a wait of up to the interpreter's switch interval while
+    another thread (the decoding loop, the writer) runs Python."""
 
-    def __init__(self, compiled: bool | None = None):
+    def __init__(self, spans: bool = True):
         self._ark: tuple[str, BinaryIO, int] | None = None  # path, open file, size when opened
-        self.compiled = numba_available() if compiled is None else compiled
-        #: (path, (inode, size, modification time), its memory map) of the archive last mapped
-        self._mapped: tuple[str, tuple, np.ndarray] | None = None
-        self.mapped_batches = 0  # batches read from a memory map
+        self.spans = spans
+        self._scratch: memoryview | None = None  # where the bytes between a span's matrices go
+        self.span_batches = 0  # batches read a span at a time
 
     def read(self, ark: str, offset: int) -> np.ndarray | None:
         """The ``FM``/``DM`` matrix at ``offset`` of ``ark`` as ``kaldiio.load_mat`` gives it (a
@@ -252,11 +251,7 @@ class _MatrixReader:
         if not hasattr(os, "pread"):
             return None
         try:
-            if self._ark is None or self._ark[0] != ark:
-                self.close()
-                file = open(ark, "rb", buffering=0)
-                self._ark = (ark, file, os.fstat(file.fileno()).st_size)
-            _, file, size = self._ark
+            _, file, size = self._open(ark)
             layout = _plain_matrix(os.pread(file.fileno(), _PLAIN_HEADER_BYTES, offset))
             if layout is None:
                 return None
@@ -273,14 +268,13 @@ class _MatrixReader:
 
     def read_padded(self, located: Sequence[tuple[str, int, int, int]], num_features: int | None):
         """[U, T_max, F] float32, zero-padded (as ``pad_features`` pads what :meth:`read` gives):
-        the float32 matrices ``(archive, offset, rows, cols)`` read by one ``os.preadv`` each,
-        header and data, the data straight into its row — or, ``compiled`` and all in one archive,
-        copied from its memory map by one compiled call that checks the same headers. None where
-        that cannot give exactly what reading them one by one and checking them gives: no
-        ``preadv`` or a big-endian host, columns
-        that differ (or differ from ``num_features``), an empty matrix, a header other than the
-        expected one, data cut short, an error, or a NaN/Inf anywhere (the caller then reads them one
-        by one, which names the utterance and the frame)."""
+        the float32 matrices ``(archive, offset, rows, cols)``, headers and data, the data straight
+        into its row — a span of each archive per ``os.preadv`` (``spans``) or one a matrix. A
+        matrix listed under several ids is read once. None where that cannot give exactly what
+        reading them one by one and checking them gives: no ``preadv`` or a big-endian host,
+        columns that differ (or differ from ``num_features``), an empty matrix, a header other than
+        the expected one, data cut short, an error, or a NaN/Inf anywhere (the caller then reads
+        them one by one, which names the utterance and the frame)."""
         if not located or not hasattr(os, "preadv") or sys.byteorder != "little":
             return None
         cols = {where[3] for where in located}
@@ -289,84 +283,106 @@ class _MatrixReader:
             return None
         if min(where[2] for where in located) == 0:
             return None
-        padded = np.empty((len(located), max(where[2] for where in located), num_cols), np.float32)
-        if self.compiled and len({where[0] for where in located}) == 1:
-            if not self._copy_mapped(located, num_cols, padded):
-                return None
-        elif not self._read_each(located, num_cols, padded):
+        padded = np.zeros((len(located), max(where[2] for where in located), num_cols), np.float32)
+        first: dict[tuple[str, int], int] = {}  # the row that reads each matrix
+        copies = []  # (row, the row that read the same matrix)
+        for i, (ark, offset, rows, _) in enumerate(located):
+            j = first.setdefault((ark, offset), i)
+            if j != i:
+                if located[j][2] != rows:
+                    return None
+                copies.append((i, j))
+        unique = sorted(first.values(), key=lambda i: located[i][:2])
+        read = self._read_spans if self.spans else self._read_each
+        if not read([(i, *located[i][:3]) for i in unique], num_cols, padded):
             return None
+        if copies:
+            to, of = np.array(copies).T
+            padded[to] = padded[of]
         if not (np.isfinite(padded.max()) and np.isfinite(padded.min())):  # NaN and ±Inf reach one of them
             return None
+        self.span_batches += self.spans
         return padded
 
-    def _copy_mapped(self, located, num_cols: int, padded: np.ndarray) -> bool:
-        """The batch (one archive) copied from the archive's memory map in one compiled call;
-        False where a header differs, data is cut short or the archive cannot be mapped."""
-        archive = self._map(located[0][0])
-        if archive is None:
-            return False
-        from gpudecode.io import kaldi_jit
-
-        count = len(located)
-        offsets = np.fromiter((where[1] for where in located), np.int64, count)
-        rows = np.fromiter((where[2] for where in located), np.int64, count)
-        failed = kaldi_jit.copy_float32_matrices(archive, offsets, rows, num_cols, _FLOAT32_TOKEN,
-                                                 padded.view(np.uint8).reshape(count, -1))
-        self.mapped_batches += failed < 0
-        return failed < 0
-
-    def _map(self, ark: str) -> np.ndarray | None:
-        """The archive's memory map (uint8), made again when the file is another one or has
-        changed (inode, size, modification time); None for an empty or unreadable file."""
+    def _read_spans(self, matrices, num_cols: int, padded: np.ndarray) -> bool:
+        """``matrices`` ``(row, archive, offset, rows)`` in file order read by one ``os.preadv``
+        per stretch of an archive (up to :data:`_SPAN_BUFFERS` buffers, gaps up to
+        :data:`_SPAN_GAP` bytes read into scratch); False where a header differs, data is cut
+        short, matrices overlap or a read fails."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SPAN_GAP))
+        headers = bytearray(_PLAIN_HEADER_BYTES * len(matrices))
+        header_views = memoryview(headers)
+        buffers: list[memoryview] = []
+        span = [None, 0, 0]  # archive, where the span starts, where it ends
         try:
-            status = os.stat(ark)
+            for k, (i, ark, offset, rows) in enumerate(matrices):
+                gap = offset - span[2]
+                if ark != span[0] or gap < 0 or gap > _SPAN_GAP or len(buffers) + 3 > _SPAN_BUFFERS:
+                    if buffers and not self._read_span(span, buffers):
+                        return False
+                    if ark == span[0] and gap < 0:  # overlapping matrices: not an archive kaldiio wrote
+                        return False
+                    buffers, span, gap = [], [ark, offset, offset], 0
+                if gap:
+                    buffers.append(self._scratch[:gap])
+                buffers.append(header_views[k * _PLAIN_HEADER_BYTES:(k + 1) * _PLAIN_HEADER_BYTES])
+                buffers.append(memoryview(padded[i, :rows]).cast("B"))
+                span[2] = offset + _PLAIN_HEADER_BYTES + rows * num_cols * 4
+            if buffers and not self._read_span(span, buffers):
+                return False
         except OSError:
-            return None
-        identity = (status.st_ino, status.st_size, status.st_mtime_ns)
-        if self._mapped is None or self._mapped[:2] != (ark, identity):
-            self._mapped = None
-            if not status.st_size:
-                return None
-            try:
-                self._mapped = (ark, identity, np.memmap(ark, dtype=np.uint8, mode="r"))
-            except (OSError, ValueError):
-                return None
-        return self._mapped[2]
+            return False
+        return headers == b"".join(_float32_header(rows, num_cols) for _, _, _, rows in matrices)
 
-    def _read_each(self, located, num_cols: int, padded: np.ndarray) -> bool:
-        """The batch read by one ``os.preadv`` a matrix, header and data, the data straight into
-        its row; False where a header differs, data is cut short or a read fails."""
+    def _read_span(self, span, buffers) -> bool:
+        """One ``os.preadv`` of ``buffers`` from ``span`` ``[archive, start, end]``; False where it
+        reads less (the archive cut short)."""
+        ark, start, end = span
+        _, file, size = self._open(ark)
+        return end <= size and os.preadv(file.fileno(), buffers, start) == end - start
+
+    def _read_each(self, matrices, num_cols: int, padded: np.ndarray) -> bool:
+        """``matrices`` ``(row, archive, offset, rows)`` read by one ``os.preadv`` a matrix, header
+        and data, the data straight into its row; False where a header differs, data is cut short
+        or a read fails."""
         header = bytearray(_PLAIN_HEADER_BYTES)
         try:
-            for i, (ark, offset, rows, _) in enumerate(located):
-                if self._ark is None or self._ark[0] != ark:
-                    self.close()
-                    file = open(ark, "rb", buffering=0)
-                    self._ark = (ark, file, os.fstat(file.fileno()).st_size)
-                _, file, size = self._ark
+            for i, ark, offset, rows in matrices:
+                _, file, size = self._open(ark)
                 data_bytes = rows * num_cols * 4
                 if offset + _PLAIN_HEADER_BYTES + data_bytes > size:
                     return False
-                row = padded[i, :rows]
-                if os.preadv(file.fileno(), [header, memoryview(row).cast("B")], offset) != (
+                if os.preadv(file.fileno(), [header, memoryview(padded[i, :rows]).cast("B")], offset) != (
                         _PLAIN_HEADER_BYTES + data_bytes) or bytes(header) != _float32_header(rows, num_cols):
                     return False
-                padded[i, rows:] = 0
         except OSError:
             return False
         return True
 
+    def _open(self, ark: str) -> tuple[str, BinaryIO, int]:
+        """``(path, open file, size)`` of ``ark``, kept open until another archive is read."""
+        if self._ark is None or self._ark[0] != ark:
+            self.close()
+            file = open(ark, "rb", buffering=0)
+            self._ark = (ark, file, os.fstat(file.fileno()).st_size)
+        return self._ark
+
     def close(self) -> None:
-        """Close the archive left open, and drop the memory map."""
+        """Close the archive left open."""
         if self._ark is not None:
             self._ark[1].close()
             self._ark = None
-        self._mapped = None
+
+
+#: buffers per ``os.preadv`` of a span (the system's limit, IOV_MAX, is 1,024 on Linux)
+_SPAN_BUFFERS = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+#: the most bytes between two matrices that one span reads through (into scratch)
+_SPAN_GAP = 1 << 20
 
 
 #: the first bytes of an uncompressed float32 matrix's header (then "\4" rows "\4" cols)
 _FLOAT32_MAGIC = b"\0BFM "
-_FLOAT32_TOKEN = np.frombuffer(_FLOAT32_MAGIC, np.uint8)  # as the compiled batch copy compares them
 
 
 def _float32_header(rows: int, cols: int) -> bytes:

@@ -407,6 +407,7 @@ class SearchTuningConfig(_Section):
     lagged_continuous_mask: bool | None = None
     fused_label_step: bool = True
     fused_ctc_frames: bool = True
+    captured_ctc_frames: bool = True
     ctc_prefilter: bool = True
     fused_transducer_step: bool = True
     host_wait: Literal[defaults.HOST_WAIT_MODES] = defaults.HOST_WAIT

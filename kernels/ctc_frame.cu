@@ -29,6 +29,8 @@
 //   dynamic shared memory: [V] float32, the frame's log-probs, when row_in_shared (else 0 bytes)
 //   frame_begin, frame_end, full_begin: the frames this launch searches and the index k of the first
 //               full frame among them (the emission nodes' offset)
+//   step        [3] int64 or null: when set, frame_begin, frame_end and full_begin are read from it
+//               (a launch captured in a CUDA graph and replayed frame after frame)
 //   with scorers (all null without; then the launch's frames hold at most one full frame):
 //     lm_term   [N, V] float32: Σ scale · score of label v after lane i's prefix (the scorers' cache)
 //     lm_total  [N] float32: Σ scale · score of lane i's prefix so far
@@ -97,7 +99,7 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
                   int num_top, int frame_begin, int frame_end, long long full_begin,
                   const float* __restrict__ lm_term, const float* __restrict__ lm_total,
                   long long* __restrict__ new_parent, long long* __restrict__ new_label,
-                  signed char* __restrict__ new_transition) {
+                  signed char* __restrict__ new_transition, const long long* __restrict__ step) {
     __shared__ Lanes cur, next;
     __shared__ float s_total[CTC_MAX_BEAM], s_stay_blank[CTC_MAX_BEAM], s_stay_label[CTC_MAX_BEAM];
     __shared__ float s_x_last[CTC_MAX_BEAM];  // x(last label), lane by lane
@@ -112,6 +114,11 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
     __shared__ float s_chosen_value[CTC_MAX_BEAM];
     extern __shared__ float s_row[];  // the frame's log-probs [V] when row_in_shared
 
+    if (step != nullptr) {
+        frame_begin = (int)step[0];
+        frame_end = (int)step[1];
+        full_begin = step[2];
+    }
     const int u = blockIdx.x;
     const long long first = (long long)u * beam;
     const long long num_lanes = (long long)gridDim.x * beam;
@@ -321,13 +328,13 @@ __device__ __forceinline__ void prefix_frames(const float* __restrict__ log_prob
         const float* __restrict__ top_values, int num_top, int frame_begin, int frame_end,                \
         long long full_begin, const float* __restrict__ lm_term, const float* __restrict__ lm_total,      \
         long long* __restrict__ new_parent, long long* __restrict__ new_label,                            \
-        signed char* __restrict__ new_transition) {                                                       \
+        signed char* __restrict__ new_transition, const long long* __restrict__ step) {                   \
         prefix_frames<KEPT, SCORED>(log_probs, num_frames, vocab_size, blank, frame_kinds, lengths, skip, beam,   \
                             blank_logp, label_logp, last, length, hash, prev_hash, node, node_parent,     \
                             node_label, compare_steps, has_threshold, threshold, hash_multiplier,         \
                             hash_modulus, unresolved, row_in_shared, top_labels, top_values, num_top,     \
                             frame_begin, frame_end, full_begin, lm_term, lm_total, new_parent,            \
-                            new_label, new_transition);                                                   \
+                            new_label, new_transition, step);                                             \
     }
 CTC_ENTRY(ctc_prefix_frames_8, 8, false, 0)
 CTC_ENTRY(ctc_prefix_frames_16, 16, false, 0)

@@ -458,6 +458,12 @@ class OnnxDecoderScorer(LabelScorer):
         return converted_scores(xp, scores.astype(kept, copy=copy), self.scores_kind)
 
     @property
+    def capturable(self) -> bool:
+        """Dense states stepped in CUDA graphs: a step is device work on fixed buffers
+        (:class:`gpudecode.session.dense_graphs.DenseStepGraphs`, plain runs inside a capture)."""
+        return self.dense_graphs is not None and self.dense_graphs.bound
+
+    @property
     def captured_graphs(self) -> int:
         """CUDA graphs captured so far (0 without graphs, or where the model cannot be captured)."""
         return self.runner.graphs.captures if self.runner.graphs is not None else 0

@@ -42,8 +42,10 @@ blanks dropped — for all utterances at once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import warnings
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ import numpy as np
 from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
+from gpudecode.search.frame_graphs import AlternatingGraphs, FrameCaptureFailed
 from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
 from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
@@ -239,8 +242,16 @@ def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers:
     utterances = UtteranceBatch(ids=ids, input_lengths=lengths, inputs={LOG_PROBS_INPUT: log_probs})
 
     def run():
+        nonlocal tuning
         search = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats)
-        result = search.run(utterances, exact=options.history_compare_steps is None)
+        try:
+            result = search.run(utterances, exact=options.history_compare_steps is None)
+        except FrameCaptureFailed as exc:  # the frames as launches, from the start
+            warnings.warn(f"{exc}; the search runs its frames without CUDA graphs "
+                          "(search.tuning.captured_ctc_frames: false avoids the attempt)", stacklevel=2)
+            tuning = dataclasses.replace(tuning, captured_ctc_frames=False)
+            search = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats)
+            result = search.run(utterances, exact=options.history_compare_steps is None)
         if result is None:  # a pair stayed undecided within history_compare_steps: compare fully
             result = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats).run(
                 utterances, exact=True)
@@ -480,28 +491,61 @@ class _PrefixSearch:
         loop): each runs the frames up to and including the next full frame (ranked with the
         scorers' cached terms) and reports its moves; between calls the scorer contexts move and
         the lanes that emitted are scored. ``sync`` False (CuPy): the contexts are extended after
-        every full frame, without reading back whether any lane emitted."""
-        xp, num_lanes = self.xp, self.layout.num_lanes
+        every full frame, without reading back whether any lane emitted; where the scorers allow
+        it (``SearchTuning.captured_ctc_frames``) the frames after the first few are replayed as
+        CUDA graphs (:class:`_FrameReplays`)."""
+        xp = self.xp
         state = tuple(xp.ascontiguousarray(getattr(self, name)) for name in ctc_frame.LANE_STATE)
+        full_frames = np.flatnonzero(frame_kinds == 2).tolist()
+        replays = None
+        if not sync and _FrameReplays.applies(self, launcher, len(full_frames)):
+            replays = _FrameReplays(self, launcher, state, full_frames)
         begin = 0
-        for k, t in enumerate(np.flatnonzero(frame_kinds == 2).tolist()):
-            lm_term, lm_total = self._score_contexts(xp.full(num_lanes, t, dtype=np.int64), terms=True)
-            launcher.launch(state, self.node_parent, self.node_label, begin, t + 1, k,
-                            xp.ascontiguousarray(lm_term), xp.ascontiguousarray(lm_total))
+        for k, t in enumerate(full_frames):
+            if replays is not None and k >= _EAGER_FRAMES:
+                replays.run(k)
+                if self.stats is not None:
+                    self.stats.replayed_frames += 1
+            else:
+                self._scored_frame(launcher, state, begin, t, k, sync)
             if self.stats is not None and isinstance(launcher, ctc_frame.FrameLauncher):
                 self.stats.fused_launches += 1
             self.node_frames.append(t)
             begin = t + 1
-            parents, labels = launcher.parents, launcher.labels
-            self.cache, self.lm_scores, moved_changed, scorer_parents = scorer_moves(
-                xp, self.cache, self.lm_scores, self.changed, self.scorer_lane, parents, labels)
-            self._extend_contexts(parents, labels, launcher.transitions, labels >= 0, sync=sync,
-                                  moved=(scorer_parents, moved_changed))
+        if replays is not None:
+            replays.finish()
         if begin < launcher.num_frames:  # blank-only frames after the last full one
             launcher.launch(state, self.node_parent, self.node_label, begin, launcher.num_frames,
                             len(self.node_frames))
         for name, array in zip(ctc_frame.LANE_STATE, state):
             setattr(self, name, array)
+
+    def _scored_frame(self, launcher, state, begin: int, t: int, k: int, sync: bool, *, step=None,
+                      frames=None) -> None:
+        """Frames [begin, t] through ``launcher`` (t the k-th full frame) and the scorer moves after
+        it; ``step`` and ``frames`` (device arrays: [begin, t + 1, k] and t per lane) where a CUDA
+        graph replays the frame (the host values are then not read)."""
+        xp, num_lanes = self.xp, self.layout.num_lanes
+        if frames is None:
+            frames = xp.full(num_lanes, t, dtype=np.int64)
+        lm_term, lm_total = self._score_contexts(frames, terms=True)
+        replayed = {} if step is None else {"step": step}  # only the CUDA kernel replays
+        launcher.launch(state, self.node_parent, self.node_label, begin, t + 1, k,
+                        xp.ascontiguousarray(lm_term), xp.ascontiguousarray(lm_total), **replayed)
+        parents, labels = launcher.parents, launcher.labels
+        self.cache, self.lm_scores, moved_changed, scorer_parents = scorer_moves(
+            xp, self.cache, self.lm_scores, self.changed, self.scorer_lane, parents, labels)
+        self._extend_contexts(parents, labels, launcher.transitions, labels >= 0, sync=sync,
+                              moved=(scorer_parents, moved_changed))
+
+    def _frame_state(self) -> tuple:
+        """What a scored frame replaces (:class:`_FrameReplays`)."""
+        return (self.cache, self.lm_scores, self.changed, self.scorer_lane, self.lm_max, self.contexts,
+                self.rescore)
+
+    def _set_frame_state(self, state: tuple) -> None:
+        (self.cache, self.lm_scores, self.changed, self.scorer_lane, self.lm_max, self.contexts,
+         self.rescore) = state
 
     # --- recombination and the collision check -------------------------------------------------
     def _recombination(self, alive, exact: bool):
@@ -580,6 +624,63 @@ class _PrefixSearch:
                                    self.node_parent, self.node_label, self.node_frames, options.num_best,
                                    self.read, unresolved=None if exact else self.unresolved,
                                    maxima=xp.concatenate([self.input_max[None, :], self.lm_max]), ids=self.ids)
+
+
+#: full frames a scored search runs without graphs before it captures them (the kernels, CuPy's
+#: and ONNX Runtime's, then exist and ONNX Runtime's memory arena holds what a step needs)
+_EAGER_FRAMES = 2
+
+
+class _FrameReplays:
+    """The scored frames of a CuPy prefix search after the first :data:`_EAGER_FRAMES`, replayed as
+    two alternating CUDA graphs (:class:`gpudecode.search.frame_graphs.AlternatingGraphs`): the
+    frame kernel reads its frame range from ``step``, which each replay first takes from a table of
+    every full frame's [begin, t + 1, k] at a device counter, and advances the counter last."""
+
+    def __init__(self, search: _PrefixSearch, launcher, state: tuple, full_frames: list[int]):
+        xp = self.xp = search.xp
+        self.search, self.launcher, self.state = search, launcher, state
+        begins = [0] + [t + 1 for t in full_frames[:-1]]
+        self.table = xp.asarray(np.array([[b, t + 1, k] for k, (b, t) in enumerate(zip(begins, full_frames))],
+                                         dtype=np.int64).reshape(-1, 3))
+        self.index = xp.zeros(1, dtype=np.int64)
+        self.step = xp.zeros(3, dtype=np.int64)
+        self.frames = xp.zeros(search.layout.num_lanes, dtype=np.int64)
+        self.graphs = AlternatingGraphs(xp, search._frame_state, search._set_frame_state)
+
+    @staticmethod
+    def applies(search: _PrefixSearch, launcher, num_full: int) -> bool:
+        """On CuPy with the frame kernel, ``captured_ctc_frames`` on, every scorer capturable
+        (``LabelScorer.capturable``), the cache on, on the stream ONNX Runtime runs on, and frames
+        enough to replay."""
+        from gpudecode import backend
+
+        xp = search.xp
+        return (search.tuning.captured_ctc_frames and isinstance(launcher, ctc_frame.FrameLauncher)
+                and search.cache_enabled and bool(search.entries)
+                and all(entry.scorer.capturable for entry in search.entries)
+                and num_full >= _EAGER_FRAMES + 4
+                and xp.cuda.get_current_stream().ptr == backend.shared_stream(xp.cuda.Device().id).ptr)
+
+    def run(self, k: int) -> None:
+        """The k-th full frame as a graph launch (the first two capture the graphs)."""
+        if self.graphs.last is None:
+            self.index[...] = k
+            self._select()  # run once outside the capture: CuPy compiles its kernels here
+        self.graphs.step(self._frame)
+
+    def finish(self) -> None:
+        """The search's state as the last replayed frame left it."""
+        self.graphs.finish()
+
+    def _select(self) -> None:
+        self.step[...] = self.table[self.index[0]]
+        self.frames[...] = self.step[1] - 1
+
+    def _frame(self) -> None:
+        self._select()
+        self.search._scored_frame(self.launcher, self.state, 0, 0, 0, False, step=self.step, frames=self.frames)
+        self.index += 1
 
 
 def _frame_maxima(log_probs, lengths, xp):

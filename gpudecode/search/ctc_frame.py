@@ -108,14 +108,16 @@ class FrameLauncher:
             self.transitions = cupy.empty(num_lanes, dtype=np.int8)
 
     def launch(self, state, node_parent, node_label, frame_begin: int, frame_end: int, full_begin: int,
-               lm_term=None, lm_total=None) -> None:
+               lm_term=None, lm_total=None, step=None) -> None:
         """Frames [frame_begin, frame_end) of every utterance, the first full one the search's
         ``full_begin``-th; ``state``: the lane arrays in :data:`LANE_STATE` order (C-contiguous,
         updated in place), ``node_parent`` / ``node_label`` written in place. With ``lm_term``
         [N, V] and ``lm_total`` [N] (float32, Σ scale · scorer score of each label after each lane /
         of each lane's prefix) the frames hold at most one full frame, ranked with them; its moves
         are in :attr:`parents`, :attr:`labels` (-1: no label) and :attr:`transitions`
-        (``Transition`` values)."""
+        (``Transition`` values). ``step`` ([3] int64 on the device, or None): frame_begin,
+        frame_end and full_begin read from it when the kernel runs instead (a launch captured in a
+        CUDA graph and replayed frame after frame)."""
         null = np.uint64(0)
         scored = lm_term is not None
         threshold = self.options.score_threshold
@@ -128,7 +130,7 @@ class FrameLauncher:
             np.int32(frame_begin), np.int32(frame_end), np.int64(full_begin),
             lm_term if scored else null, lm_total if scored else null,
             self.parents if scored else null, self.labels if scored else null,
-            self.transitions if scored else null,
+            self.transitions if scored else null, null if step is None else step,
         ), shared_mem=self.vocab_size * 4 if self.row_in_shared else 0)
 
 

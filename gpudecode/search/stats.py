@@ -25,6 +25,8 @@ class SearchStats:
     - ``transfers``: device→host reads of the search (each one synchronisation);
     - ``fused_launches``: runs of the fused CTC search kernel and of the fused transducer
       selection (one per search or symbol step);
+    - ``replayed_frames``: scored CTC frames run as a launch of a captured CUDA graph
+      (``SearchTuning.captured_ctc_frames``);
     - ``on_transfer``: called with the arrays of every such read, before it;
     - ``on_top_k``: called with (keys, k) of every top-k the search's array code runs.
     """
@@ -34,6 +36,7 @@ class SearchStats:
     host_waits: HostClock = dataclasses.field(default_factory=HostClock)
     transfers: int = 0
     fused_launches: int = 0
+    replayed_frames: int = 0
     on_transfer: Callable[[tuple], None] | None = None
     on_top_k: Callable[[object, int], None] | None = None
 
@@ -41,7 +44,7 @@ class SearchStats:
         """Zeroes the clocks and counters (the observers stay)."""
         for clock in (self.step_loop, self.refills, self.host_waits):
             clock.reset()
-        self.transfers = self.fused_launches = 0
+        self.transfers = self.fused_launches = self.replayed_frames = 0
 
 
 def read_back(tuning, stats: SearchStats | None, *arrays) -> tuple:

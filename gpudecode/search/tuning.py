@@ -34,6 +34,11 @@ class SearchTuning:
       label-synchronous step's selection, the CTC prefix search's frames (without scorers all in
       one launch, with scorers a launch per frame) and the transducer step's selection as fused
       kernels (off: the array versions);
+    - ``captured_ctc_frames``: on CuPy, a CTC prefix search whose scorers are all capturable
+      (``LabelScorer.capturable``: a recurrent LM with dense states and CUDA graphs) replays its
+      scored frames, after the first two, as two alternating CUDA graphs of the whole frame — the
+      scorers' steps, the cache and the frame kernel (``gpudecode.search.frame_graphs``) — one
+      launch per frame instead of a dozen host calls (off: launched as they come);
     - ``ctc_prefilter``: the fused CTC kernel lists each frame's best labels first instead of
       scanning every label (off: the full scan);
     - ``host_wait``: how the host waits for the GPU (:class:`gpudecode.backend.HostWait`);
@@ -52,6 +57,7 @@ class SearchTuning:
     lagged_continuous_mask: bool | None = None
     fused_label_step: bool = True
     fused_ctc_frames: bool = True
+    captured_ctc_frames: bool = True
     ctc_prefilter: bool = True
     fused_transducer_step: bool = True
     host_wait: HostWait = HostWait()

@@ -194,6 +194,7 @@ class _Captured:
     binding: Any
     run_options: Any
     outputs: dict
+    plain_options: Any  # the same binding run without ONNX Runtime's graph (inside the caller's capture)
 
 
 class StepGraphs:
@@ -203,6 +204,8 @@ class StepGraphs:
     buffers whose address stays fixed for ``key``); on the first call for a key the model runs
     once without a graph to learn its output shapes, ``make_output(name, dtype, shape)`` gives
     the output views, and the views are bound to a new graph id. Returns the output views.
+    While the stream is being captured into the caller's own CUDA graph the binding runs without
+    ONNX Runtime's graph (its replay synchronises the stream), so that its kernels are captured.
     """
 
     def __init__(self, session, buffers: GraphBuffers):
@@ -221,8 +224,9 @@ class StepGraphs:
             # graphs bound to replaced buffers never run again; let their output buffers go
             self._captured = {k: v for k, v in self._captured.items() if k[1] == generation}
             self._captured[(key, generation)] = entry
-        with backend.on_shared_stream(self.session.options.device_id):  # after the static inputs' writes
-            self.session.session.run_with_iobinding(entry.binding, entry.run_options)
+        with backend.on_shared_stream(self.session.options.device_id) as stream:  # after the static inputs' writes
+            options = entry.plain_options if stream.is_capturing() else entry.run_options
+            self.session.session.run_with_iobinding(entry.binding, options)
         return entry.outputs
 
     def _bind(self, inputs, output_names, make_output) -> _Captured:
@@ -240,8 +244,11 @@ class StepGraphs:
         # ids are unique per session: a later scorer on the same session must never replay
         # (and so write through) an earlier scorer's graph
         run_options.add_run_config_entry("gpu_graph_id", str(self.session.new_graph_id()))
+        plain_options = ort.RunOptions()
+        plain_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        plain_options.add_run_config_entry("gpu_graph_id", SKIP_GRAPH)
         self.captures += 1
-        return _Captured(binding, run_options, outputs)
+        return _Captured(binding, run_options, outputs, plain_options)
 
     def clear(self) -> None:
         """Forgets every graph (ONNX Runtime keeps the graph objects of used ids)."""
@@ -264,6 +271,12 @@ class CapturedRuns:
     def captures(self) -> int:
         """CUDA graphs captured so far (0 for padded or plain runs)."""
         return self.runs.captures
+
+    @property
+    def bound(self) -> bool:
+        """The runs are bound once to fixed buffers (:class:`StepGraphs`): device work only, which
+        the caller may capture in its own graph."""
+        return isinstance(self.runs, StepGraphs)
 
     def close(self) -> None:
         """Forgets every graph and returns the buffers' memory."""

@@ -50,6 +50,7 @@ def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(
                   device: str = "cuda", repeats: int = 1, output_dir=None) -> dict:
     """Runs every measurement in one process; returns (and writes ``ctc.json`` / ``ctc.png``)."""
     from gpudecode.search import CtcPrefixOptions, ctc_greedy_search, ctc_prefix_search
+    from gpudecode.search.tuning import SearchTuning
 
     xp = array_module(device)
     results = {"benchmark": "ctc", "config": {
@@ -70,27 +71,36 @@ def run_ctc_bench(*, num_utts: int = 64, num_frames: int = 10_000, vocab_sizes=(
             scorers = [("lm", lm, 0.3)] if use_lm else []
             for beam in beams:
                 options = CtcPrefixOptions(beam_size=beam, sentence_end=None)
-                ctc_prefix_search(log_probs[:, :8], np.full(num_utts, 8), options, scorers, xp=xp)  # warm-up
-                seconds, nbest = fastest(  # an LM cell takes seconds: timed once
-                    xp, lambda: ctc_prefix_search(log_probs, lengths, options, scorers, xp=xp),
-                    1 if use_lm else repeats)
-                results["cells"].append({
-                    "search": "prefix", "vocab_size": vocab_size, "beam": beam, "lm": use_lm,
-                    "seconds": seconds, "frames_per_s": total_frames / seconds,
-                    "mean_labels": float(np.mean([len(h[0].labels) for h in nbest]))})
+                # with the LM also with its frames launched one call at a time (no CUDA graphs)
+                for captured in ((True, False) if use_lm and xp is not np else (True,)):
+                    tuning = SearchTuning(captured_ctc_frames=captured)
+                    ctc_prefix_search(log_probs[:, :8], np.full(num_utts, 8), options, scorers, xp=xp,
+                                      tuning=tuning)  # warm-up
+                    seconds, nbest = fastest(  # an LM cell takes seconds: timed once
+                        xp, lambda: ctc_prefix_search(log_probs, lengths, options, scorers, xp=xp, tuning=tuning),
+                        1 if use_lm else repeats)
+                    results["cells"].append({
+                        "search": "prefix", "vocab_size": vocab_size, "beam": beam, "lm": use_lm,
+                        "captured_frames": captured if use_lm else None,
+                        "seconds": seconds, "frames_per_s": total_frames / seconds,
+                        "mean_labels": float(np.mean([len(h[0].labels) for h in nbest]))})
             if lm is not None:
                 lm.close()
         log_probs = None  # frees the device memory before the next vocabulary
         if xp is not np:
             xp.get_default_memory_pool().free_all_blocks()
 
-    cell = {(c["search"], c["vocab_size"], c["beam"], c["lm"]): c for c in results["cells"]}
+    cell = {(c["search"], c["vocab_size"], c["beam"], c["lm"], c.get("captured_frames") is not False): c
+            for c in results["cells"]}
     ratios = {}
     for vocab_size in vocab_sizes:
         for beam in beams:
-            with_, without = cell.get(("prefix", vocab_size, beam, True)), cell.get(("prefix", vocab_size, beam, False))
+            with_, without = cell.get(("prefix", vocab_size, beam, True, True)), cell.get(("prefix", vocab_size, beam, False, True))
+            launched = cell.get(("prefix", vocab_size, beam, True, False))
             if with_ and without:
                 ratios[f"lm_fusion_cost_v{vocab_size}_beam{beam}"] = with_["seconds"] / without["seconds"]
+            if with_ and launched:
+                ratios[f"lm_frames_launched_over_replayed_v{vocab_size}_beam{beam}"] = launched["seconds"] / with_["seconds"]
     if encoder:
         results["end_to_end"] = _end_to_end(xp, device, num_utts=num_utts, num_frames=encoder_frames,
                                             num_layers=encoder_layers, model_dim=encoder_dim,
@@ -148,7 +158,7 @@ def plot_ctc(results: dict, path) -> str | None:
     for vocab_size in results["config"]["vocab_sizes"]:
         for lm in (False, True):
             cells = [c for c in results["cells"] if c["search"] == "prefix" and c["vocab_size"] == vocab_size
-                     and c["lm"] == lm]
+                     and c["lm"] == lm and c.get("captured_frames") is not False]
             if cells:
                 ax.plot([c["beam"] for c in cells], [c["frames_per_s"] for c in cells], "o-" if lm else "s--",
                         label=f"V={vocab_size}" + (" + LSTM LM" if lm else ""))
@@ -167,7 +177,9 @@ def plot_ctc(results: dict, path) -> str | None:
 def format_table(results: dict) -> str:
     lines = ["| search | vocabulary | beam | LSTM LM | seconds | frames/s |", "|---|---|---|---|---|---|"]
     for c in results["cells"]:
-        lines.append(f"| {c['search']} | {c['vocab_size']} | {c['beam']} | {'yes' if c['lm'] else 'no'} | "
+        lm = "no" if not c["lm"] else {None: "yes", True: "yes, frames replayed",
+                                       False: "yes, frames launched"}[c.get("captured_frames")]
+        lines.append(f"| {c['search']} | {c['vocab_size']} | {c['beam']} | {lm} | "
                      f"{c['seconds']:.3f} | {c['frames_per_s']:,.0f} |")
     lines.append("")
     lines.extend(f"{name}: {value:.3f}" for name, value in results["ratios"].items())

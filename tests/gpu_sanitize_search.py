@@ -1,6 +1,6 @@
 """Exercises the search kernels (kernels/top_k.cu, ctc_frame.cu, transducer_step.cu, label_step.cu
 in the beam and with separate finished lists, score_maxima.cu, ctc_prefix_score.cu, hf_inputs.cu, log_softmax.cu;
-ctc_frame.cu with and without label scorers) for compute-sanitizer, with CuPy's memory pool disabled. Run on the GPU machine::
+ctc_frame.cu with and without label scorers, its scored frames replayed as CUDA graphs) for compute-sanitizer, with CuPy's memory pool disabled. Run on the GPU machine::
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
     compute-sanitizer --tool initcheck --error-exitcode 1 python3 tests/gpu_sanitize_search.py
@@ -78,6 +78,7 @@ def main() -> int:
     from tests.test_hf_step_inputs import mismatches as step_input_mismatches
     from tests.test_log_softmax_kernel import mismatches as log_softmax_mismatches
     from tests.test_label_step_separate import step_mismatches as separate_mismatches
+    from tests.test_ctc_frame_graphs import replay_mismatches
 
     for name, problems in (("non-finite maxima", maxima_mismatches(cupy)),
                            ("ctc-prefix scorer", ctc_prefix_mismatches(cupy, exact=False)),
@@ -85,7 +86,8 @@ def main() -> int:
                            ("CTC prefix search with scorers", scorer_frame_mismatches(cupy, exact=False)),
                            ("label step with separate finished lists", separate_mismatches(cupy, seeds=range(2))),
                            ("a Hugging Face step's inputs", step_input_mismatches(cupy)),
-                           ("log-softmax of logits", log_softmax_mismatches(cupy))):
+                           ("log-softmax of logits", log_softmax_mismatches(cupy)),
+                           ("CTC frames with an LM replayed as CUDA graphs", replay_mismatches(cupy))):
         if problems:
             print(f"MISMATCH: {name}: {problems[:3]}", file=sys.stderr)
             return 2

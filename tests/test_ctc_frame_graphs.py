@@ -89,6 +89,16 @@ def test_both_graphs_last_give_the_same_lists():
     assert parities == {0, 1}
 
 
+def replay_mismatches(cupy) -> list:
+    """The n-best lists of replayed frames that differ from launched ones (an LSTM LM, 41 frames;
+    also run under compute-sanitizer by ``tests/gpu_sanitize_search.py``)."""
+    lm = _lm(build_lstm_lm(7, vocab_size=9))
+    launched, _ = _search(cupy, lm, 41, captured=False)
+    replayed, stats = _search(cupy, lm, 41, captured=True)
+    problems = [] if stats.replayed_frames else ["no frame was replayed"]
+    return problems + [(i, a, b) for i, (a, b) in enumerate(zip(launched, replayed)) if a != b]
+
+
 class _ReadingLm(RecurrentLmScorer):
     """Claims to be capturable but reads its scores back to the host every step."""
 

@@ -253,3 +253,17 @@ def test_a_span_read_fails_on_any_header_byte_not_as_read(tmp_path, byte, value)
     changed[offsets[1] + byte] = value
     assert not read(bytes(changed))[0]
     assert not read(bytes(archive[:-1]))[0]
+
+
+def test_a_span_read_refuses_overlapping_matrices(tmp_path):
+    """A second entry whose offset lies inside the first matrix's data (not an archive kaldiio
+    writes): the span read says so instead of reading either."""
+    from gpudecode.io.kaldi import _float32_header, _MatrixReader
+
+    first = np.arange(12, dtype=np.float32).reshape(6, 2)
+    path = tmp_path / "m.ark"
+    path.write_bytes(b"x " + _float32_header(6, 2) + first.tobytes())
+    reader = _MatrixReader()
+    out = np.zeros((2, 6, 2), np.float32)
+    assert not reader._read_spans([(0, str(path), 2, 6), (1, str(path), 2 + 15 + 8, 2)], 2, out)
+    reader.close()

@@ -514,6 +514,9 @@ class _PrefixSearch:
             begin = t + 1
         if replays is not None:
             replays.finish()
+            # the state is now arrays of the captures' memory pool (AlternatingGraphs.finish): the
+            # pool is held as long as this search
+            self.frame_replays = replays
         if begin < launcher.num_frames:  # blank-only frames after the last full one
             launcher.launch(state, self.node_parent, self.node_label, begin, launcher.num_frames,
                             len(self.node_frames))

@@ -95,7 +95,9 @@ class AlternatingGraphs:
         self.last, self.launches = which, self.launches + 1
 
     def finish(self) -> None:
-        """The search's state as the last launched graph left it."""
+        """The search's state as the last launched graph left it. Its arrays live in :attr:`pool`
+        (in some CuPy versions an array does not keep its pool's memory alive): keep this object as
+        long as the state is read."""
         if self.last is not None:
             self.set_state(self.after[self.last])
 

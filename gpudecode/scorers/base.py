@@ -211,9 +211,9 @@ class LabelScorer:
     #: per lane by the other scorers only.
     partial_scoring: bool = False
     #: True where :meth:`score` and :meth:`extend` only queue device work on the current stream on
-    #: buffers that outlive a step (no host reads, no synchronisation, contexts replaced rather than
-    #: written in place), so a search may capture a whole step in a CUDA graph and replay it
-    #: (``SearchTuning.captured_ctc_frames``).
+    #: buffers that outlive a step (no host reads, no synchronisation), so a search may capture a
+    #: whole step in a CUDA graph and replay it (``SearchTuning.captured_ctc_frames``; contexts
+    #: that :meth:`score` fills in place are snapshotted by the capture).
     capturable: bool = False
     #: Keyword options that name files: given from a config, their relative paths resolve against
     #: the config file's folder (``scorers[i].base_dir``), as every path of a config does.

@@ -45,8 +45,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -56,8 +56,8 @@ import numpy as np
 from gpudecode import defaults
 from gpudecode.scorers.base import LaneLayout, Transition, UtteranceBatch
 from gpudecode.scorers.combine import ScorerEntry, check_scorers, checked_scores, combine_scores
-from gpudecode.search.frame_graphs import AlternatingGraphs, FrameCaptureFailed
 from gpudecode.search.emission_tree import HASH_MULTIPLIER, emission_tree_nbest, same_label_paths
+from gpudecode.search.frame_graphs import AlternatingGraphs, FrameCaptureFailed
 from gpudecode.search.nonfinite import check_scores, folded_group_maxima, initial_maxima
 from gpudecode.search.options import check_frames, check_time_sync_options, on_search_stream, option_error
 from gpudecode.search.results import Hypothesis
@@ -241,20 +241,20 @@ def ctc_prefix_search(log_probs, lengths, options: CtcPrefixOptions, lm_scorers:
     layout = LaneLayout(num_groups=num_utts, beam_size=options.beam_size, xp=xp)
     utterances = UtteranceBatch(ids=ids, input_lengths=lengths, inputs={LOG_PROBS_INPUT: log_probs})
 
+    def search(tuning: SearchTuning, exact: bool):
+        return _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats).run(utterances, exact=exact)
+
     def run():
         nonlocal tuning
-        search = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats)
         try:
-            result = search.run(utterances, exact=options.history_compare_steps is None)
+            result = search(tuning, options.history_compare_steps is None)
         except FrameCaptureFailed as exc:  # the frames as launches, from the start
             warnings.warn(f"{exc}; the search runs its frames without CUDA graphs "
                           "(search.tuning.captured_ctc_frames: false avoids the attempt)", stacklevel=2)
             tuning = dataclasses.replace(tuning, captured_ctc_frames=False)
-            search = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats)
-            result = search.run(utterances, exact=options.history_compare_steps is None)
+            result = search(tuning, options.history_compare_steps is None)
         if result is None:  # a pair stayed undecided within history_compare_steps: compare fully
-            result = _PrefixSearch(log_probs, lengths, options, entries, layout, tuning, stats).run(
-                utterances, exact=True)
+            result = search(tuning, True)
         return result
 
     return on_search_stream(xp, run)
@@ -641,7 +641,7 @@ class _FrameReplays:
     every full frame's [begin, t + 1, k] at a device counter, and advances the counter last."""
 
     def __init__(self, search: _PrefixSearch, launcher, state: tuple, full_frames: list[int]):
-        xp = self.xp = search.xp
+        xp = search.xp
         self.search, self.launcher, self.state = search, launcher, state
         begins = [0] + [t + 1 for t in full_frames[:-1]]
         self.table = xp.asarray(np.array([[b, t + 1, k] for k, (b, t) in enumerate(zip(begins, full_frames))],

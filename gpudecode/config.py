@@ -191,7 +191,14 @@ class RuntimeConfig(_Section):
     prefetch_batches: StrictNonNegativeInt = defaults.PREFETCH_BATCHES
     #: results queued for the writer thread (written and flushed there); 0: written in the loop
     writer_queue: StrictNonNegativeInt = defaults.WRITER_QUEUE
+    #: results formatted and written by a child process; "auto": on for device cuda
+    writer_process: bool | Literal["auto"] = defaults.WRITER_PROCESS
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @property
+    def writes_in_child(self) -> bool:
+        """Whether a child process formats and writes the results (``writer_process``)."""
+        return self.device == "cuda" if self.writer_process == "auto" else self.writer_process
 
     @model_validator(mode="after")
     def _check_engine(self) -> RuntimeConfig:

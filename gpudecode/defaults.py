@@ -32,6 +32,9 @@ CUDNN_CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 CUDNN_CONV_ALGO_SEARCH = "HEURISTIC"
 PREFETCH_BATCHES = 2  # batches read (and through the front end) ahead in a thread; 0: no thread
 WRITER_QUEUE = 256  # results queued for the writer thread; 0: written in the decoding loop
+# results formatted and written by a child process (``gpudecode.io.writer_process``): "auto" is on
+# for runtime.device cuda, where the decoding loop needs the GIL between short GPU waits
+WRITER_PROCESS = "auto"
 # utterances formatted and flushed at a time: each flush gives up the GIL, so a decoding loop that
 # gave it up (a GPU wait, an ONNX Runtime run) gets it back within one chunk's formatting (~0.3 ms),
 # not after the interpreter's 5 ms switch interval (tools/gil-handover)

@@ -19,6 +19,7 @@ from gpudecode.config import Config, ConfigError, dump_resolved
 from gpudecode.decoder import Decoder
 from gpudecode.io import ResultWriter, UtteranceResult, read_done_ids, score_wer
 from gpudecode.io.prefetch import prefetched
+from gpudecode.io.writer_process import ChildResultWriter
 from gpudecode.io.writer_thread import WriterThread
 from gpudecode.io.identity import archive_number, identity_differences, read_identity, run_identity, write_identity
 from gpudecode.io.wer import validate_references
@@ -92,7 +93,7 @@ def _record_run(config: Config, output: Path, identity: dict, *, resuming: bool,
     write_identity(output, identity)
 
 
-def _decode_all(decoder: Decoder, source, writer: ResultWriter, config: Config, summary: RunSummary, *,
+def _decode_all(decoder: Decoder, source, writer: ResultWriter | ChildResultWriter, config: Config, summary: RunSummary, *,
                 exclude: set[str], progress, total: int, start: float) -> None:
     """Decode the batches of ``source`` (less ``exclude``) and write their results in order.
 
@@ -113,9 +114,9 @@ def _decode_all(decoder: Decoder, source, writer: ResultWriter, config: Config, 
             items = items[1:]
         written, before = time.perf_counter(), writer.num_written
         try:
-            for start in range(0, len(items), defaults.WRITE_CHUNK):
+            for start in range(0, len(items), writer.call_size):
                 writer.write_many([UtteranceResult(id=utterance.id, nbest=nbest)
-                                   for utterance, nbest in items[start:start + defaults.WRITE_CHUNK]])
+                                   for utterance, nbest in items[start:start + writer.call_size]])
         finally:  # those written before a failure are done
             timings.writing_s += time.perf_counter() - written
             done = items[:writer.num_written - before]
@@ -217,9 +218,10 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
         raise
     timings.decoding_at, start = time.time(), time.perf_counter()
     try:
-        with source, ResultWriter(output, decoder.vocabulary, formats=io.formats, word_merging=io.word_merging,
-                                  frame_shift_s=front_end.frame_shift_s * decoder.subsampling,
-                                  resume=resume) as writer:
+        writer_type = ChildResultWriter if config.runtime.writes_in_child else ResultWriter
+        with source, writer_type(output, decoder.vocabulary, formats=io.formats, word_merging=io.word_merging,
+                                 frame_shift_s=front_end.frame_shift_s * decoder.subsampling,
+                                 resume=resume) as writer:
             total = len([u for u in source.ids() if u not in done])
             if progress:
                 progress(0, total)

@@ -20,8 +20,9 @@ from tests.test_cli_errors import faulty_disk, lines
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "configs" / "random-aed.yaml"
 NUM_UTTS = 12
-#: (prefetch_batches, writer_queue): both threads off (the reference), each alone, both on
-SETTINGS = [(0, 0), (2, 0), (0, 1), (2, 256), (1, 1)]
+#: (prefetch_batches, writer_queue, writer_process): both threads off (the reference), each alone,
+#: both on; the writer process (``gpudecode.io.writer_process``) behind the loop and the thread
+SETTINGS = [(0, 0, False), (2, 0, False), (0, 1, False), (2, 256, False), (1, 1, False), (0, 0, True), (2, 256, True)]
 
 
 def decode(*args):
@@ -40,9 +41,10 @@ def corpus(tmp_path, bad: np.ndarray | None = None) -> Path:
     return folder
 
 
-def run_cli(folder, out, prefetch, queue, *extra):
+def run_cli(folder, out, prefetch, queue, *extra, process=False):
     return decode(EXAMPLE, "--features", folder, "--output", out, "-o", "search.batch_size=2",
-                  "-o", f"runtime.prefetch_batches={prefetch}", "-o", f"runtime.writer_queue={queue}", *extra)
+                  "-o", f"runtime.prefetch_batches={prefetch}", "-o", f"runtime.writer_queue={queue}",
+                  "-o", f"runtime.writer_process={str(process).lower()}", *extra)
 
 
 def outputs(out: Path) -> dict[str, bytes]:
@@ -53,13 +55,13 @@ def outputs(out: Path) -> dict[str, bytes]:
 def test_same_files_byte_for_byte_with_and_without_the_threads(tmp_path):
     folder = corpus(tmp_path)
     results = {}
-    for prefetch, queue in SETTINGS:
-        out = tmp_path / f"out-{prefetch}-{queue}"
-        result = run_cli(folder, out, prefetch, queue)
+    for prefetch, queue, process in SETTINGS:
+        out = tmp_path / f"out-{prefetch}-{queue}-{process}"
+        result = run_cli(folder, out, prefetch, queue, process=process)
         assert result.exit_code == 0, result.output
         assert f"utterances decoded      {NUM_UTTS}" in result.output
-        results[prefetch, queue] = outputs(out)
-    reference = results[0, 0]
+        results[prefetch, queue, process] = outputs(out)
+    reference = results[0, 0, False]
     assert {"text", "nbest.jsonl", "run-identity.json"} <= set(reference)
     assert len(reference["text"].splitlines()) == NUM_UTTS
     for setting, files in results.items():
@@ -74,13 +76,13 @@ def test_a_bad_input_mid_corpus_gives_the_same_messages_and_files(tmp_path, kind
     folder = corpus(tmp_path, BAD[kind])
     for policy in ("stop", "skip"):
         seen = {}
-        for prefetch, queue in SETTINGS:
-            out = tmp_path / f"{policy}-{prefetch}-{queue}"
-            result = run_cli(folder, out, prefetch, queue, "-o", f"io.on_bad_input={policy}")
+        for prefetch, queue, process in SETTINGS:
+            out = tmp_path / f"{policy}-{prefetch}-{queue}-{process}"
+            result = run_cli(folder, out, prefetch, queue, "-o", f"io.on_bad_input={policy}", process=process)
             messages = [line for line in result.output.splitlines()
                         if "u05" in line or line.startswith("Error:") or "skipped" in line]
-            seen[prefetch, queue] = (result.exit_code, messages, outputs(out))
-        code, messages, files = seen[0, 0]
+            seen[prefetch, queue, process] = (result.exit_code, messages, outputs(out))
+        code, messages, files = seen[0, 0, False]
         if policy == "stop":
             assert code == 1 and messages[-1].startswith("Error:") and "u05" in messages[-1]
             # the longest first, two a batch: u11..u06 were decoded before u05's batch was read
@@ -89,19 +91,19 @@ def test_a_bad_input_mid_corpus_gives_the_same_messages_and_files(tmp_path, kind
             assert code == 0 and any("skipped (bad input)     1" in m for m in messages)
             assert len(files["text"].splitlines()) == NUM_UTTS - 1 and b"u05" not in files["text"]
         for setting, got in seen.items():
-            assert got == seen[0, 0], (policy, setting)
+            assert got == seen[0, 0, False], (policy, setting)
 
 
 class Stop(KeyboardInterrupt):
     """Ctrl-C at a chosen moment (raised by the progress callback)."""
 
 
-@pytest.mark.parametrize("prefetch, queue", [(2, 256), (0, 0)])
+@pytest.mark.parametrize("prefetch, queue, process", [(2, 256, False), (0, 0, False), (2, 256, True)])
 def test_an_interrupt_keeps_everything_handed_over_and_resume_loses_and_duplicates_nothing(
-        tmp_path, prefetch, queue):
+        tmp_path, prefetch, queue, process):
     folder = corpus(tmp_path)
     overrides = [f"io.features.path={folder}", "search.batch_size=2", f"runtime.prefetch_batches={prefetch}",
-                 f"runtime.writer_queue={queue}"]
+                 f"runtime.writer_queue={queue}", f"runtime.writer_process={str(process).lower()}"]
     full = tmp_path / "full"
     run_decode(load_config(EXAMPLE, [*overrides, f"io.output={full}"]))
     cut = tmp_path / "cut"

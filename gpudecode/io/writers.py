@@ -229,6 +229,10 @@ class ResultWriter:
     run wrote (see the module docstring) instead of starting the files afresh.
     """
 
+    #: results a decoding run hands to one ``write_many`` call: each call flushes (and gives up the
+    #: GIL) once, so a decoding loop waits for the GIL at most one call's formatting
+    call_size = defaults.WRITE_CHUNK
+
     def __init__(self, output_folder: str | Path, vocabulary: Vocabulary, *,
                  formats: Sequence[str] = defaults.OUTPUT_FORMATS,
                  word_merging: str = defaults.WORD_MERGING,

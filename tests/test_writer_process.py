@@ -166,3 +166,20 @@ def test_the_child_ignores_sigint_and_a_killed_child_is_reported(tmp_path):
 def test_writer_process_auto_is_on_for_cuda(device, setting, expected):
     config = load_config(EXAMPLE, [f"runtime.device={device}", f"runtime.writer_process={setting}"])
     assert config.runtime.writes_in_child is expected
+
+
+def test_a_call_interrupted_before_its_answers_is_counted_by_the_next_call_or_close(tmp_path):
+    """Ctrl-C between sending a call's messages and reading their answers (a writer run in the
+    decoding loop): the next call, or ``close``, reads them first, so the counts stay right."""
+    writer = ChildResultWriter(tmp_path / "out", VOCAB, **writer_kwargs())
+    writer.write_many(results(3))
+    for chunk in (results(8, 3), results(2, 11)):  # what write_many sends, its answers left unread
+        writer._send(("write", chunk))
+        writer._unanswered.append(chunk)
+    writer.write_many(results(1, 13))
+    assert writer.num_written == 14 and writer.done_ids == {f"utt{u:03d}" for u in range(14)}
+    writer._send(("write", results(2, 14)))
+    writer._unanswered.append(results(2, 14))
+    writer.close()
+    assert writer.num_written == 16
+    assert read_done_ids(tmp_path / "out") == {f"utt{u:03d}" for u in range(16)}

@@ -60,6 +60,7 @@ class ChildResultWriter:
         self.num_written = 0
         self._child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE)
+        self._unanswered: list[list[UtteranceResult]] = []  # messages sent, their answers not read
         self._opened = False  # the child's answer to "open" read (a failed open raised)
         self._closed = False
         self._send(("open", {"output_folder": str(output_folder), "vocabulary": vocabulary,
@@ -77,16 +78,26 @@ class ChildResultWriter:
         (the lock the decoding loop needs is held one message's pickling at a time)."""
         results = list(results)
         self._check_open()
-        chunks = [results[i:i + defaults.WRITE_CHUNK] for i in range(0, len(results), defaults.WRITE_CHUNK)]
-        for chunk in chunks:
+        self._collect()  # answers an interrupted call left unread
+        for start in range(0, len(results), defaults.WRITE_CHUNK):
+            chunk = results[start:start + defaults.WRITE_CHUNK]
             self._send(("write", chunk))
-        answers = [self._receive() for _ in chunks]
-        count = sum(answer[1] for answer in answers)
-        self.done_ids.update(result.id for result in results[:count])
-        self.num_written += count
-        failed = next((answer for answer in answers if answer[0] == "failed"), None)
-        if failed is not None:
-            raise failed[2]
+            self._unanswered.append(chunk)
+        self._collect()
+
+    def _collect(self) -> None:
+        """Read the answers to the messages sent and not yet answered, in order, and count what
+        they flushed; raise the first failure among them."""
+        failure = None
+        while self._unanswered:
+            answer = self._receive()
+            chunk = self._unanswered.pop(0)
+            self.done_ids.update(result.id for result in chunk[:answer[1]])
+            self.num_written += answer[1]
+            if answer[0] == "failed" and failure is None:
+                failure = answer[2]
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         """Close the child's files and wait for it to exit; raises a failure to open or close them."""
@@ -96,6 +107,7 @@ class ChildResultWriter:
         try:
             if self._child.poll() is None:
                 self._check_open()
+                self._collect()
                 self._send(("close",))
                 answer = self._receive()
                 if answer[0] == "failed":

@@ -15,7 +15,7 @@ import pytest
 from gpudecode.config import load_config
 from gpudecode.hypothesis import Hypothesis
 from gpudecode.io.vocabulary import Vocabulary
-from gpudecode.io.writer_process import ChildResultWriter, WriterProcessError, serve
+from gpudecode.io.writer_process import ChildResultWriter, WriterProcessError, _child_environment, serve
 from gpudecode.io.writers import ResultWriter, UtteranceResult, read_done_ids
 from tests.test_cli_errors import faults
 from tests.test_overlap import EXAMPLE
@@ -183,3 +183,15 @@ def test_a_call_interrupted_before_its_answers_is_counted_by_the_next_call_or_cl
     writer.close()
     assert writer.num_written == 16
     assert read_done_ids(tmp_path / "out") == {f"utt{u:03d}" for u in range(16)}
+
+
+def test_the_child_imports_this_gpudecode_from_any_working_directory(tmp_path, monkeypatch):
+    import gpudecode
+
+    monkeypatch.chdir(tmp_path)  # (no gpudecode here or on the inherited path by this alone)
+    writer = ChildResultWriter(tmp_path / "out", VOCAB, **writer_kwargs())
+    writer.write_many(results(2))
+    writer.close()
+    assert writer.num_written == 2
+    first = _child_environment()["PYTHONPATH"].split(os.pathsep)[0]
+    assert os.path.samefile(first, os.path.dirname(os.path.dirname(gpudecode.__file__)))

@@ -59,7 +59,7 @@ class ChildResultWriter:
         self.done_ids: set[str] = set()
         self.num_written = 0
         self._child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE)
+                                       stdout=subprocess.PIPE, env=_child_environment())
         self._unanswered: list[list[UtteranceResult]] = []  # messages sent, their answers not read
         self._opened = False  # the child's answer to "open" read (a failed open raised)
         self._closed = False
@@ -155,6 +155,14 @@ class ChildResultWriter:
         return WriterProcessError(f"the result writer process ended unexpectedly (exit status {code}); "
                                   f"the results written to {self.folder} are kept: run the same command "
                                   "with --resume to decode the rest")
+
+
+def _child_environment() -> dict[str, str]:
+    """This process's environment, with the folder this ``gpudecode`` was imported from first on
+    ``PYTHONPATH`` (the child imports the same package even where a script put it on ``sys.path``)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 def _picklable(error: BaseException) -> BaseException:

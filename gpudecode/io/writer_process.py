@@ -182,7 +182,8 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
         pickle.dump(message, answers, protocol=pickle.HIGHEST_PROTOCOL)
         answers.flush()
 
-    writer, open_error, write_error = None, None, None
+    writer = None
+    failure = None  # a failed open or write (picklable): the answer to every later write
     try:
         while True:
             try:
@@ -193,8 +194,8 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
                 try:
                     writer = ResultWriter(**request[1])
                 except Exception as error:  # noqa: BLE001 - reported to the parent
-                    open_error = error
-                answer(("failed", 0, _picklable(open_error)) if open_error else ("opened",))
+                    failure = _picklable(error)
+                answer(("failed", 0, failure) if failure else ("opened",))
             elif request[0] == "close":
                 closing, writer = writer, None
                 try:
@@ -205,17 +206,15 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
                 else:
                     answer(("closed",))
                 return
-            elif open_error is not None:  # nothing to write to
-                answer(("failed", 0, _picklable(open_error)))
-            elif write_error is not None:  # nothing more is written after a failure
-                answer(("failed", 0, _picklable(write_error)))
+            elif failure is not None:  # nothing to write to, or nothing more after a failure
+                answer(("failed", 0, failure))
             elif request[0] == "write":
                 before = writer.num_written
                 try:
                     writer.write_many(request[1])
                 except Exception as error:  # noqa: BLE001 - reported to the parent
-                    write_error = error
-                    answer(("failed", writer.num_written - before, _picklable(error)))
+                    failure = _picklable(error)
+                    answer(("failed", writer.num_written - before, failure))
                 else:
                     answer(("written", writer.num_written - before))
     finally:

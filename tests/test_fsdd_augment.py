@@ -229,3 +229,19 @@ def test_the_summary_reads_the_kept_epoch_from_the_log(tmp_path):
     assert last_records(marked) == {"epochs_run": 4, "train_minutes_logged": 4, "kept_epoch": 3,
                                     "kept_dev_loss": 2.0, "kept_dev_greedy_wer": 0.3}
     assert last_records(unmarked)["kept_epoch"] == 2
+
+
+@pytest.mark.parametrize("trainer", ["train_aed", "train_transducer"])
+def test_the_decoder_trainers_take_the_same_options(trainer):
+    """train_aed.py and train_transducer.py: the augmentations, the held-out dev speaker and the
+    checkpoint rule of train_ctc.py (all off or the dev loss by default)."""
+    pytest.importorskip("torch")
+    import importlib
+
+    parse_args = importlib.import_module(trainer).parse_args
+    args = parse_args(["--aug-tempo", "0.1", "--aug-mel-shift", "1", "--hold-out-speaker", "jackson",
+                       "--keep-by", "dev-wer", "--device", "cpu"])
+    assert args.augment == Augment(tempo=0.1, mel_shift=1.0)
+    assert (args.hold_out_speaker, args.keep_by, args.device) == ("jackson", "dev-wer", "cpu")
+    default = parse_args([])
+    assert not default.augment.active and default.hold_out_speaker is None and default.keep_by == "dev-loss"

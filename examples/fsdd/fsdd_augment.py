@@ -1,9 +1,11 @@
 """Training augmentations of raw log-mel features ``(T, F)`` for the FSDD recipe (numpy only):
 tempo (the time axis resampled), a mel-axis shift (a vocal-tract-length stand-in), gain and noise.
-``train_ctc.py`` applies :class:`Augment` per training utterance; all are off by default."""
+The trainers apply :class:`Augment` per training utterance (``--aug-*``, :func:`add_arguments`);
+all are off by default."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,24 @@ class Augment:
         if self.noise:
             x = x + rng.normal(0.0, self.noise, x.shape).astype(np.float32)
         return np.ascontiguousarray(x, dtype=np.float32)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Augment:
+        """The augmentations of the ``--aug-*`` options of :func:`add_arguments`."""
+        return cls(tempo=args.aug_tempo, mel_shift=args.aug_mel_shift, gain=args.aug_gain,
+                   noise=args.aug_noise)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The trainers' ``--aug-*`` options (0 turns one off)."""
+    p.add_argument("--aug-tempo", type=float, default=0.0,
+                   help="tempo factor drawn from [1 - x, 1 + x] per utterance (0: off)")
+    p.add_argument("--aug-mel-shift", type=float, default=0.0,
+                   help="mel-axis shift drawn from [-x, x] bins per utterance, interpolated (0: off)")
+    p.add_argument("--aug-gain", type=float, default=0.0,
+                   help="constant drawn from [-x, x] added to the log-mel features (0: off)")
+    p.add_argument("--aug-noise", type=float, default=0.0,
+                   help="std of Gaussian noise added to the log-mel features (0: off)")
 
 
 def interpolate_rows(x: np.ndarray, positions: np.ndarray) -> np.ndarray:

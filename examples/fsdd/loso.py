@@ -2,7 +2,8 @@
 """Leave-one-speaker-out evaluation of an FSDD model family: per speaker, a fold's data, the
 recipe's own training and export, and the toolkit's decoding of the fold's test split.
 
-    python examples/fsdd/loso.py --family ctc [--speakers george,theo] [--threads 1]
+    python examples/fsdd/loso.py --family ctc [--speakers george,theo] [--threads 1] [--jobs 5] \
+        [-- EXTRA TRAINING OPTIONS]
 
 For each speaker NAME (default: every speaker of the recordings):
 
@@ -10,16 +11,20 @@ For each speaker NAME (default: every speaker of the recordings):
    by the other speakers; ``--num-lm-sentences 0 --wav-splits ''``: the LMs need no folds and
    decoding reads ``test/feats.h5``; the features are the same either way);
 2. the family's training script with the settings of the shipped model (``FAMILIES``), plus
-   ``--threads`` and, only when given, ``--max-minutes`` (a reduced run: recorded in the
-   results and the table's header);
+   ``--threads``, the options after ``--`` and, only when given, ``--max-minutes`` (a reduced
+   run: recorded in the results and the table's header); the transducer and AED families start
+   from the fold's CTC checkpoint under the same ``--exp`` (``EXP/NAME/ctc``: run ``--family
+   ctc`` first);
 3. its export script;
 4. ``python -m gpudecode decode CONFIG --features OUT/NAME/test/feats.h5 --references
    OUT/NAME/test/text -o models.encoder.path=...`` for each system of the family (the shipped
    configs, their models replaced by the fold's), reading the ``wer.json`` it writes.
 
 Writes ``--results`` (JSON: every fold, every system, the commands and times) after each fold and
-``--table`` (markdown: every fold, the mean and the worst fold). Training and export run under
-``--torch-python`` (needs torch), data and decoding under this interpreter.
+``--table`` (markdown: every fold, the mean and the worst fold). ``--jobs N`` runs N folds at
+once (build the fold data first, or give ``--reuse``, when two runs share ``--out``). Training
+and export run under ``--torch-python`` (needs torch; a GPU when there is one), data and decoding
+under this interpreter.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from fsdd_common import DEFAULT_DATA_DIR, DEFAULT_RECORDINGS, RECIPE_DIR, REPO_ROOT, resolve
@@ -51,7 +57,8 @@ class System:
 class Family:
     """How the recipe trains, exports and decodes one model family. ``train_args`` are the
     settings of the shipped model (examples/fsdd/README.md); ``model_overrides(exp)`` points a
-    config at the fold's exported models; ``ready`` is False for a family not wired up yet."""
+    config at the fold's exported models; ``init_from`` names the family whose fold checkpoint
+    starts the encoder (``--init-encoder``)."""
 
     name: str
     train_script: str
@@ -60,12 +67,22 @@ class Family:
     export_args: tuple[str, ...]
     systems: tuple[System, ...]
     model_overrides: object = None
-    ready: bool = True
-    needs: tuple[str, ...] = field(default_factory=tuple)
+    init_from: str | None = None
 
 
 def _ctc_overrides(exp: Path) -> list[str]:
     return [f"models.encoder.path={exp / 'ctc-encoder.onnx'}"]
+
+
+def _transducer_overrides(exp: Path) -> list[str]:
+    return [f"models.encoder.path={exp / 'transducer-encoder.onnx'}",
+            f"models.transducer.prediction={exp / 'transducer-prediction.onnx'}",
+            f"models.transducer.joint={exp / 'transducer-joint.onnx'}"]
+
+
+def _aed_overrides(exp: Path) -> list[str]:
+    """The AED configs' encoder and their first scorer, the decoder."""
+    return [f"models.encoder.path={exp / 'aed-encoder.onnx'}", f"scorers.0.model={exp / 'aed-decoder.onnx'}"]
 
 
 FAMILIES: dict[str, Family] = {
@@ -78,23 +95,33 @@ FAMILIES: dict[str, Family] = {
                  System("beam", CONFIGS / "fsdd-ctc.yaml"),
                  System("beam+LM", CONFIGS / "fsdd-ctc-lm.yaml")),
         model_overrides=_ctc_overrides),
-    # Hooks, not wired yet: both start from the fold's CTC checkpoint (--init-encoder
-    # EXP/ctc/checkpoint.pt) and take 20-30 minutes each per fold on the 2-core CPU.
-    # transducer: train_transducer.py --topology one-symbol (30 epochs), export_transducer.py;
-    #   systems fsdd-transducer.yaml (-o search.type=transducer-greedy; beam 8) and
-    #   fsdd-transducer-lm.yaml, overriding the encoder, prediction and joint model paths.
-    # aed: train_aed.py --max-minutes 30, export_aed.py; systems fsdd-aed.yaml (beam 1; beam 8),
-    #   fsdd-aed-lm.yaml, fsdd-aed-ctc.yaml, example.yaml, overriding encoder and decoder paths.
-    "transducer": Family(name="transducer", train_script="train_transducer.py", train_args=(),
-                         export_script="export_transducer.py", export_args=(), systems=(),
-                         ready=False, needs=("ctc",)),
-    "aed": Family(name="aed", train_script="train_aed.py", train_args=("--max-minutes", "30"),
-                  export_script="export_aed.py", export_args=(), systems=(),
-                  ready=False, needs=("ctc",)),
+    # The shipped transducer: train_transducer.py --topology one-symbol (30 epochs) from the CTC
+    # checkpoint, then export_transducer.py.
+    "transducer": Family(
+        name="transducer", train_script="train_transducer.py", train_args=(),
+        export_script="export_transducer.py", export_args=("--output-dir", "{exp}"),
+        systems=(System("greedy", CONFIGS / "fsdd-transducer.yaml", ("search.type=transducer-greedy",)),
+                 System("beam", CONFIGS / "fsdd-transducer.yaml"),
+                 System("beam+LM", CONFIGS / "fsdd-transducer-lm.yaml")),
+        model_overrides=_transducer_overrides, init_from="ctc"),
+    # The shipped AED: train_aed.py from the CTC checkpoint (30 epochs; the shipped model was
+    # time-boxed at 30 minutes on the CPU), then export_aed.py.
+    "aed": Family(
+        name="aed", train_script="train_aed.py", train_args=(),
+        export_script="export_aed.py", export_args=("--output-dir", "{exp}"),
+        systems=(System("greedy", CONFIGS / "fsdd-aed.yaml", ("search.beam_size=1",)),
+                 System("beam", CONFIGS / "fsdd-aed.yaml"),
+                 System("beam+LM", CONFIGS / "fsdd-aed-lm.yaml"),
+                 System("beam+CTC", CONFIGS / "fsdd-aed-ctc.yaml"),
+                 System("beam+CTC+LM", CONFIGS / "example.yaml")),
+        model_overrides=_aed_overrides, init_from="ctc"),
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default="ctc")
@@ -110,10 +137,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="training time cap per fold (a reduced run; default: the recipe's settings)")
     p.add_argument("--torch-python", default=sys.executable, help="interpreter with torch")
+    p.add_argument("--jobs", type=int, default=1, help="folds run at once")
     p.add_argument("--reuse", action="store_true",
                    help="keep a fold's data, checkpoint or export that already exists")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only decode: each fold's exported models and training log must be in EXP already")
     p.add_argument("--render-only", action="store_true", help="only rewrite --table from --results")
     args = p.parse_args(argv)
+    args.extra = extra
     args.recordings, args.out, args.exp = resolve(args.recordings), resolve(args.out), resolve(args.exp)
     args.results = resolve(args.results) if args.results else args.exp / f"{args.family}-loso.json"
     args.table = resolve(args.table) if args.table else args.exp / f"{args.family}-loso.md"
@@ -171,22 +202,32 @@ def run_fold(speaker: str, family: Family, args) -> dict:
     fold, exp = args.out / speaker, args.exp / speaker / family.name
     record: dict = {"speaker": speaker, "data": str(fold), "exp": str(exp)}
     recipe = str(RECIPE_DIR)
-    if not (args.reuse and (fold / "test" / "text").is_file() and (fold / "stats.npz").is_file()):
+    if not ((args.reuse or args.decode_only) and (fold / "test" / "text").is_file()
+            and (fold / "stats.npz").is_file()):
         record["data_seconds"] = round(run(
             [sys.executable, f"{recipe}/make_data.py", "--recordings", str(args.recordings),
              "--test-speaker", speaker, "--out", str(fold), "--num-lm-sentences", "0", "--wav-splits", ""],
             exp / "logs" / "make_data.log"), 1)
-    train = [args.torch_python, f"{recipe}/{family.train_script}", "--data", str(fold), "--exp", str(exp),
-             "--threads", str(args.threads), *family.train_args]
-    if args.max_minutes is not None:
-        train += ["--max-minutes", str(args.max_minutes)]
-    record["train_command"] = shlex.join(train)
-    if not (args.reuse and (exp / "checkpoint.pt").is_file()):
-        record["train_seconds"] = round(run(train, exp / "logs" / "train.log"), 1)
-    record.update(last_records(exp / "log.jsonl"))
-    export = [args.torch_python, f"{recipe}/{family.export_script}", "--checkpoint", str(exp / "checkpoint.pt"),
-              "--data", str(fold), *(a.format(exp=exp) for a in family.export_args)]
-    record["export_seconds"] = round(run(export, exp / "logs" / "export.log"), 1)
+    if not args.decode_only:
+        train = [args.torch_python, f"{recipe}/{family.train_script}", "--data", str(fold), "--exp", str(exp),
+                 "--threads", str(args.threads), *family.train_args, *args.extra]
+        if family.init_from:
+            init = args.exp / speaker / family.init_from / "checkpoint.pt"
+            if not init.is_file():
+                raise SystemExit(f"{speaker}: no {family.init_from} checkpoint at {init} (run --family "
+                                 f"{family.init_from} with the same --exp first)")
+            train += ["--init-encoder", str(init)]
+        if args.max_minutes is not None:
+            train += ["--max-minutes", str(args.max_minutes)]
+        record["train_command"] = shlex.join(train)
+        if not (args.reuse and (exp / "checkpoint.pt").is_file()):
+            record["train_seconds"] = round(run(train, exp / "logs" / "train.log"), 1)
+        record.update(last_records(exp / "log.jsonl"))
+        export = [args.torch_python, f"{recipe}/{family.export_script}", "--checkpoint", str(exp / "checkpoint.pt"),
+                  "--data", str(fold), *(a.format(exp=exp) for a in family.export_args)]
+        record["export_seconds"] = round(run(export, exp / "logs" / "export.log"), 1)
+    else:
+        record.update(last_records(exp / "log.jsonl"))
     record["systems"] = [decode(s, family, fold, exp, exp / "logs") for s in family.systems]
     return record
 
@@ -239,30 +280,32 @@ def main(argv=None) -> None:
         args.table.write_text(markdown(json.loads(args.results.read_text(encoding="utf-8"))), encoding="utf-8")
         print(args.table.read_text(encoding="utf-8"))
         return
-    if not family.ready:
-        raise SystemExit(f"--family {family.name}: not wired up yet (see the hook in FAMILIES; it needs "
-                         f"the fold's {', '.join(family.needs)} checkpoint and its own model overrides)")
     all_speakers = speakers_of(args.recordings)
     speakers = args.speakers.split(",") if args.speakers else all_speakers
     unknown = set(speakers) - set(all_speakers)
     if unknown:
         raise SystemExit(f"--speakers: {sorted(unknown)} not among {all_speakers}")
-    settings = shlex.join([family.train_script, *family.train_args, "--threads", str(args.threads),
+    settings = shlex.join([family.train_script, *family.train_args, *args.extra, "--threads", str(args.threads),
                            *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else [])])
     results = {"family": family.name, "train_settings": settings, "reduced": args.max_minutes is not None,
                "folds": []}
     started = time.perf_counter()
-    for speaker in speakers:
+
+    def fold(speaker: str) -> dict:
         fold_started = time.perf_counter()
         record = run_fold(speaker, family, args)
         record["fold_seconds"] = round(time.perf_counter() - fold_started, 1)
-        results["folds"].append(record)
-        results["summary"] = summary(results["folds"])
-        results["total_seconds"] = round(time.perf_counter() - started, 1)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-        args.table.write_text(markdown(results), encoding="utf-8")
-        print(markdown(results), flush=True)
+        return record
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for record in pool.map(fold, speakers):
+            results["folds"].append(record)
+            results["summary"] = summary(results["folds"])
+            results["total_seconds"] = round(time.perf_counter() - started, 1)
+            args.results.parent.mkdir(parents=True, exist_ok=True)
+            args.results.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+            args.table.write_text(markdown(results), encoding="utf-8")
+            print(markdown(results), flush=True)
     print(f"wrote {args.results} and {args.table}")
 
 

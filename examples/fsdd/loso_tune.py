@@ -95,7 +95,8 @@ def train(args, speakers: list[str]) -> None:
 def test(args, speakers: list[str]) -> None:
     fam = family(args)
     run_args = argparse.Namespace(out=args.out, exp=args.exp, recordings=None, threads=args.threads,
-                                  max_minutes=args.max_minutes, torch_python=args.torch_python, reuse=True)
+                                  max_minutes=args.max_minutes, torch_python=args.torch_python, reuse=True,
+                                  extra=[])
     settings = shlex.join([fam.train_script, *fam.train_args, "--threads", str(args.threads),
                            *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else [])])
     results = {"family": fam.name, "config": args.config, "train_settings": settings,

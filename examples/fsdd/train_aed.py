@@ -9,7 +9,8 @@ The decoder reads ``</s> y1 ... yn`` and predicts ``y1 ... yn </s>`` (cross-entr
 smoothing); the encoder starts from the trained CTC model's encoder and CTC head (``--init-encoder
 none``: random) and keeps an auxiliary CTC loss (``--ctc-weight``). Writes ``--exp``/checkpoint.pt
 (the best dev decoder loss) and ``--exp``/log.jsonl (losses in nats per utterance without
-smoothing, dev greedy errors). Stops after ``--epochs`` or ``--max-minutes``.
+smoothing, dev greedy errors). Stops after ``--epochs`` or ``--max-minutes``. ``--hold-out-speaker``,
+``--keep-by`` and the ``--aug-*`` augmentations work as in train_ctc.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import fsdd_augment
 import numpy as np
 import torch
+from fsdd_augment import Augment
 from fsdd_common import (
     BLANK,
     DEFAULT_DATA_DIR,
@@ -31,7 +34,7 @@ from fsdd_common import (
     resolve,
 )
 from fsdd_models import AedModel, AedOptions, load_init_encoder, noam_schedule, prefixed_state
-from train_ctc import batches, collate, edit_distance, train_epochs
+from train_ctc import KEEP_BY, batches, collate, edit_distance, train_epochs
 
 END = VOCABULARY.index(SENTENCE_END)
 
@@ -57,11 +60,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--keep-by", choices=sorted(KEEP_BY), default="dev-loss",
+                   help="the dev figure that picks the kept checkpoint (lower is better; the earlier on ties)")
+    p.add_argument("--hold-out-speaker", default=None, metavar="NAME",
+                   help="train without NAME's utterances and use them (from the train split) as the dev set")
+    fsdd_augment.add_arguments(p)
     for f in fields(AedOptions):
         if f.name not in ("encoder", "num_labels", "sentence"):
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     args = p.parse_args(argv)
     args.data, args.exp = resolve(args.data), resolve(args.exp)
+    args.augment = Augment.from_args(args)
     return args
 
 
@@ -82,8 +92,8 @@ def decoder_io(labels: list[np.ndarray], ids: list[int]) -> tuple[torch.Tensor, 
 def greedy(model: AedModel, states, lengths, max_labels: int) -> list[list[int]]:
     """Greedy decoding by re-running the decoder on the growing prefixes (fine for ≤ 12 labels)."""
     b = states.shape[0]
-    tokens = torch.full((b, 1), END, dtype=torch.long)
-    done = torch.zeros(b, dtype=torch.bool)
+    tokens = torch.full((b, 1), END, dtype=torch.long, device=states.device)
+    done = torch.zeros(b, dtype=torch.bool, device=states.device)
     for _ in range(max_labels):
         best = model.decoder(tokens, states, lengths)[:, -1].argmax(dim=-1)
         best = torch.where(done, torch.full_like(best, END), best)
@@ -91,17 +101,17 @@ def greedy(model: AedModel, states, lengths, max_labels: int) -> list[list[int]]
         done |= best == END
         if bool(done.all()):
             break
-    return [[int(t) for t in row[1:] if t != END] for row in tokens]
+    return [[int(t) for t in row[1:] if t != END] for row in tokens.cpu().tolist()]
 
 
 @torch.no_grad()
-def evaluate(model, feats, labels, batch_frames) -> dict:
+def evaluate(model, feats, labels, batch_frames, device) -> dict:
     model.eval()
     total_loss, errors, words = 0.0, 0, 0
     for ids in batches([f.shape[0] for f in feats], batch_frames, None):
-        x, x_len, _, _ = collate(feats, labels, ids, "cpu")
+        x, x_len, _, _ = collate(feats, labels, ids, device)
         states, out_len = model.encoder(x, x_len)
-        dec_in, dec_out = decoder_io(labels, ids)
+        dec_in, dec_out = (t.to(device) for t in decoder_io(labels, ids))
         log_probs = model.decoder(dec_in, states, out_len)
         total_loss += float(torch.nn.functional.nll_loss(log_probs.flatten(0, 1), dec_out.flatten(),
                                                          ignore_index=-100, reduction="sum"))
@@ -119,7 +129,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     blank = VOCABULARY.index(BLANK)
     train_feats, train_labels, dev_feats, dev_labels, stats = load_training_data(
-        args.data, args.max_train_utterances, args.max_dev_utterances)
+        args.data, args.max_train_utterances, args.max_dev_utterances, args.hold_out_speaker)
 
     init, encoder_opts = load_init_encoder(args.init_encoder, train_feats[0].shape[1], len(VOCABULARY))
     opts = AedOptions(encoder=encoder_opts, num_labels=len(VOCABULARY), sentence=END,
@@ -129,18 +139,25 @@ def main(argv=None) -> None:
     if init:
         model.encoder.load_state_dict(prefixed_state(init["state_dict"], "encoder."))
         model.ctc_head.load_state_dict(prefixed_state(init["state_dict"], "head."))
+    model.to(args.device)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{len(train_feats)} train / {len(dev_feats)} dev utterances; {num_params} parameters (with the CTC "
-          f"head); encoder from {args.init_encoder}; {torch.get_num_threads()} threads", flush=True)
+          f"head); encoder from {args.init_encoder}; device {args.device}, {torch.get_num_threads()} threads", flush=True)
+    if args.augment.active:
+        print(f"augmentation: {args.augment}", flush=True)
+    aug_rng = np.random.default_rng(args.seed)
 
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
     schedule = noam_schedule(optimiser, args.warmup_steps)
     ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
 
     def batch_loss(ids):
-        x, x_len, y_flat, y_len = collate(train_feats, train_labels, ids, "cpu")
+        feats = train_feats
+        if args.augment.active:
+            feats = {i: args.augment(train_feats[i], aug_rng) for i in ids}
+        x, x_len, y_flat, y_len = collate(feats, train_labels, ids, args.device)
         states, out_len = model.encoder(x, x_len)
-        dec_in, dec_out = decoder_io(train_labels, ids)
+        dec_in, dec_out = (t.to(args.device) for t in decoder_io(train_labels, ids))
         log_probs = model.decoder(dec_in, states, out_len)
         flat_lp, flat_y = log_probs.flatten(0, 1), dec_out.flatten()
         ce = torch.nn.functional.nll_loss(flat_lp, flat_y, ignore_index=-100, reduction="sum")
@@ -153,8 +170,9 @@ def main(argv=None) -> None:
         return loss, ce
 
     train_epochs(args, list(model.parameters()), optimiser, schedule, [f.shape[0] for f in train_feats], batch_loss,
-                 lambda: evaluate(model, dev_feats, dev_labels, args.batch_frames),
-                 lambda: {"model": "aed", "options": opts.to_dict(), "state_dict": model.state_dict()})
+                 lambda: evaluate(model, dev_feats, dev_labels, args.batch_frames, args.device),
+                 lambda: {"model": "aed", "options": opts.to_dict(), "state_dict": model.state_dict()},
+                 keep_by=args.keep_by)
 
 
 if __name__ == "__main__":

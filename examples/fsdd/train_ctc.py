@@ -40,6 +40,7 @@ from fsdd_common import (
     load_training_data,
     resolve,
 )
+import fsdd_augment
 from fsdd_augment import Augment
 from fsdd_models import CtcModel, EncoderOptions, noam_schedule
 
@@ -75,18 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 p.add_argument(name, type=type(f.default), default=f.default)
-    p.add_argument("--aug-tempo", type=float, default=0.0,
-                   help="tempo factor drawn from [1 - x, 1 + x] per utterance (0: off)")
-    p.add_argument("--aug-mel-shift", type=float, default=0.0,
-                   help="mel-axis shift drawn from [-x, x] bins per utterance, interpolated (0: off)")
-    p.add_argument("--aug-gain", type=float, default=0.0,
-                   help="constant drawn from [-x, x] added to the log-mel features (0: off)")
-    p.add_argument("--aug-noise", type=float, default=0.0,
-                   help="std of Gaussian noise added to the log-mel features (0: off)")
+    fsdd_augment.add_arguments(p)
     args = p.parse_args(argv)
     args.data, args.exp = resolve(args.data), resolve(args.exp)
-    args.augment = Augment(tempo=args.aug_tempo, mel_shift=args.aug_mel_shift, gain=args.aug_gain,
-                           noise=args.aug_noise)
+    args.augment = Augment.from_args(args)
     return args
 
 

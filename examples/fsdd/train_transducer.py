@@ -11,7 +11,8 @@ from the trained CTC model's encoder (CTC pre-training; ``--init-encoder none`` 
 scratch) and keeps an auxiliary CTC loss (``--ctc-weight``) through the CTC head, which is not
 exported. Writes ``--exp``/checkpoint.pt (the best dev transducer loss) and ``--exp``/log.jsonl
 (train loss, dev loss in nats per utterance, dev greedy errors). Stops after
-``--epochs`` or ``--max-minutes``, whichever comes first.
+``--epochs`` or ``--max-minutes``, whichever comes first. ``--hold-out-speaker``, ``--keep-by`` and
+the ``--aug-*`` augmentations work as in train_ctc.py.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import fsdd_augment
 import numpy as np
 import torch
+from fsdd_augment import Augment
 from fsdd_common import (
     BLANK,
     DEFAULT_DATA_DIR,
@@ -40,7 +43,7 @@ from fsdd_models import (
     prefixed_state,
     rnnt_loss,
 )
-from train_ctc import batches, collate, edit_distance, train_epochs
+from train_ctc import KEEP_BY, batches, collate, edit_distance, train_epochs
 
 #: loss and greedy decoding's labels per frame of each topology
 TOPOLOGIES = {"one-symbol": (one_symbol_rnnt_loss, 1), "standard": (rnnt_loss, 3)}
@@ -69,11 +72,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--keep-by", choices=sorted(KEEP_BY), default="dev-loss",
+                   help="the dev figure that picks the kept checkpoint (lower is better; the earlier on ties)")
+    p.add_argument("--hold-out-speaker", default=None, metavar="NAME",
+                   help="train without NAME's utterances and use them (from the train split) as the dev set")
+    fsdd_augment.add_arguments(p)
     for f in fields(TransducerOptions):
         if f.name not in ("encoder", "num_labels", "blank"):
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     args = p.parse_args(argv)
     args.data, args.exp = resolve(args.data), resolve(args.exp)
+    args.augment = Augment.from_args(args)
     return args
 
 
@@ -95,7 +105,7 @@ def greedy(model: TransducerModel, states: torch.Tensor, lengths: torch.Tensor, 
     hid, layers = pred.opts.pred_hidden_dim, pred.opts.pred_num_layers
     hs = [states.new_zeros(b, hid) for _ in range(layers)]
     cs = [states.new_zeros(b, hid) for _ in range(layers)]
-    out, hs, cs = pred.step(torch.full((b,), blank, dtype=torch.long), hs, cs)
+    out, hs, cs = pred.step(torch.full((b,), blank, dtype=torch.long, device=states.device), hs, cs)
     hyps: list[list[int]] = [[] for _ in range(b)]
     for t in range(states.shape[1]):
         active = t < lengths
@@ -116,13 +126,13 @@ def greedy(model: TransducerModel, states: torch.Tensor, lengths: torch.Tensor, 
 
 
 @torch.no_grad()
-def evaluate(model, feats, labels, batch_frames, blank, topology: str) -> dict:
+def evaluate(model, feats, labels, batch_frames, blank, topology: str, device) -> dict:
     loss_fn, max_symbols = TOPOLOGIES[topology]
     model.eval()
     total_loss, errors, words = 0.0, 0, 0
     for ids in batches([f.shape[0] for f in feats], batch_frames, None):
-        x, x_len, _, y_len = collate(feats, labels, ids, "cpu")
-        y = padded_labels(labels, ids)
+        x, x_len, _, y_len = collate(feats, labels, ids, device)
+        y = padded_labels(labels, ids).to(device)
         states, out_len = model.encoder(x, x_len)
         log_probs = model.joint.grid(states, model.prediction(y))
         total_loss += float(loss_fn(log_probs, y, out_len, y_len, blank).sum())
@@ -140,7 +150,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     blank = VOCABULARY.index(BLANK)
     train_feats, train_labels, dev_feats, dev_labels, stats = load_training_data(
-        args.data, args.max_train_utterances, args.max_dev_utterances)
+        args.data, args.max_train_utterances, args.max_dev_utterances, args.hold_out_speaker)
 
     init, encoder_opts = load_init_encoder(args.init_encoder, train_feats[0].shape[1], len(VOCABULARY))
     opts = TransducerOptions(encoder=encoder_opts, num_labels=len(VOCABULARY), blank=blank,
@@ -151,9 +161,15 @@ def main(argv=None) -> None:
     if init:
         model.encoder.load_state_dict(prefixed_state(init["state_dict"], "encoder."))
         ctc_head.load_state_dict(prefixed_state(init["state_dict"], "head."))
+    model.to(args.device)
+    ctc_head.to(args.device)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{len(train_feats)} train / {len(dev_feats)} dev utterances; {num_params} parameters (without the "
-          f"CTC head); encoder from {args.init_encoder}; {torch.get_num_threads()} threads", flush=True)
+          f"CTC head); encoder from {args.init_encoder}; device {args.device}, {torch.get_num_threads()} threads",
+          flush=True)
+    if args.augment.active:
+        print(f"augmentation: {args.augment}", flush=True)
+    aug_rng = np.random.default_rng(args.seed)
 
     params = list(model.parameters()) + list(ctc_head.parameters())
     optimiser = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.98))
@@ -162,8 +178,11 @@ def main(argv=None) -> None:
     loss_fn = TOPOLOGIES[args.topology][0]
 
     def batch_loss(ids):
-        x, x_len, y_flat, y_len = collate(train_feats, train_labels, ids, "cpu")
-        y = padded_labels(train_labels, ids)
+        feats = train_feats
+        if args.augment.active:
+            feats = {i: args.augment(train_feats[i], aug_rng) for i in ids}
+        x, x_len, y_flat, y_len = collate(feats, train_labels, ids, args.device)
+        y = padded_labels(train_labels, ids).to(args.device)
         states, out_len = model.encoder(x, x_len)
         log_probs = model.joint.grid(states, model.prediction(y))
         loss = loss_fn(log_probs, y, out_len, y_len, blank).sum()
@@ -174,10 +193,11 @@ def main(argv=None) -> None:
         return total, loss
 
     train_epochs(args, params, optimiser, schedule, [f.shape[0] for f in train_feats], batch_loss,
-                 lambda: evaluate(model, dev_feats, dev_labels, args.batch_frames, blank, args.topology),
+                 lambda: evaluate(model, dev_feats, dev_labels, args.batch_frames, blank, args.topology,
+                                  args.device),
                  lambda: {"model": "transducer", "options": opts.to_dict(), "state_dict": model.state_dict(),
                           "topology": args.topology},
-                 evaluate_first=True)
+                 evaluate_first=True, keep_by=args.keep_by)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import fsdd_augment
 import numpy as np
 import torch
 from fsdd_augment import Augment
@@ -34,7 +33,7 @@ from fsdd_common import (
     resolve,
 )
 from fsdd_models import AedModel, AedOptions, load_init_encoder, noam_schedule, prefixed_state
-from train_ctc import KEEP_BY, batches, collate, edit_distance, train_epochs
+from train_ctc import add_training_options, batches, collate, edit_distance, train_epochs
 
 END = VOCABULARY.index(SENTENCE_END)
 
@@ -60,12 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--keep-by", choices=sorted(KEEP_BY), default="dev-loss",
-                   help="the dev figure that picks the kept checkpoint (lower is better; the earlier on ties)")
-    p.add_argument("--hold-out-speaker", default=None, metavar="NAME",
-                   help="train without NAME's utterances and use them (from the train split) as the dev set")
-    fsdd_augment.add_arguments(p)
+    add_training_options(p)
     for f in fields(AedOptions):
         if f.name not in ("encoder", "num_labels", "sentence"):
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)

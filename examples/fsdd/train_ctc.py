@@ -52,14 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exp", type=Path, default=RECIPE_DIR / "exp" / "ctc", help="output folder")
     p.add_argument("--epochs", type=int, default=60)
     p.add_argument("--max-minutes", type=float, default=None, help="wall-clock limit")
-    p.add_argument("--keep-by", choices=sorted(KEEP_BY), default="dev-loss",
-                   help="the dev figure that picks the kept checkpoint (lower is better; the earlier on ties)")
     p.add_argument("--max-train-utterances", type=int, default=None,
                    help="use only the first N training utterances (smoke runs)")
     p.add_argument("--max-dev-utterances", type=int, default=None)
-    p.add_argument("--hold-out-speaker", default=None, metavar="NAME",
-                   help="train without NAME's utterances and use them (from the train split) as the "
-                        "dev set, in place of the dev split: a speaker the model never heard")
     p.add_argument("--batch-frames", type=int, default=20000,
                    help="at most this many padded feature frames per batch")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (Adam)")
@@ -68,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="steps between train-loss logs")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_training_options(p)
     for f in fields(EncoderOptions):
         if f.name not in ("num_features", "num_labels"):
             name = f"--{f.name.replace('_', '-')}"
@@ -76,11 +71,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                 p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 p.add_argument(name, type=type(f.default), default=f.default)
-    fsdd_augment.add_arguments(p)
     args = p.parse_args(argv)
     args.data, args.exp = resolve(args.data), resolve(args.exp)
     args.augment = Augment.from_args(args)
     return args
+
+
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    """What every FSDD trainer takes: --device, --keep-by, --hold-out-speaker and the ``--aug-*``
+    perturbations (``args.augment = Augment.from_args(args)`` after parsing)."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--keep-by", choices=sorted(KEEP_BY), default="dev-loss",
+                   help="the dev figure that picks the kept checkpoint (lower is better; the earlier on ties)")
+    p.add_argument("--hold-out-speaker", default=None, metavar="NAME",
+                   help="train without NAME's utterances and use them (from the train split) as the "
+                        "dev set, in place of the dev split: a speaker the model never heard")
+    fsdd_augment.add_arguments(p)
 
 
 def batches(lengths: list[int], batch_frames: int, rng: random.Random | None) -> list[list[int]]:

@@ -22,7 +22,6 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import fsdd_augment
 import numpy as np
 import torch
 from fsdd_augment import Augment
@@ -43,7 +42,7 @@ from fsdd_models import (
     prefixed_state,
     rnnt_loss,
 )
-from train_ctc import KEEP_BY, batches, collate, edit_distance, train_epochs
+from train_ctc import add_training_options, batches, collate, edit_distance, train_epochs
 
 #: loss and greedy decoding's labels per frame of each topology
 TOPOLOGIES = {"one-symbol": (one_symbol_rnnt_loss, 1), "standard": (rnnt_loss, 3)}
@@ -72,12 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--keep-by", choices=sorted(KEEP_BY), default="dev-loss",
-                   help="the dev figure that picks the kept checkpoint (lower is better; the earlier on ties)")
-    p.add_argument("--hold-out-speaker", default=None, metavar="NAME",
-                   help="train without NAME's utterances and use them (from the train split) as the dev set")
-    fsdd_augment.add_arguments(p)
+    add_training_options(p)
     for f in fields(TransducerOptions):
         if f.name not in ("encoder", "num_labels", "blank"):
             p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)

@@ -86,8 +86,9 @@ def _aed_overrides(exp: Path) -> list[str]:
 
 
 FAMILIES: dict[str, Family] = {
-    # The shipped CTC model: `python examples/fsdd/train_ctc.py` with its defaults (60 epochs,
-    # no time cap; the kept checkpoint was epoch 49), then export_ctc.py.
+    # The CTC recipe: `python examples/fsdd/train_ctc.py` with its defaults (60 epochs, no time
+    # cap; the plain recipe, "before"), then export_ctc.py. The shipped model's options come
+    # after `--` (examples/fsdd/README.md, "The shipped models").
     "ctc": Family(
         name="ctc", train_script="train_ctc.py", train_args=(),
         export_script="export_ctc.py", export_args=("--output", "{exp}/ctc-encoder.onnx"),
@@ -95,7 +96,7 @@ FAMILIES: dict[str, Family] = {
                  System("beam", CONFIGS / "fsdd-ctc.yaml"),
                  System("beam+LM", CONFIGS / "fsdd-ctc-lm.yaml")),
         model_overrides=_ctc_overrides),
-    # The shipped transducer: train_transducer.py --topology one-symbol (30 epochs) from the CTC
+    # The transducer recipe: train_transducer.py --topology one-symbol (30 epochs) from the CTC
     # checkpoint, then export_transducer.py.
     "transducer": Family(
         name="transducer", train_script="train_transducer.py", train_args=(),
@@ -104,8 +105,7 @@ FAMILIES: dict[str, Family] = {
                  System("beam", CONFIGS / "fsdd-transducer.yaml"),
                  System("beam+LM", CONFIGS / "fsdd-transducer-lm.yaml")),
         model_overrides=_transducer_overrides, init_from="ctc"),
-    # The shipped AED: train_aed.py from the CTC checkpoint (30 epochs; the shipped model was
-    # time-boxed at 30 minutes on the CPU), then export_aed.py.
+    # The AED recipe: train_aed.py from the CTC checkpoint (30 epochs), then export_aed.py.
     "aed": Family(
         name="aed", train_script="train_aed.py", train_args=(),
         export_script="export_aed.py", export_args=("--output-dir", "{exp}"),

@@ -3,30 +3,49 @@
 # stage per call (each fits in ~10 minutes on an H200 with 16 cores). From the repository root:
 #
 #     bash examples/fsdd/loso_gpu.sh data ctc nested aed transducer
+#     bash examples/fsdd/loso_gpu.sh synth-data synth     # + espeak-ng speakers in training
 #
 # data:        the five folds' data (make_data.py --test-speaker, in parallel)
 # ctc:         loso.py --family ctc, before (the plain recipe) and after (the chosen options)
 # nested:      loso_tune.py: plain against the chosen options on each fold's nested dev speaker
 # aed, transducer: loso.py for the family, before and after, from the fold's CTC checkpoints
+# synth-data:  the folds again with SYNTH_TRAIN (default 1500) training utterances of the synthetic
+#              speakers in SYNTHETIC (default examples/fsdd/data/synthetic-recordings, made by
+#              synth_speakers.py) added (examples/fsdd/data/loso-synth)
+# synth:       the chosen options on those folds: CTC test (after-synth) and the nested dev check
 #
 # Results: $EXP/{before,after}/<family>-loso.{json,md}, $EXP/tune/*/dev.json. Environment:
 # RECORDINGS (default ../shared/data/fsdd/recordings), EXP (default examples/fsdd/exp/loso),
-# PYTHON (default python3), EXTRA (more training options for every run, e.g. "--max-minutes 8").
+# PYTHON (default python3), EXTRA (more training options for every run, e.g. "--max-minutes 8"),
+# SPEAKERS (default all five).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REC=${RECORDINGS:-../shared/data/fsdd/recordings}
 EXP=${EXP:-examples/fsdd/exp/loso}
 PY=${PYTHON:-python3}
 EXTRA=${EXTRA:-}
+SYNTHETIC=${SYNTHETIC:-examples/fsdd/data/synthetic-recordings}
+SYNTH_TRAIN=${SYNTH_TRAIN:-1500}
 DATA=examples/fsdd/data/loso
-SPEAKERS="george jackson nicolas theo yweweler"
+SYNTH_DATA=examples/fsdd/data/loso-synth
+SPEAKERS=${SPEAKERS:-george jackson nicolas theo yweweler}
 declare -A NESTED=([george]=jackson [jackson]=george [nicolas]=theo [theo]=yweweler [yweweler]=nicolas)
 # the chosen options (LOSO-TUNING.md); the per-utterance mean belongs to the encoder, which the
 # transducer and the AED inherit from the CTC checkpoint
 CHOSEN="--aug-tempo 0.1 --aug-mel-shift 1 --keep-by dev-wer"
 export PYTHONUNBUFFERED=1
 mkdir -p "$EXP/logs"
-loso() { "$PY" examples/fsdd/loso.py --recordings "$REC" --jobs 5 --reuse --torch-python "$PY" "$@"; }
+loso() { "$PY" examples/fsdd/loso.py --recordings "$REC" --jobs 5 --reuse --torch-python "$PY" \
+  --speakers "${SPEAKERS// /,}" "$@"; }
+# nested DATA CONFIG_PREFIX TRAIN_OPTIONS...: each fold's nested dev check of one configuration
+nested() {
+  local data=$1 name=$2; shift 2
+  for s in $SPEAKERS; do
+    local h=${NESTED[$s]}
+    "$PY" examples/fsdd/loso_tune.py train --speakers "$s" --out "$data" --exp "$EXP/tune" --torch-python "$PY" \
+      --config "$name-hold-$h" -- --hold-out-speaker "$h" "$@" $EXTRA > "$EXP/logs/$name-$s.log" 2>&1 &
+  done
+}
 for stage in "$@"; do
   started=$(date +%s)
   case $stage in
@@ -40,20 +59,25 @@ for stage in "$@"; do
       loso --family ctc --exp "$EXP/after" -- $CHOSEN --utterance-mean $EXTRA > "$EXP/logs/ctc-after.log" 2>&1 &
       wait;;
     nested)
+      nested "$DATA" nested-plain --keep-by dev-wer
+      nested "$DATA" nested-after $CHOSEN --utterance-mean
+      wait;;
+    synth-data)
       for s in $SPEAKERS; do
-        h=${NESTED[$s]}
-        tune=("$PY" examples/fsdd/loso_tune.py train --speakers "$s" --out "$DATA" --exp "$EXP/tune"
-              --torch-python "$PY")
-        "${tune[@]}" --config "nested-plain-hold-$h" -- --hold-out-speaker "$h" --keep-by dev-wer $EXTRA \
-          > "$EXP/logs/nested-plain-$s.log" 2>&1 &
-        "${tune[@]}" --config "nested-after-hold-$h" -- --hold-out-speaker "$h" $CHOSEN --utterance-mean $EXTRA \
-          > "$EXP/logs/nested-after-$s.log" 2>&1 &
+        "$PY" examples/fsdd/make_data.py --recordings "$REC" --test-speaker "$s" --out "$SYNTH_DATA/$s" \
+          --num-lm-sentences 0 --wav-splits '' --synthetic-recordings "$SYNTHETIC" \
+          --num-synthetic-train "$SYNTH_TRAIN" > "$EXP/logs/synth-data-$s.log" 2>&1 &
       done; wait;;
+    synth)
+      loso --family ctc --out "$SYNTH_DATA" --exp "$EXP/after-synth" -- $CHOSEN --utterance-mean $EXTRA \
+        > "$EXP/logs/ctc-after-synth.log" 2>&1 &
+      nested "$SYNTH_DATA" nested-after-synth $CHOSEN --utterance-mean
+      wait;;
     aed|transducer)
       loso --family "$stage" --exp "$EXP/before" -- $EXTRA > "$EXP/logs/$stage-before.log" 2>&1 &
       loso --family "$stage" --exp "$EXP/after" -- $CHOSEN $EXTRA > "$EXP/logs/$stage-after.log" 2>&1 &
       wait;;
-    *) echo "loso_gpu.sh: unknown stage $stage (data ctc nested aed transducer)" >&2; exit 2;;
+    *) echo "loso_gpu.sh: unknown stage $stage (data ctc nested aed transducer synth-data synth)" >&2; exit 2;;
   esac
   echo "$stage: $(( $(date +%s) - started )) s"
   tail -n 3 "$EXP"/logs/*.log 2>/dev/null | grep -i "error\|exit status" || true

@@ -141,3 +141,37 @@ def test_shipped_aed_transcribes_the_bundled_test_audio(tmp_path, case):
     hyps, output = _decode(tmp_path, config, *overrides)
     assert hyps == expected
     assert errors in output
+
+
+@pytest.mark.parametrize("encoder, output", [("ctc-encoder.onnx", "log-probs"),
+                                             ("aed-encoder.onnx", "log-probs"),
+                                             ("transducer-encoder.onnx", "encoder-states")])
+def test_shipped_encoders_ignore_the_recording_level(encoder, output):
+    """The shipped encoders subtract each utterance's mean log-mel vector over its real frames, so
+    a level change (a constant added to the log-mel features of one utterance) leaves their
+    outputs unchanged, also for an utterance padded in a batch with a longer one."""
+    np = pytest.importorskip("numpy")
+    ort = pytest.importorskip("onnxruntime")
+    soundfile = pytest.importorskip("soundfile")
+    from gpudecode.io.frontend import LogMelFrontEnd, LogMelOptions
+
+    front_end = LogMelFrontEnd(LogMelOptions(sample_rate_hz=8000, window_ms=25, hop_ms=10, fft_size=256,
+                                             num_mel_bins=40, low_freq_hz=20, window_type="hann"))
+    audio = ROOT / "examples/fsdd-model/test-audio"
+    short, long = (front_end(soundfile.read(audio / f"{name}.wav", dtype="float64")[0])
+                   for name in ("test-00001-yweweler", "test-00000-nicolas"))
+    assert short.shape[0] < long.shape[0]
+    session = ort.InferenceSession(str(ROOT / "examples/fsdd-model" / encoder), providers=["CPUExecutionProvider"])
+
+    def run(first):
+        batch = np.zeros((2, long.shape[0], 40), np.float32)
+        batch[0, : first.shape[0]], batch[1] = first, long
+        sizes = np.array([first.shape[0], long.shape[0]], np.int32)
+        out = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {"features": batch, "features-size": sizes})))
+        return out[output][0], out[output][1]
+
+    plain, quieter = run(short), run(short - np.float32(2.5))
+    frames = (((short.shape[0] - 1) // 2 - 1) // 2)  # after the 4x subsampling
+    np.testing.assert_allclose(quieter[0][:frames], plain[0][:frames], atol=1e-4)
+    np.testing.assert_allclose(quieter[1], plain[1], atol=1e-6)  # the other utterance untouched

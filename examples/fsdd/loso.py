@@ -118,10 +118,15 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def split_extra(argv=None) -> tuple[list[str], list[str]]:
+    """(the arguments before ``--``, the training options after it) of ``argv`` (default: sys.argv)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return argv[:cut], argv[cut + 1:]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    argv, extra = split_extra(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default="ctc")
@@ -222,12 +227,10 @@ def run_fold(speaker: str, family: Family, args) -> dict:
         record["train_command"] = shlex.join(train)
         if not (args.reuse and (exp / "checkpoint.pt").is_file()):
             record["train_seconds"] = round(run(train, exp / "logs" / "train.log"), 1)
-        record.update(last_records(exp / "log.jsonl"))
         export = [args.torch_python, f"{recipe}/{family.export_script}", "--checkpoint", str(exp / "checkpoint.pt"),
                   "--data", str(fold), *(a.format(exp=exp) for a in family.export_args)]
         record["export_seconds"] = round(run(export, exp / "logs" / "export.log"), 1)
-    else:
-        record.update(last_records(exp / "log.jsonl"))
+    record.update(last_records(exp / "log.jsonl"))
     record["systems"] = [decode(s, family, fold, exp, exp / "logs") for s in family.systems]
     return record
 

@@ -31,9 +31,7 @@ from fsdd_common import DEFAULT_DATA_DIR, RECIPE_DIR, resolve
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    argv, extra = loso.split_extra(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("stage", choices=("train", "test"))
@@ -96,7 +94,7 @@ def test(args, speakers: list[str]) -> None:
     fam = family(args)
     run_args = argparse.Namespace(out=args.out, exp=args.exp, recordings=None, threads=args.threads,
                                   max_minutes=args.max_minutes, torch_python=args.torch_python, reuse=True,
-                                  extra=[])
+                                  extra=[], decode_only=False)
     settings = shlex.join([fam.train_script, *fam.train_args, "--threads", str(args.threads),
                            *(["--max-minutes", str(args.max_minutes)] if args.max_minutes is not None else [])])
     results = {"family": fam.name, "config": args.config, "train_settings": settings,

@@ -39,6 +39,11 @@ class Augment:
             x = x + rng.normal(0.0, self.noise, x.shape).astype(np.float32)
         return np.ascontiguousarray(x, dtype=np.float32)
 
+    def batch(self, feats, ids, rng: np.random.Generator) -> dict:
+        """``{i: feats[i] augmented}`` for the utterances ``ids`` of a batch (the arrays themselves
+        when all are off)."""
+        return {i: self(feats[i], rng) for i in ids}
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Augment:
         """The augmentations of the ``--aug-*`` options of :func:`add_arguments`."""

@@ -146,9 +146,7 @@ def main(argv=None) -> None:
     ctc = torch.nn.CTCLoss(blank=blank, reduction="sum", zero_infinity=True)
 
     def batch_loss(ids):
-        feats = train_feats
-        if args.augment.active:
-            feats = {i: args.augment(train_feats[i], aug_rng) for i in ids}
+        feats = args.augment.batch(train_feats, ids, aug_rng)
         x, x_len, y_flat, y_len = collate(feats, train_labels, ids, args.device)
         states, out_len = model.encoder(x, x_len)
         dec_in, dec_out = (t.to(args.device) for t in decoder_io(train_labels, ids))

@@ -185,9 +185,7 @@ def main(argv=None) -> None:
     aug_rng = np.random.default_rng(args.seed)
 
     def batch_loss(ids):
-        feats = train_feats
-        if args.augment.active:
-            feats = {i: args.augment(train_feats[i], aug_rng) for i in ids}
+        feats = args.augment.batch(train_feats, ids, aug_rng)
         x, x_len, y, y_len = collate(feats, train_labels, ids, args.device)
         log_probs, out_len = model(x, x_len)
         loss = ctc(log_probs.transpose(0, 1), y, out_len, y_len)

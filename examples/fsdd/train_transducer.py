@@ -172,9 +172,7 @@ def main(argv=None) -> None:
     loss_fn = TOPOLOGIES[args.topology][0]
 
     def batch_loss(ids):
-        feats = train_feats
-        if args.augment.active:
-            feats = {i: args.augment(train_feats[i], aug_rng) for i in ids}
+        feats = args.augment.batch(train_feats, ids, aug_rng)
         x, x_len, y_flat, y_len = collate(feats, train_labels, ids, args.device)
         y = padded_labels(train_labels, ids).to(args.device)
         states, out_len = model.encoder(x, x_len)

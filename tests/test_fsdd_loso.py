@@ -60,3 +60,22 @@ def test_options_after_the_separator_go_to_training():
     assert args.family == "aed" and args.jobs == 3 and args.decode_only
     assert args.extra == ["--aug-tempo", "0.1", "--jobs", "9"]
     assert loso.parse_args([]).extra == [] and not loso.parse_args([]).decode_only
+
+
+def test_every_stage_of_the_gpu_script_is_documented_and_known(tmp_path):
+    """loso_gpu.sh: the stages its header describes are the stages its case statement runs, and an
+    unknown stage stops it (exit 2) with that list."""
+    import re
+    import subprocess
+
+    script = RECIPE_DIR / "loso_gpu.sh"
+    text = script.read_text()
+    documented = {name for line in re.findall(r"^# ([a-z][a-z-]*(?:, [a-z][a-z-]*)*):", text, re.M)
+                  for name in line.split(", ")}
+    handled = {name for labels in re.findall(r"^    ([a-z][a-z|-]*)\)", text, re.M) for name in labels.split("|")}
+    assert documented == handled and {"ship-synth", "synth-aed", "synth-transducer"} <= handled
+    done = subprocess.run(["bash", str(script), "no-such-stage"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "EXP": str(tmp_path / "exp")})
+    assert done.returncode == 2, done.stderr
+    listed = set(re.search(r"\(([^)]*)\)", done.stderr).group(1).split())
+    assert listed == handled

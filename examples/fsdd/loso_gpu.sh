@@ -3,7 +3,7 @@
 # stage per call (each fits in ~10 minutes on an H200 with 16 cores). From the repository root:
 #
 #     bash examples/fsdd/loso_gpu.sh data ctc nested aed transducer
-#     bash examples/fsdd/loso_gpu.sh synth-data synth     # + espeak-ng speakers in training
+#     bash examples/fsdd/loso_gpu.sh synth-data synth synth-aed synth-transducer  # + espeak-ng speakers
 #
 # data:        the five folds' data (make_data.py --test-speaker, in parallel)
 # ctc:         loso.py --family ctc, before (the plain recipe) and after (the chosen options)
@@ -13,6 +13,12 @@
 #              speakers in SYNTHETIC (default examples/fsdd/data/synthetic-recordings, made by
 #              synth_speakers.py) added (examples/fsdd/data/loso-synth)
 # synth:       the chosen options on those folds: CTC test (after-synth) and the nested dev check
+# synth-aed, synth-transducer: loso.py for the family with the chosen options on those folds, from
+#              the after-synth CTC checkpoints (after-synth)
+# ship, ship-synth: the models to ship, trained on the index split (all five speakers) with the
+#              chosen options (ship-synth: plus the synthetic speakers' training utterances): CTC,
+#              then AED and transducer from its checkpoint, exported into $EXP/<stage>/ (to copy
+#              into examples/fsdd-model/ once their figures are checked)
 #
 # Results: $EXP/{before,after}/<family>-loso.{json,md}, $EXP/tune/*/dev.json. Environment:
 # RECORDINGS (default ../shared/data/fsdd/recordings), EXP (default examples/fsdd/exp/loso),
@@ -73,11 +79,31 @@ for stage in "$@"; do
         > "$EXP/logs/ctc-after-synth.log" 2>&1 &
       nested "$SYNTH_DATA" nested-after-synth $CHOSEN --utterance-mean
       wait;;
+    ship|ship-synth)
+      dir=$EXP/$stage data=examples/fsdd/data/$stage synth=()
+      [ "$stage" = ship-synth ] && synth=(--synthetic-recordings "$SYNTHETIC" --num-synthetic-train "$SYNTH_TRAIN")
+      "$PY" examples/fsdd/make_data.py --recordings "$REC" --out "$data" --num-lm-sentences 0 --wav-splits '' \
+        "${synth[@]}" > "$EXP/logs/$stage-data.log" 2>&1 || { echo "$stage: data failed" >&2; continue; }
+      train() { local family=$1; shift; "$PY" "examples/fsdd/train_$family.py" --data "$data" --exp "$dir/$family" \
+        --threads 1 "$@" $EXTRA > "$EXP/logs/$stage-$family.log" 2>&1; }
+      train ctc $CHOSEN --utterance-mean || { echo "$stage: CTC training failed" >&2; continue; }
+      train aed --init-encoder "$dir/ctc/checkpoint.pt" $CHOSEN &
+      train transducer --init-encoder "$dir/ctc/checkpoint.pt" $CHOSEN &
+      wait
+      "$PY" examples/fsdd/export_ctc.py --checkpoint "$dir/ctc/checkpoint.pt" --output "$dir/ctc-encoder.onnx" \
+        --data "$data" > "$EXP/logs/$stage-export.log" 2>&1
+      for family in aed transducer; do
+        "$PY" "examples/fsdd/export_$family.py" --checkpoint "$dir/$family/checkpoint.pt" --output-dir "$dir" \
+          --data "$data" >> "$EXP/logs/$stage-export.log" 2>&1
+      done;;
+    synth-aed|synth-transducer)
+      loso --family "${stage#synth-}" --out "$SYNTH_DATA" --exp "$EXP/after-synth" -- $CHOSEN $EXTRA \
+        > "$EXP/logs/$stage-after.log" 2>&1;;
     aed|transducer)
       loso --family "$stage" --exp "$EXP/before" -- $EXTRA > "$EXP/logs/$stage-before.log" 2>&1 &
       loso --family "$stage" --exp "$EXP/after" -- $CHOSEN $EXTRA > "$EXP/logs/$stage-after.log" 2>&1 &
       wait;;
-    *) echo "loso_gpu.sh: unknown stage $stage (data ctc nested aed transducer synth-data synth)" >&2; exit 2;;
+    *) echo "loso_gpu.sh: unknown stage $stage (data ctc nested aed transducer synth-data synth synth-aed synth-transducer ship ship-synth)" >&2; exit 2;;
   esac
   echo "$stage: $(( $(date +%s) - started )) s"
   tail -n 3 "$EXP"/logs/*.log 2>/dev/null | grep -i "error\|exit status" || true

@@ -87,14 +87,15 @@ for stage in "$@"; do
       train() { local family=$1; shift; "$PY" "examples/fsdd/train_$family.py" --data "$data" --exp "$dir/$family" \
         --threads 1 "$@" $EXTRA > "$EXP/logs/$stage-$family.log" 2>&1; }
       train ctc $CHOSEN --utterance-mean || { echo "$stage: CTC training failed" >&2; continue; }
-      train aed --init-encoder "$dir/ctc/checkpoint.pt" $CHOSEN &
-      train transducer --init-encoder "$dir/ctc/checkpoint.pt" $CHOSEN &
-      wait
+      train aed --init-encoder "$dir/ctc/checkpoint.pt" $CHOSEN & aed=$!
+      train transducer --init-encoder "$dir/ctc/checkpoint.pt" $CHOSEN & transducer=$!
+      wait $aed || echo "$stage: AED training failed ($EXP/logs/$stage-aed.log)" >&2
+      wait $transducer || echo "$stage: transducer training failed ($EXP/logs/$stage-transducer.log)" >&2
       "$PY" examples/fsdd/export_ctc.py --checkpoint "$dir/ctc/checkpoint.pt" --output "$dir/ctc-encoder.onnx" \
-        --data "$data" > "$EXP/logs/$stage-export.log" 2>&1
+        --data "$data" > "$EXP/logs/$stage-export.log" 2>&1 || echo "$stage: CTC export failed" >&2
       for family in aed transducer; do
         "$PY" "examples/fsdd/export_$family.py" --checkpoint "$dir/$family/checkpoint.pt" --output-dir "$dir" \
-          --data "$data" >> "$EXP/logs/$stage-export.log" 2>&1
+          --data "$data" >> "$EXP/logs/$stage-export.log" 2>&1 || echo "$stage: $family export failed" >&2
       done;;
     synth-aed|synth-transducer)
       loso --family "${stage#synth-}" --out "$SYNTH_DATA" --exp "$EXP/after-synth" -- $CHOSEN $EXTRA \
@@ -106,5 +107,5 @@ for stage in "$@"; do
     *) echo "loso_gpu.sh: unknown stage $stage (data ctc nested aed transducer synth-data synth synth-aed synth-transducer ship ship-synth)" >&2; exit 2;;
   esac
   echo "$stage: $(( $(date +%s) - started )) s"
-  tail -n 3 "$EXP"/logs/*.log 2>/dev/null | grep -i "error\|exit status" || true
+  tail -n 3 "$EXP"/logs/*.log 2>/dev/null | grep -E "Error|exit status|failed" || true
 done

@@ -35,6 +35,7 @@ SYNTH_TRAIN=${SYNTH_TRAIN:-1500}
 DATA=examples/fsdd/data/loso
 SYNTH_DATA=examples/fsdd/data/loso-synth
 SPEAKERS=${SPEAKERS:-george jackson nicolas theo yweweler}
+SYNTH_OPTIONS=(--synthetic-recordings "$SYNTHETIC" --num-synthetic-train "$SYNTH_TRAIN")
 declare -A NESTED=([george]=jackson [jackson]=george [nicolas]=theo [theo]=yweweler [yweweler]=nicolas)
 # the chosen options (LOSO-TUNING.md); the per-utterance mean belongs to the encoder, which the
 # transducer and the AED inherit from the CTC checkpoint
@@ -43,6 +44,14 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$EXP/logs"
 loso() { "$PY" examples/fsdd/loso.py --recordings "$REC" --jobs 5 --reuse --torch-python "$PY" \
   --speakers "${SPEAKERS// /,}" "$@"; }
+# fold_data OUT LOG MAKE_DATA_OPTIONS...: every speaker's fold data into OUT/<speaker>, in parallel
+fold_data() {
+  local out=$1 log=$2; shift 2
+  for s in $SPEAKERS; do
+    "$PY" examples/fsdd/make_data.py --recordings "$REC" --test-speaker "$s" --out "$out/$s" \
+      --num-lm-sentences 0 --wav-splits '' "$@" > "$EXP/logs/$log-$s.log" 2>&1 &
+  done; wait
+}
 # nested DATA CONFIG_PREFIX TRAIN_OPTIONS...: each fold's nested dev check of one configuration
 nested() {
   local data=$1 name=$2; shift 2
@@ -55,11 +64,7 @@ nested() {
 for stage in "$@"; do
   started=$(date +%s)
   case $stage in
-    data)
-      for s in $SPEAKERS; do
-        "$PY" examples/fsdd/make_data.py --recordings "$REC" --test-speaker "$s" --out "$DATA/$s" \
-          --num-lm-sentences 0 --wav-splits '' > "$EXP/logs/data-$s.log" 2>&1 &
-      done; wait;;
+    data) fold_data "$DATA" data;;
     ctc)
       loso --family ctc --exp "$EXP/before" -- $EXTRA > "$EXP/logs/ctc-before.log" 2>&1 &
       loso --family ctc --exp "$EXP/after" -- $CHOSEN --utterance-mean $EXTRA > "$EXP/logs/ctc-after.log" 2>&1 &
@@ -68,12 +73,7 @@ for stage in "$@"; do
       nested "$DATA" nested-plain --keep-by dev-wer
       nested "$DATA" nested-after $CHOSEN --utterance-mean
       wait;;
-    synth-data)
-      for s in $SPEAKERS; do
-        "$PY" examples/fsdd/make_data.py --recordings "$REC" --test-speaker "$s" --out "$SYNTH_DATA/$s" \
-          --num-lm-sentences 0 --wav-splits '' --synthetic-recordings "$SYNTHETIC" \
-          --num-synthetic-train "$SYNTH_TRAIN" > "$EXP/logs/synth-data-$s.log" 2>&1 &
-      done; wait;;
+    synth-data) fold_data "$SYNTH_DATA" synth-data "${SYNTH_OPTIONS[@]}";;
     synth)
       loso --family ctc --out "$SYNTH_DATA" --exp "$EXP/after-synth" -- $CHOSEN --utterance-mean $EXTRA \
         > "$EXP/logs/ctc-after-synth.log" 2>&1 &
@@ -81,7 +81,7 @@ for stage in "$@"; do
       wait;;
     ship|ship-synth)
       dir=$EXP/$stage data=examples/fsdd/data/$stage synth=()
-      [ "$stage" = ship-synth ] && synth=(--synthetic-recordings "$SYNTHETIC" --num-synthetic-train "$SYNTH_TRAIN")
+      [ "$stage" = ship-synth ] && synth=("${SYNTH_OPTIONS[@]}")
       "$PY" examples/fsdd/make_data.py --recordings "$REC" --out "$data" --num-lm-sentences 0 --wav-splits '' \
         "${synth[@]}" > "$EXP/logs/$stage-data.log" 2>&1 || { echo "$stage: data failed" >&2; continue; }
       train() { local family=$1; shift; "$PY" "examples/fsdd/train_$family.py" --data "$data" --exp "$dir/$family" \

@@ -351,8 +351,11 @@ def main(argv=None) -> None:
         check_recordings_in_split(split, used[split], recordings.speakers, args.test_speaker)
         fold = (f", speakers {','.join(split_speakers(split, recordings.speakers, args.test_speaker))}"
                 if args.test_speaker else "")
-        print(f"{split}: {sizes[split]} utterances, {result['num_frames']} frames "
-              f"({result['num_frames'] / 100 / 3600:.2f} h), {len(used[split])} recordings{fold}",
+        num_synthetic = args.num_synthetic_train if result["synthetic_recordings"] else 0
+        count = sizes[split] + num_synthetic
+        synthetic_part = f" ({sizes[split]} FSDD + {num_synthetic} synthetic)" if num_synthetic else ""
+        print(f"{split}: {count} utterances{synthetic_part}, {result['num_frames']} frames "
+              f"({result['num_frames'] / 100 / 3600:.2f} h), {len(used[split])} FSDD recordings{fold}",
               flush=True)
         if split == "train" and result["num_frames"]:
             mean, std = mean_std(result["sum"], result["sq_sum"], result["num_frames"])

@@ -11,7 +11,8 @@
 # aed, transducer: loso.py for the family, before and after, from the fold's CTC checkpoints
 # synth-data:  the folds again with SYNTH_TRAIN (default 1500) training utterances of the synthetic
 #              speakers in SYNTHETIC (default examples/fsdd/data/synthetic-recordings, made by
-#              synth_speakers.py) added (examples/fsdd/data/loso-synth)
+#              synth_speakers.py) added (SYNTH_DATA, default examples/fsdd/data/loso-synth: give
+#              each variant of SYNTHETIC / SYNTH_TRAIN its own SYNTH_DATA and EXP)
 # synth:       the chosen options on those folds: CTC test (after-synth) and the nested dev check
 # synth-aed, synth-transducer: loso.py for the family with the chosen options on those folds, from
 #              the after-synth CTC checkpoints (after-synth)
@@ -20,7 +21,7 @@
 #              then AED and transducer from its checkpoint, exported into $EXP/<stage>/ (to copy
 #              into examples/fsdd-model/ once their figures are checked)
 #
-# Results: $EXP/{before,after}/<family>-loso.{json,md}, $EXP/tune/*/dev.json. Environment:
+# Results: $EXP/{before,after,after-synth}/<family>-loso.{json,md}, $EXP/tune/*/dev.json. Environment:
 # RECORDINGS (default ../shared/data/fsdd/recordings), EXP (default examples/fsdd/exp/loso),
 # PYTHON (default python3), EXTRA (more training options for every run, e.g. "--max-minutes 8"),
 # SPEAKERS (default all five).
@@ -33,7 +34,7 @@ EXTRA=${EXTRA:-}
 SYNTHETIC=${SYNTHETIC:-examples/fsdd/data/synthetic-recordings}
 SYNTH_TRAIN=${SYNTH_TRAIN:-1500}
 DATA=examples/fsdd/data/loso
-SYNTH_DATA=examples/fsdd/data/loso-synth
+SYNTH_DATA=${SYNTH_DATA:-examples/fsdd/data/loso-synth}
 SPEAKERS=${SPEAKERS:-george jackson nicolas theo yweweler}
 SYNTH_OPTIONS=(--synthetic-recordings "$SYNTHETIC" --num-synthetic-train "$SYNTH_TRAIN")
 declare -A NESTED=([george]=jackson [jackson]=george [nicolas]=theo [theo]=yweweler [yweweler]=nicolas)

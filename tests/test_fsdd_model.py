@@ -12,28 +12,12 @@ from gpudecode.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The model's output on the bundled test utterances: the references (40 words). A change here
-# means the model, the front end or the search changed.
-EXPECTED = {
-    "test-00000-nicolas": "two seven one one two zero one nine",
-    "test-00001-yweweler": "eight four",
-    "test-00002-nicolas": "five three zero",
-    "test-00003-nicolas": "one zero three four",
-    "test-00004-yweweler": "four seven four eight six eight",
-    "test-00005-theo": "nine four eight seven zero three five",
-    "test-00006-theo": "six four zero",
-    "test-00007-yweweler": "four nine seven two zero five one",
-}
-
-
 def test_shipped_model_transcribes_the_bundled_test_audio(tmp_path):
     result = CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "fsdd-ctc.yaml"), "--output", str(tmp_path)])
     assert result.exit_code == 0, result.output
     hyps = dict(line.split(" ", 1) for line in (tmp_path / "text").read_text().splitlines())
-    assert hyps == EXPECTED
+    assert hyps == _with({})  # the references: a change means the model, front end or search changed
     assert "WER                     0.00 % (0 errors / 40 words: 0 sub, 0 del, 0 ins)" in result.output
-    references = dict(line.split(" ", 1) for line in (ROOT / "examples/fsdd-model/test-text").read_text().splitlines())
-    assert hyps == references
 
 
 def test_shipped_model_with_the_lstm_lm_transcribes_the_bundled_test_audio(tmp_path):
@@ -43,8 +27,7 @@ def test_shipped_model_with_the_lstm_lm_transcribes_the_bundled_test_audio(tmp_p
     result = CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "fsdd-ctc-lm.yaml"), "--output", str(tmp_path)])
     assert result.exit_code == 0, result.output
     hyps = dict(line.split(" ", 1) for line in (tmp_path / "text").read_text().splitlines())
-    references = dict(line.split(" ", 1) for line in (ROOT / "examples/fsdd-model/test-text").read_text().splitlines())
-    assert hyps == references
+    assert hyps == _with({})
     assert "WER                     0.00 % (0 errors / 40 words: 0 sub, 0 del, 0 ins)" in result.output
     # both fused scorers are reported per hypothesis
     first = json.loads((tmp_path / "nbest.jsonl").read_text().splitlines()[0])
@@ -54,16 +37,15 @@ def test_shipped_model_with_the_lstm_lm_transcribes_the_bundled_test_audio(tmp_p
 def test_shipped_model_with_the_transformer_lm_transcribes_the_bundled_test_audio(tmp_path):
     """CTC prefix beam 8 + the shipped transformer LM (KV caches through the transformer state
     manager) + length reward (configs/fsdd-ctc-tlm.yaml): all 8 transcripts equal the references,
-    as with the LSTM LM; each best hypothesis's LM
-    score is the step model's own sentence log-probability (``</s> w1 ... wn </s>``, run here step
-    by step from an empty history), and the total is the scaled sum of the scorers."""
+    as with the LSTM LM; each best hypothesis's LM score is the step model's own sentence
+    log-probability (``</s> w1 ... wn </s>``, run here step by step from an empty history), and the
+    total is the scaled sum of the scorers."""
     np = pytest.importorskip("numpy")
     ort = pytest.importorskip("onnxruntime")
     result = CliRunner().invoke(main, ["decode", str(ROOT / "configs" / "fsdd-ctc-tlm.yaml"), "--output", str(tmp_path)])
     assert result.exit_code == 0, result.output
     hyps = dict(line.split(" ", 1) for line in (tmp_path / "text").read_text().splitlines())
-    references = dict(line.split(" ", 1) for line in (ROOT / "examples/fsdd-model/test-text").read_text().splitlines())
-    assert hyps == references
+    assert hyps == _with({})
     assert "WER                     0.00 % (0 errors / 40 words: 0 sub, 0 del, 0 ins)" in result.output
 
     session = ort.InferenceSession(str(ROOT / "examples/fsdd-model/transformer-lm.onnx"),

@@ -39,6 +39,13 @@ WRITER_PROCESS = "auto"
 # gave it up (a GPU wait, an ONNX Runtime run) gets it back within one chunk's formatting (~0.3 ms),
 # not after the interpreter's 5 ms switch interval (tools/gil-handover)
 WRITE_CHUNK = 8
+# decoding processes sharing the device (``gpudecode.engines.processes``): "auto" is
+# CUDA_PROCESSES on runtime.device cuda where the host has CORES_PER_PROCESS cores for each (one
+# interpreter cannot keep a GPU busy with small models), else 1
+PROCESSES = "auto"
+CUDA_PROCESSES = 4
+CORES_PER_PROCESS = 4
+BATCHES_PER_PROCESS = 4  # a run on several processes cuts its batches so that each gets this many
 
 # --- models: front end (log-mel features from audio) ---------------------------------------
 SAMPLE_RATE_HZ = 16000

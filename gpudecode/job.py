@@ -35,7 +35,9 @@ class RunTimings:
     end run in a background thread with ``runtime.prefetch_batches``, writing with
     ``runtime.writer_queue``: the decoding loop then waits only ``input_wait_s`` for its batches and
     ``output_wait_s`` for the writer (a full queue, and the last results at the end); without those
-    threads the waits are the parts themselves."""
+    threads the waits are the parts themselves. A run on several decoding processes
+    (``processes`` > 1, ``gpudecode.engines.processes``) holds each part's mean over them, and its
+    writing is this process's."""
 
     started_at: float = 0.0  # the run began (imports done)
     decoding_at: float = 0.0  # the decoding loop began (sessions created, the source open)
@@ -48,6 +50,7 @@ class RunTimings:
     writing_s: float = 0.0
     input_wait_s: float = 0.0  # the decoding loop waited for its next batch
     output_wait_s: float = 0.0  # the decoding loop waited for results to be written (or queued)
+    processes: int = 1  # decoding processes (the parts above: their mean)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

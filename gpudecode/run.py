@@ -201,6 +201,15 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
         output.mkdir(parents=True, exist_ok=True)
         _record_run(config, output, identity, resuming=bool(done), replaced=replaced)
         return run_on_engine(config, done=done, resume=resume, progress=progress, on_status=on_status)
+    processes = config.runtime.decoding_processes
+    if io.prompts is not None and processes > 1:
+        if config.runtime.processes != "auto":
+            raise ConfigError("runtime.processes: several decoding processes decode features without "
+                              "prompts; set runtime.processes to 1 (or auto) for a run with io.prompts")
+        processes = 1
+    if processes > 1:
+        return _decode_on_processes(config, output, identity, done=done, resume=resume, replaced=replaced,
+                                    progress=progress, timings=timings, processes=processes)
     decoder = Decoder(config, timings=timings)
     front_end = config.models.front_end
     summary = RunSummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output,
@@ -234,6 +243,13 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
         if config.runtime.device == "cuda":
             summary.gpu_memory_bytes = backend.device_memory_in_use()
         decoder.close()
+    _score(summary, config)
+    return summary
+
+
+def _score(summary: RunSummary, config: Config) -> None:
+    """The run's WER (with references and the text format), written beside its results."""
+    io, output = config.io, Path(config.io.output)
     if io.references is not None and "text" in io.formats:
         text, wer_file = output / defaults.TEXT_FILE, output / defaults.WER_FILE
         try:
@@ -244,4 +260,23 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
             exc.filename = str(wer_file)
             summary.wer = score_wer(text, io.references)  # every result is written: the WER is not lost
             raise SummaryNotSaved(summary, exc) from exc
+
+
+def _decode_on_processes(config: Config, output: Path, identity: dict, *, done: set[str], resume: bool,
+                         replaced: bool, progress, timings: RunTimings, processes: int) -> RunSummary:
+    """``run_decode`` on several decoding processes (``gpudecode.engines.processes``)."""
+    from gpudecode.engines.processes import run_decode_processes
+
+    summary = RunSummary(resumed=len(done), frame_shift_s=config.models.front_end.frame_shift_s, output=output,
+                         timings=timings)
+    start = time.perf_counter()
+    try:
+        run_decode_processes(config, done=done, resume=resume, summary=summary, num_processes=processes,
+                             progress=progress, on_planned=lambda: _record_run(
+                                 config, output, identity, resuming=bool(done), replaced=replaced))
+    finally:
+        summary.seconds = time.perf_counter() - start
+        timings.finished_at = time.time()
+        timings.decoding_at = timings.decoding_at or timings.finished_at
+    _score(summary, config)
     return summary

@@ -15,7 +15,7 @@ import pytest
 from gpudecode.config import load_config
 from gpudecode.hypothesis import Hypothesis
 from gpudecode.io.vocabulary import Vocabulary
-from gpudecode.io.writer_process import ChildResultWriter, WriterProcessError, _child_environment, serve
+from gpudecode.io.writer_process import ChildResultWriter, WriterProcessError, child_environment, serve
 from gpudecode.io.writers import ResultWriter, UtteranceResult, read_done_ids
 from tests.test_cli_errors import faults
 from tests.test_overlap import EXAMPLE
@@ -193,5 +193,5 @@ def test_the_child_imports_this_gpudecode_from_any_working_directory(tmp_path, m
     writer.write_many(results(2))
     writer.close()
     assert writer.num_written == 2
-    first = _child_environment()["PYTHONPATH"].split(os.pathsep)[0]
+    first = child_environment()["PYTHONPATH"].split(os.pathsep)[0]
     assert os.path.samefile(first, os.path.dirname(os.path.dirname(gpudecode.__file__)))

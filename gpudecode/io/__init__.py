@@ -40,6 +40,7 @@ from gpudecode.io.vocabulary import Vocabulary, Word, merge_words
 from gpudecode.io.wer import read_transcripts, score_wer
 from gpudecode.io.writers import (
     Hypothesis,
+    ResultFormatter,
     ResultWriter,
     UtteranceResult,
     read_done_ids,
@@ -48,7 +49,7 @@ from gpudecode.io.writers import (
 __all__ = [
     "FeatureError", "FeatureSource", "FrontEndError", "Hypothesis", "InputError",
     "LogMelFrontEnd", "LogMelOptions", "PROMPT_FORMATS", "PromptError", "PromptSource",
-    "PromptedSource", "ResultFileError", "ResultWriter", "Utterance",
+    "PromptedSource", "ResultFileError", "ResultFormatter", "ResultWriter", "Utterance",
     "UtteranceResult", "Vocabulary", "VocabularyError", "Word", "BatchSizing", "bucket_by_length",
     "check_features", "detect_format", "mel_filterbank", "merge_words", "open_features",
     "parse_prompts", "read_prompts",

@@ -294,6 +294,12 @@ class FeatureSource:
             if batch:
                 yield batch
 
+    def read_batch(self, utt_ids: Sequence[str]) -> PaddedBatch:
+        """The batch of ``utt_ids`` as :meth:`batches` reads it (bad utterances skipped, in
+        ``skipped``, or raised as ``on_error`` says), padded: a decoding process of a pool
+        (``gpudecode.engines.processes``) reads the batches it is handed by their ids."""
+        return self._read_batch(utt_ids)
+
     def _read_batch(self, utt_ids: Sequence[str]) -> PaddedBatch:
         """The batch of ``utt_ids`` (bad utterances skipped or raised as ``on_error`` says), padded.
         A format that can read a batch straight into its padded array overrides it (same result)."""

@@ -29,7 +29,7 @@ __all__ = ["NOT_IN_IDENTITY", "archive_number", "identity_differences", "read_id
 NOT_IN_IDENTITY = (
     "io.output", "io.references", "runtime.dump_inputs", "runtime.engine", "runtime.cuda_graphs",
     "runtime.ort_arena_limit_bytes", "runtime.cupy_pool_limit_bytes", "runtime.prefetch_batches",
-    "runtime.writer_queue", "runtime.writer_process", "search.batch_size", "search.batch_frames", "search.max_active_utterances",
+    "runtime.writer_queue", "runtime.writer_process", "runtime.processes", "search.batch_size", "search.batch_frames", "search.max_active_utterances",
     "search.admission_order", "search.tuning",
 )
 #: Sections whose paths name models (hashed), unlike the inputs and outputs of ``io``.

@@ -59,7 +59,7 @@ class ChildResultWriter:
         self.done_ids: set[str] = set()
         self.num_written = 0
         self._child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, env=_child_environment())
+                                       stdout=subprocess.PIPE, env=child_environment())
         self._unanswered: list[list[UtteranceResult]] = []  # messages sent, their answers not read
         self._opened = False  # the child's answer to "open" read (a failed open raised)
         self._closed = False
@@ -157,7 +157,7 @@ class ChildResultWriter:
                                   "with --resume to decode the rest")
 
 
-def _child_environment() -> dict[str, str]:
+def child_environment() -> dict[str, str]:
     """This process's environment, with the folder this ``gpudecode`` was imported from first on
     ``PYTHONPATH`` (the child imports the same package even where a script put it on ``sys.path``)."""
     package_root = str(Path(__file__).resolve().parents[2])
@@ -165,7 +165,7 @@ def _child_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
-def _picklable(error: BaseException) -> BaseException:
+def picklable(error: BaseException) -> BaseException:
     """``error`` if it survives pickling, else a RuntimeError that says what it was."""
     try:
         pickle.loads(pickle.dumps(error))
@@ -194,7 +194,7 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
                 try:
                     writer = ResultWriter(**request[1])
                 except Exception as error:  # noqa: BLE001 - reported to the parent
-                    failure = _picklable(error)
+                    failure = picklable(error)
                 answer(("failed", 0, failure) if failure else ("opened",))
             elif request[0] == "close":
                 closing, writer = writer, None
@@ -202,7 +202,7 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
                     if closing is not None:
                         closing.close()
                 except Exception as error:  # noqa: BLE001 - reported to the parent
-                    answer(("failed", 0, _picklable(error)))
+                    answer(("failed", 0, picklable(error)))
                 else:
                     answer(("closed",))
                 return
@@ -213,7 +213,7 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
                 try:
                     writer.write_many(request[1])
                 except Exception as error:  # noqa: BLE001 - reported to the parent
-                    failure = _picklable(error)
+                    failure = picklable(error)
                     answer(("failed", writer.num_written - before, failure))
                 else:
                     answer(("written", writer.num_written - before))

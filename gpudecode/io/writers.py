@@ -221,22 +221,14 @@ def _cut_back(path: Path, get_id, done: set[str]) -> None:
     os.replace(tmp, path)
 
 
-class ResultWriter:
-    """Writes each ``UtteranceResult`` to the requested formats in ``output_folder``.
+class ResultFormatter:
+    """Formats each ``UtteranceResult`` as the lines of the requested formats (CTM, text, JSON
+    lines, in that order), without writing them: :class:`ResultWriter` writes what it makes, and a
+    decoding process of a pool (``gpudecode.engines.processes``) sends it to the one that writes.
+    ``formats``, ``word_merging`` and ``frame_shift_s``: as :class:`ResultWriter` takes them."""
 
-    ``formats``: a subset of ``text``, ``jsonl``, ``ctm``. ``frame_shift_s``: seconds per
-    frame index of ``Hypothesis.frames`` (needed for ``ctm``). ``resume``: keep what a previous
-    run wrote (see the module docstring) instead of starting the files afresh.
-    """
-
-    #: results a decoding run hands to one ``write_many`` call: each call flushes (and gives up the
-    #: GIL) once, so a decoding loop waits for the GIL at most one call's formatting
-    call_size = defaults.WRITE_CHUNK
-
-    def __init__(self, output_folder: str | Path, vocabulary: Vocabulary, *,
-                 formats: Sequence[str] = defaults.OUTPUT_FORMATS,
-                 word_merging: str = defaults.WORD_MERGING,
-                 frame_shift_s: float | None = None, resume: bool = False):
+    def __init__(self, vocabulary: Vocabulary, *, formats: Sequence[str] = defaults.OUTPUT_FORMATS,
+                 word_merging: str = defaults.WORD_MERGING, frame_shift_s: float | None = None):
         unknown = [f for f in formats if f not in defaults.OUTPUT_FORMAT_CHOICES]
         if unknown or not formats:
             raise ValueError(f"output formats {list(formats)}: choose from "
@@ -246,53 +238,25 @@ class ResultWriter:
         if word_merging not in defaults.WORD_MERGINGS:
             raise ValueError(f"unknown word merging {word_merging!r}; valid: "
                              f"{', '.join(defaults.WORD_MERGINGS)}")
-        self.folder = Path(output_folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.vocabulary = vocabulary
         self.word_merging = word_merging
         self.frame_shift_s = frame_shift_s
-        self.done_ids: set[str] = set()
-        files = {"ctm": (defaults.CTM_FILE, _text_id), "text": (defaults.TEXT_FILE, _text_id),
-                 "jsonl": (defaults.JSONL_FILE, _jsonl_id)}
-        order = [f for f in ("ctm", "text", "jsonl") if f in formats]  # marker last
-        if resume:
-            self.done_ids = read_done_ids(self.folder)
-            for fmt in order:
-                _cut_back(self.folder / files[fmt][0], files[fmt][1], self.done_ids)
-        self._files: dict[str, IO[str]] = {
-            fmt: open(self.folder / files[fmt][0], "a" if resume else "w", encoding="utf-8")
-            for fmt in order}
-        self.num_written = 0
+        #: the formats in the order their files are written (the marker of a done utterance last)
+        self.formats = tuple(f for f in ("ctm", "text", "jsonl") if f in formats)
         self._labels: _Lookup | None = None
         self._templates: dict[tuple[tuple, bool], str] = {}  # see _hyp_template
-        self._formatters = [getattr(self, f"_format_{fmt}") for fmt in self._files]  # in file order
+        self._formatters = [getattr(self, f"_format_{fmt}") for fmt in self.formats]
 
-    @property
-    def paths(self) -> dict[str, Path]:
-        return {fmt: Path(f.name) for fmt, f in self._files.items()}
-
-    def write(self, result: UtteranceResult) -> None:
-        """Write one utterance to every file and flush."""
-        self.write_many((result,))
-
-    def write_many(self, results: Iterable[UtteranceResult]) -> None:
-        """Write utterances in order: each file's lines of them with one write and one flush, the
-        files in the order CTM, text, JSON lines. One that cannot be formatted (a label outside the
-        vocabulary) raises once those before it are written; a failed write (a full disk) raises and
-        counts none of them done (``done_ids``, ``num_written``)."""
-        lookup, ids, lines = self._lookup(), [], []
-        try:
-            for result in results:
-                _utterance_id_ok(result.id)
-                best = lookup.best(result.nbest)
-                lines.append([format(result, lookup, best) for format in self._formatters])
-                ids.append(result.id)
-        finally:  # those formatted before an error too
-            if ids:
-                for file, texts in zip(self._files.values(), zip(*lines)):
-                    _write(file, "".join(texts))
-                self.done_ids.update(ids)
-                self.num_written += len(ids)
+    def format_into(self, results: Iterable[UtteranceResult], ids: list[str], lines: list[list[str]]) -> None:
+        """Append each result's id to ``ids`` and its lines (one string per format, in
+        :attr:`formats` order) to ``lines``; one that cannot be formatted (a label outside the
+        vocabulary, whitespace in its id) raises with those before it appended."""
+        lookup = self._lookup()
+        for result in results:
+            _utterance_id_ok(result.id)
+            best = lookup.best(result.nbest)
+            lines.append([format(result, lookup, best) for format in self._formatters])
+            ids.append(result.id)
 
     def _lookup(self) -> _Lookup:
         """The per-label strings of the current vocabulary, word merging and frame shift (made once)."""
@@ -345,6 +309,78 @@ class ResultWriter:
         if best is None or best.frames is None:
             return ""
         return "".join(lookup.ctm_lines(result.id, best))
+
+
+class ResultWriter:
+    """Writes each ``UtteranceResult`` to the requested formats in ``output_folder``.
+
+    ``formats``: a subset of ``text``, ``jsonl``, ``ctm``. ``frame_shift_s``: seconds per
+    frame index of ``Hypothesis.frames`` (needed for ``ctm``). ``resume``: keep what a previous
+    run wrote (see the module docstring) instead of starting the files afresh.
+    """
+
+    #: results a decoding run hands to one ``write_many`` call: each call flushes (and gives up the
+    #: GIL) once, so a decoding loop waits for the GIL at most one call's formatting
+    call_size = defaults.WRITE_CHUNK
+
+    def __init__(self, output_folder: str | Path, vocabulary: Vocabulary, *,
+                 formats: Sequence[str] = defaults.OUTPUT_FORMATS,
+                 word_merging: str = defaults.WORD_MERGING,
+                 frame_shift_s: float | None = None, resume: bool = False):
+        self.formatter = ResultFormatter(vocabulary, formats=formats, word_merging=word_merging,
+                                         frame_shift_s=frame_shift_s)
+        self.folder = Path(output_folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.done_ids: set[str] = set()
+        files = {"ctm": (defaults.CTM_FILE, _text_id), "text": (defaults.TEXT_FILE, _text_id),
+                 "jsonl": (defaults.JSONL_FILE, _jsonl_id)}
+        order = self.formatter.formats  # marker last
+        if resume:
+            self.done_ids = read_done_ids(self.folder)
+            for fmt in order:
+                _cut_back(self.folder / files[fmt][0], files[fmt][1], self.done_ids)
+        self._files: dict[str, IO[str]] = {
+            fmt: open(self.folder / files[fmt][0], "a" if resume else "w", encoding="utf-8")
+            for fmt in order}
+        self.num_written = 0
+
+    @property
+    def paths(self) -> dict[str, Path]:
+        return {fmt: Path(f.name) for fmt, f in self._files.items()}
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The vocabulary the lines are made with (settable: the next write uses the new one)."""
+        return self.formatter.vocabulary
+
+    @vocabulary.setter
+    def vocabulary(self, vocabulary: Vocabulary) -> None:
+        self.formatter.vocabulary = vocabulary
+
+    def write(self, result: UtteranceResult) -> None:
+        """Write one utterance to every file and flush."""
+        self.write_many((result,))
+
+    def write_many(self, results: Iterable[UtteranceResult]) -> None:
+        """Write utterances in order: each file's lines of them with one write and one flush, the
+        files in the order CTM, text, JSON lines. One that cannot be formatted (a label outside the
+        vocabulary) raises once those before it are written; a failed write (a full disk) raises and
+        counts none of them done (``done_ids``, ``num_written``)."""
+        ids, lines = [], []
+        try:
+            self.formatter.format_into(results, ids, lines)
+        finally:  # those formatted before an error too
+            if ids:
+                self.write_formatted(ids, ["".join(texts) for texts in zip(*lines)])
+
+    def write_formatted(self, ids: Sequence[str], texts: Sequence[str]) -> None:
+        """Write the lines a :class:`ResultFormatter` of the same formats made for utterances
+        ``ids``: ``texts`` holds each file's lines of them, joined, in the formatter's order. As
+        :meth:`write_many`, a failed write counts none of them done."""
+        for file, text in zip(self._files.values(), texts, strict=True):
+            _write(file, text)
+        self.done_ids.update(ids)
+        self.num_written += len(ids)
 
     def close(self) -> None:
         for file in self._files.values():

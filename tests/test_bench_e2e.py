@@ -20,7 +20,7 @@ CONFIG = ROOT / "configs" / "fsdd-ctc.yaml"  # its own corpus: the 8 bundled tes
 AUDIO = ROOT / "examples" / "fsdd-model" / "test-audio"
 ROW_FIELDS = {"config", "device", "utterances", "audio_s", "total_s", "startup_s", "imports_s", "sessions_s",
               "steady_s", "first_result_s", "utterances_per_s", "utterances_per_s_total", "rtfx", "breakdown_s",
-              "breakdown_share", "gpu_utilisation_pct", "command", "output", "warm_up_s"}
+              "breakdown_share", "gpu_utilisation_pct", "processes", "command", "output", "warm_up_s"}
 
 
 def _nbest(folder: Path) -> dict[str, dict]:
@@ -46,7 +46,7 @@ def test_every_field_and_consistent_figures(once):
     _, results = once
     (row,) = results["rows"]
     assert set(row) == ROW_FIELDS
-    assert row["device"] == "cpu" and row["utterances"] == 8 and row["gpu_utilisation_pct"] is None
+    assert row["device"] == "cpu" and row["utterances"] == 8 and row["gpu_utilisation_pct"] is None and row["processes"] == 1
     assert set(row["breakdown_s"]) == set(PARTS) == set(row["breakdown_share"])
     # audio seconds against the recordings themselves (the front end's frames: within one 10 ms shift each)
     audio = sum(soundfile.info(str(f)).duration for f in AUDIO.glob("*.wav"))

@@ -173,3 +173,19 @@ def test_processes_on_ray_or_with_prompts_are_refused(tmp_path):
     result = decode(AED, "--features", corpus(tmp_path), "--prompts", prompts, "--output", tmp_path / "o",
                     "-o", "runtime.processes=2")
     assert result.exit_code == 1 and "runtime.processes" in result.output and "prompts" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [AED, CTC])
+def test_on_cuda_auto_and_four_processes_write_the_single_process_lines(tmp_path, config):
+    """On CUDA (``auto``: several processes on a host with the cores) the lines of one process."""
+    folder = corpus(tmp_path)
+    runs = {}
+    for processes in ("1", "auto", "4"):
+        out = tmp_path / f"p{processes}"
+        result = decode(config, "--features", folder, "--output", out, "-o", "search.batch_size=2",
+                        "-o", "runtime.device=cuda", "-o", f"runtime.processes={processes}")
+        assert result.exit_code == 0, result.output
+        runs[processes] = sorted_lines(outputs(out))
+    assert len(runs["1"]["text"]) == NUM_UTTS
+    assert runs["auto"] == runs["1"] and runs["4"] == runs["1"]

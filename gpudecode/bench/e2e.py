@@ -206,7 +206,8 @@ def _row(config: str, device: str, run: dict, spawned: float, ended: float, gpu_
             "utterances_per_s_total": run["decoded"] / total if total > 0 else None,
             "rtfx": audio / steady if steady > 0 else None,
             "breakdown_s": parts, "breakdown_share": {k: v / total for k, v in parts.items()},
-            "gpu_utilisation_pct": gpu_utilisation, "command": " ".join(command), "output": str(output)}
+            "gpu_utilisation_pct": gpu_utilisation, "processes": t.get("processes", 1),
+            "command": " ".join(command), "output": str(output)}
 
 
 def _config_features(config: str, overrides: tuple[str, ...]) -> tuple[str, str, int]:
@@ -279,7 +280,8 @@ def format_table(results: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results["rows"]:
         shares = " / ".join(f"{100 * r['breakdown_share'][p]:.0f}" for p in PARTS)
-        lines.append(f"| {Path(r['config']).name} | {r['device']} | {r['utterances']} | {r['audio_s']:.0f} | "
+        device = r["device"] + (f" ×{r['processes']} processes" if r.get("processes", 1) > 1 else "")
+        lines.append(f"| {Path(r['config']).name} | {device} | {r['utterances']} | {r['audio_s']:.0f} | "
                      f"{_fmt(r['utterances_per_s'], '.1f')} | {_fmt(r['rtfx'], ',.0f')} | "
                      f"{_fmt(r['first_result_s'], '.2f')} | {r['startup_s']:.2f} | {r['total_s']:.2f} | "
                      f"{shares} | {_fmt(r['gpu_utilisation_pct'], '.0f')} |")

@@ -8,8 +8,9 @@ it, the encoder's inputs, the search's n-best lists, formatting the lines). With
 (length-bucketed, less the utterances already written, cut so that each process gets several),
 and N decoding processes (``python -m gpudecode.engines.processes``), each with its own
 :class:`~gpudecode.decoder.Decoder` on the same device, read, decode and format the batches handed
-to them, :data:`IN_FLIGHT` each (one read while the other is decoded). This process writes their
-lines as they come (:meth:`ResultWriter.write_formatted`): every utterance's lines are those of the
+to them, :data:`IN_FLIGHT` each (one read while the other is decoded). While they start, this
+process decodes the first (small) batch itself, so the first result comes as early as in a
+single-process run; then it only hands out batches and writes their lines as they come (:meth:`ResultWriter.write_formatted`): every utterance's lines are those of the
 single-process run, whole, and ``--resume`` works as there (across settings too); across batches
 the order is the order the batches finished.
 
@@ -34,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -138,11 +139,16 @@ class _Child:
 def run_decode_processes(config: Config, *, done: set[str], resume: bool, summary: RunSummary,
                          num_processes: int, progress: Callable | None = None,
                          on_planned: Callable[[], None] = lambda: None) -> None:
-    """``run_decode``'s decoding loop on up to ``num_processes`` processes (one per batch at most;
-    see the module docstring): fills ``summary`` (and its timings) as the single-process loop does.
-    ``on_planned`` is called once the utterances are listed (and the references checked against
-    them), before anything is decoded."""
-    io = config.io
+    """``run_decode``'s decoding loop on up to ``num_processes`` decoding processes (one per batch
+    at most; see the module docstring): fills ``summary`` (and its timings) as the single-process
+    loop does. ``on_planned`` is called once the utterances are listed (and the references checked
+    against them), before anything is decoded.
+
+    This process decodes the first batch itself while the others start (so the first result comes
+    as soon as in a single-process run), then only hands out batches and writes."""
+    from gpudecode.decoder import Decoder  # only here: the decoding processes import it themselves
+
+    io, timings, start = config.io, summary.timings, time.perf_counter()
     vocab = config.models.vocabulary
     vocabulary = Vocabulary.load(vocab.path, blank=vocab.blank, sentence_begin=vocab.sentence_begin,
                                  sentence_end=vocab.sentence_end, unknown=vocab.unknown)
@@ -151,47 +157,88 @@ def run_decode_processes(config: Config, *, done: set[str], resume: bool, summar
             validate_references(io.references, source.ids())
         lengths = [(u, n) for u, n in source.lengths().items() if u not in done]
         summary.skipped += [str(error) for error in source.skipped]
-    Path(io.output).mkdir(parents=True, exist_ok=True)
-    on_planned()
-    batches = plan_batches(lengths, config.batch_sizing, num_processes)
-    summary.timings.processes = min(num_processes, len(batches))
-    children = [_Child(k, config) for k in range(summary.timings.processes)]
-    finished = False
+        Path(io.output).mkdir(parents=True, exist_ok=True)
+        on_planned()
+        batches = plan_batches(lengths, config.batch_sizing, num_processes)
+        timings.processes = max(1, min(num_processes, len(batches) - 1))
+        children = [_Child(k, config) for k in range(min(num_processes, len(batches) - 1))]
+        todo = iter(batches[1:])
+        finished = False
+        try:
+            for most in range(1, IN_FLIGHT + 1):  # their first batches, one to each in turn, now
+                for child in children:
+                    _hand_out(child, todo, most)
+            if progress:
+                progress(0, len(lengths))
+            decoder = Decoder(config, timings=timings)
+            try:
+                writer = ResultWriter(io.output, vocabulary, formats=io.formats, word_merging=io.word_merging,
+                                      resume=resume,
+                                      frame_shift_s=config.models.front_end.frame_shift_s * decoder.subsampling)
+                timings.decoding_at = time.time()
+                with writer:
+                    if batches:
+                        _decode_here(decoder, source, batches[0], writer, summary, config.io.on_bad_input)
+                    decoder.close()
+                    decoder = None
+                    if progress:
+                        progress(summary.decoded, len(lengths))
+                    _decode_batches(children, todo, writer, summary, progress, len(lengths), start)
+            finally:
+                if decoder is not None:
+                    decoder.close()
+            finished = True
+        except DecodingProcessError as error:
+            raise DecodingProcessError(f"{error}; the results written to {config.io.output} are kept: run "
+                                       "the same command with --resume to decode the rest") from None
+        finally:
+            for child in children:
+                child.close(kill=not finished)
+            if children:
+                _mean_timings(children, timings)
+
+
+def _decode_here(decoder, source, ids: list[str], writer: ResultWriter, summary: RunSummary,
+                 on_bad_input: str) -> None:
+    """Decode and write one batch in this process, as the single-process loop does (what was
+    decoded before an error is written, then the error goes on)."""
+    from gpudecode.job import decode_fitting
+
+    timings = summary.timings
+    skipped_before, began = len(source.skipped), time.perf_counter()
+    batch = source.read_batch(ids)
+    timings.reading_s += time.perf_counter() - began
+    summary.skipped += [str(e) for e in source.skipped[skipped_before:]]
+    if not batch:
+        return
+    items = []
     try:
-        _decode_batches(children, batches, config, vocabulary, summary, resume, progress, len(lengths))
-        finished = True
-    except DecodingProcessError as error:
-        raise DecodingProcessError(f"{error}; the results written to {config.io.output} are kept: run the "
-                                   "same command with --resume to decode the rest") from None
+        items.extend(decode_fitting(decoder, batch, summary, on_bad_input))
     finally:
-        for child in children:
-            child.close(kill=not finished)
-        _mean_timings(children, summary.timings)
+        if items:
+            written = time.perf_counter()
+            writer.write_many([UtteranceResult(id=utterance.id, nbest=nbest) for utterance, nbest in items])
+            timings.writing_s += time.perf_counter() - written
+            timings.first_result_at = time.time()
+            summary.decoded += len(items)
+            summary.frames += sum(utterance.num_frames for utterance, _ in items)
 
 
-def _decode_batches(children: list[_Child], batches: list[list[str]], config: Config, vocabulary: Vocabulary,
-                    summary: RunSummary, resume: bool, progress: Callable | None, total: int) -> None:
-    """Hand ``batches`` out (one to each process in turn, then as they answer) and write the answers."""
-    io, timings = config.io, summary.timings
-    todo = iter(batches)
-    start = time.perf_counter()
-    if progress:
-        progress(0, total)
+def _hand_out(child: _Child, todo: Iterator[list[str]], most: int) -> None:
+    """Keep up to ``most`` batches of ``todo`` at ``child``; close its input when none are left."""
+    while len(child.pending) < most:
+        ids = next(todo, None)
+        if ids is None:
+            child.stop()
+            return
+        child.pending.append(ids)
+        child.send(("batch", ids))
 
-    def hand_out(child: _Child, most: int) -> None:
-        """Keep up to ``most`` batches at ``child``; close its input when none are left."""
-        while len(child.pending) < most:
-            ids = next(todo, None)
-            if ids is None:
-                child.stop()
-                return
-            child.pending.append(ids)
-            child.send(("batch", ids))
 
-    for most in range(1, IN_FLIGHT + 1):  # the first batches one to each process in turn
-        for child in children:
-            hand_out(child, most)
-    writer: ResultWriter | None = None
+def _decode_batches(children: list[_Child], todo: Iterator[list[str]], writer: ResultWriter,
+                    summary: RunSummary, progress: Callable | None, total: int, start: float) -> None:
+    """Write the processes' answers as they come, handing each the next batches of ``todo``
+    (``start``: the run's ``perf_counter`` start, for the progress's real-time factor)."""
     selector = selectors.DefaultSelector()
     for child in children:
         selector.register(child.process.stdout, selectors.EVENT_READ, child)
@@ -202,11 +249,6 @@ def _decode_batches(children: list[_Child], batches: list[list[str]], config: Co
                 answer = child.receive()
                 if answer[0] == "ready":
                     child.ready = True
-                    timings.decoding_at = timings.decoding_at or answer[2]  # the first one ready
-                    if writer is None:  # the label frames' shift is the models' to say
-                        writer = ResultWriter(io.output, vocabulary, formats=io.formats,
-                                              word_merging=io.word_merging, resume=resume,
-                                              frame_shift_s=config.models.front_end.frame_shift_s * answer[1])
                     continue
                 if child.ready:  # else it failed to start
                     child.pending.pop(0)
@@ -217,13 +259,11 @@ def _decode_batches(children: list[_Child], batches: list[list[str]], config: Co
                     summary.seconds = time.perf_counter() - start
                     audio = summary.frames * summary.frame_shift_s
                     progress(summary.decoded, total, summary.seconds / audio if audio else None)
-                hand_out(child, IN_FLIGHT)
+                _hand_out(child, todo, IN_FLIGHT)
                 if not child.pending:
                     selector.unregister(child.process.stdout)
     finally:
         selector.close()
-        if writer is not None:
-            writer.close()
 
 
 def _take(result: BatchDone, child: _Child, writer: ResultWriter | None, summary: RunSummary) -> None:

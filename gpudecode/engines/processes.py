@@ -28,6 +28,7 @@ error)`` to each batch, in order; it ends at the end of its input.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import selectors
@@ -35,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +58,8 @@ IN_FLIGHT = 2
 CLOSE_TIMEOUT_S = 30.0
 #: timing fields a decoding process reports (their mean over the processes goes into the run's)
 _PROCESS_TIMINGS = ("reading_s", "front_end_s", "encoder_s", "search_s", "input_wait_s")
+#: loggers whose warnings (about the models, sessions and searches) the decoding processes leave out
+_SAID_ONCE = ("gpudecode.session", "gpudecode.states", "gpudecode.search", "gpudecode.scorers", "gpudecode.decoder")
 
 
 class DecodingProcessError(RuntimeError):
@@ -312,6 +316,11 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
     except (EOFError, pickle.UnpicklingError):
         return
     config: Config = request[1]
+    # what the models and searches warn about, the process you started says once (its own decoder
+    # runs the first batch); what is said about the input (skipped utterances) stays
+    warnings.simplefilter("ignore")
+    for name in _SAID_ONCE:
+        logging.getLogger(name).setLevel(logging.ERROR)
     timings = RunTimings(started_at=time.time())
     decoder = source = None
     try:

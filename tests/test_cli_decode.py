@@ -128,6 +128,26 @@ def slow_config(tmp_path, num_utts=24):
     return path
 
 
+def wait_for_lines(path: Path, count: int, timeout_s: float = 60) -> None:
+    """Until ``path`` holds ``count`` lines (or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (not path.exists() or len(path.read_text().splitlines()) < count):
+        time.sleep(0.005)
+
+
+def resume_and_compare(command: list[str], cut: Path, full: Path, num_utts: int = 24) -> None:
+    """``cut`` holds part of the run (at least 3 utterances); resumed with ``command``, it holds
+    the n-best lists of ``full``, every utterance once."""
+    _, written = records(cut)
+    assert 3 <= written < num_utts, written  # really interrupted mid-run
+    resumed = subprocess.run([*command, "--output", str(cut), "--resume"], cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    expected, n_expected = records(full)
+    got, n_got = records(cut)
+    assert n_expected == n_got == num_utts  # every utterance exactly once
+    assert got == expected
+
+
 def test_resume_after_killing_the_process_mid_run(tmp_path):
     config = slow_config(tmp_path)
     command = [sys.executable, "-m", "gpudecode", "decode", str(config)]
@@ -135,21 +155,10 @@ def test_resume_after_killing_the_process_mid_run(tmp_path):
     assert full.returncode == 0, full.stderr
     process = subprocess.Popen([*command, "--output", str(tmp_path / "cut")], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    text = tmp_path / "cut" / "nbest.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not text.exists() or len(text.read_text().splitlines()) < 3):
-        time.sleep(0.005)
+    wait_for_lines(tmp_path / "cut" / "nbest.jsonl", 3)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    _, written = records(tmp_path / "cut")
-    assert 3 <= written < 24, written  # really interrupted mid-run
-    resumed = subprocess.run([*command, "--output", str(tmp_path / "cut"), "--resume"], cwd=ROOT,
-                             capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    expected, n_expected = records(tmp_path / "full")
-    got, n_got = records(tmp_path / "cut")
-    assert n_expected == n_got == 24  # every utterance exactly once
-    assert got == expected
+    resume_and_compare(command, tmp_path / "cut", tmp_path / "full")
     text_lines = (tmp_path / "cut" / "text").read_text().splitlines()
     assert sorted(text_lines) == sorted((tmp_path / "full" / "text").read_text().splitlines())
 

@@ -20,7 +20,7 @@ from gpudecode.cli import main
 from gpudecode.config import ConfigError, load_config
 from gpudecode.engines.processes import plan_batches
 from gpudecode.io.features import BatchSizing
-from tests.test_cli_decode import records, slow_config
+from tests.test_cli_decode import records, resume_and_compare, slow_config, wait_for_lines
 from tests.test_overlap import NUM_UTTS, corpus, outputs
 from tests.test_ray_engine import _descendants, _kill_survivors
 
@@ -94,10 +94,7 @@ def test_resume_after_killing_the_run_mid_way_leaves_no_process_and_loses_nothin
     assert full.returncode == 0, full.stderr
     process = subprocess.Popen([*command, "--output", str(tmp_path / "cut")], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    text = tmp_path / "cut" / "nbest.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not text.exists() or len(text.read_text().splitlines()) < 3):
-        time.sleep(0.005)
+    wait_for_lines(tmp_path / "cut" / "nbest.jsonl", 3)
     below = _descendants(process.pid)
     assert len(below) == 2, below  # the two decoding processes
     process.send_signal(signal.SIGKILL)
@@ -109,15 +106,7 @@ def test_resume_after_killing_the_run_mid_way_leaves_no_process_and_loses_nothin
         assert not any(Path(f"/proc/{pid}").exists() for pid in below)
     finally:
         _kill_survivors(below)
-    _, written = records(tmp_path / "cut")
-    assert 3 <= written < 24, written  # really interrupted mid-run
-    resumed = subprocess.run([*command, "--output", str(tmp_path / "cut"), "--resume"], cwd=ROOT,
-                             capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    expected, n_expected = records(tmp_path / "full")
-    got, n_got = records(tmp_path / "cut")
-    assert n_expected == n_got == 24  # every utterance exactly once
-    assert got == expected
+    resume_and_compare(command, tmp_path / "cut", tmp_path / "full")
 
 
 def test_a_killed_decoding_process_stops_the_run_and_resume_completes_it(tmp_path):
@@ -125,10 +114,7 @@ def test_a_killed_decoding_process_stops_the_run_and_resume_completes_it(tmp_pat
     command = [sys.executable, "-m", "gpudecode", "decode", str(config), "-o", "runtime.processes=2"]
     process = subprocess.Popen([*command, "--output", str(tmp_path / "cut")], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    text = tmp_path / "cut" / "nbest.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not text.exists() or len(text.read_text().splitlines()) < 2):
-        time.sleep(0.005)
+    wait_for_lines(tmp_path / "cut" / "nbest.jsonl", 2)
     victim = min(_descendants(process.pid))
     os.kill(victim, signal.SIGKILL)
     _, err = process.communicate(timeout=60)

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -47,7 +45,7 @@ from gpudecode.config import Config
 from gpudecode.io import ResultWriter, UtteranceResult, Vocabulary, bucket_by_length
 from gpudecode.io.features import BatchSizing
 from gpudecode.io.wer import validate_references
-from gpudecode.io.writer_process import child_environment, picklable
+from gpudecode.io.writer_process import child_environment, picklable, serve_stdin
 from gpudecode.job import RunSummary, RunTimings, open_utterances
 
 __all__ = ["BatchDone", "DecodingProcessError", "plan_batches", "run_decode_processes"]
@@ -401,18 +399,11 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
 
 
 def main() -> None:
-    """The decoding process: requests on stdin, answers on a duplicate of stdout (anything else that
-    prints goes to stderr)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    try:
-        serve(sys.stdin.buffer, answers)
-    except BrokenPipeError:  # the parent is gone
-        pass
+    """The decoding process (:func:`serve` on stdin and stdout)."""
+    serve_stdin(serve)
 
 
 if __name__ == "__main__":  # run as the package's module, so what it pickles unpickles by that name
-    from gpudecode.engines.processes import main as serve_stdin
+    from gpudecode.engines.processes import main as serve_requests
 
-    serve_stdin()
+    serve_requests()

@@ -28,7 +28,7 @@ import pickle
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -225,16 +225,22 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
                 pass
 
 
-def main() -> None:
-    """The child process: requests on stdin, answers on a duplicate of stdout (anything else that
-    prints goes to stderr)."""
+def serve_stdin(serve_requests: Callable[[BinaryIO, BinaryIO], None]) -> None:
+    """A child process's main: SIGINT ignored (the parent decides), ``serve_requests`` reading
+    requests from stdin and answering on a duplicate of stdout (anything else that prints goes to
+    stderr) until the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        serve(sys.stdin.buffer, answers)
+        serve_requests(sys.stdin.buffer, answers)
     except BrokenPipeError:  # the parent is gone
         pass
+
+
+def main() -> None:
+    """The writer process (:func:`serve` on stdin and stdout)."""
+    serve_stdin(serve)
 
 
 if __name__ == "__main__":

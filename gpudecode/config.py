@@ -193,9 +193,8 @@ class RuntimeConfig(_Section):
     writer_queue: StrictNonNegativeInt = defaults.WRITER_QUEUE
     #: results formatted and written by a child process; "auto": on for device cuda
     writer_process: bool | Literal["auto"] = defaults.WRITER_PROCESS
-    #: decoding processes sharing the device (``gpudecode.engines.processes``); "auto": see
-    #: :attr:`decoding_processes`
-    processes: StrictPositiveInt | Literal["auto"] = defaults.PROCESSES
+    #: decoding processes sharing the device (``gpudecode.engines.processes``); 1: this process
+    processes: StrictPositiveInt = defaults.PROCESSES
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @property
@@ -203,22 +202,11 @@ class RuntimeConfig(_Section):
         """Whether a child process formats and writes the results (``writer_process``)."""
         return self.device == "cuda" if self.writer_process == "auto" else self.writer_process
 
-    @property
-    def decoding_processes(self) -> int:
-        """The processes a local run decodes on: ``processes``, or for "auto"
-        ``defaults.CUDA_PROCESSES`` on CUDA where the host has ``defaults.CORES_PER_PROCESS``
-        cores for each (fewer where it has fewer), else 1."""
-        if self.processes != "auto":
-            return self.processes
-        if self.device != "cuda" or self.engine.type != "local":
-            return 1
-        return max(1, min(defaults.CUDA_PROCESSES, (os.cpu_count() or 1) // defaults.CORES_PER_PROCESS))
-
     @model_validator(mode="after")
     def _check_engine(self) -> RuntimeConfig:
         if self.cuda_graphs.enabled is True and self.device != "cuda":
             raise _KeyedError(["cuda_graphs", "enabled"], "CUDA graphs need runtime.device cuda")
-        if self.processes != "auto" and self.processes > 1 and self.engine.type != "local":
+        if self.processes > 1 and self.engine.type != "local":
             raise _KeyedError(["processes"], "several decoding processes are the local engine's; on "
                               "Ray set runtime.engine.workers (and gpus_per_worker) instead")
         if self.engine.type == "ray" and self.device == "cuda" and self.engine.gpus_per_worker == 0:

@@ -39,12 +39,11 @@ WRITER_PROCESS = "auto"
 # gave it up (a GPU wait, an ONNX Runtime run) gets it back within one chunk's formatting (~0.3 ms),
 # not after the interpreter's 5 ms switch interval (tools/gil-handover)
 WRITE_CHUNK = 8
-# decoding processes sharing the device (``gpudecode.engines.processes``): "auto" is
-# CUDA_PROCESSES on runtime.device cuda where the host has CORES_PER_PROCESS cores for each (one
-# interpreter cannot keep a GPU busy with small models), else 1
-PROCESSES = "auto"
-CUDA_PROCESSES = 4
-CORES_PER_PROCESS = 4
+# decoding processes sharing the device (``gpudecode.engines.processes``); 1: this process alone.
+# Not more by default: on one H200 four processes made the joint CTC/attention system 2.5x slower
+# (its many short kernels of four processes take turns on the GPU) while the others gained up to
+# 1.8x (docs/performance.md, "End to end")
+PROCESSES = 1
 BATCHES_PER_PROCESS = 4  # a run on several processes cuts its batches so that each gets this many
 
 # --- models: front end (log-mel features from audio) ---------------------------------------

@@ -201,12 +201,10 @@ def run_decode(config: Config, *, resume: bool = False, force: bool = False,
         output.mkdir(parents=True, exist_ok=True)
         _record_run(config, output, identity, resuming=bool(done), replaced=replaced)
         return run_on_engine(config, done=done, resume=resume, progress=progress, on_status=on_status)
-    processes = config.runtime.decoding_processes
+    processes = config.runtime.processes
     if io.prompts is not None and processes > 1:
-        if config.runtime.processes != "auto":
-            raise ConfigError("runtime.processes: several decoding processes decode features without "
-                              "prompts; set runtime.processes to 1 (or auto) for a run with io.prompts")
-        processes = 1
+        raise ConfigError("runtime.processes: several decoding processes decode features without "
+                          "prompts; set runtime.processes to 1 for a run with io.prompts")
     if processes > 1:
         return _decode_on_processes(config, output, identity, done=done, resume=resume, replaced=replaced,
                                     progress=progress, timings=timings, processes=processes)

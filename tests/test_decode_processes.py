@@ -1,7 +1,7 @@
 """Several decoding processes sharing the device (``runtime.processes``,
 ``gpudecode.engines.processes``): the single-process run's lines (in batch-finishing order), the
 same messages for bad input, nothing lost or duplicated when the run or one of its processes is
-killed, and ``auto`` resolved per device."""
+killed; one process by default."""
 
 import json
 import os
@@ -140,15 +140,16 @@ def test_the_plan_gives_each_process_several_batches_and_every_utterance_once():
     assert sorted(u for b in few for u in b) == ["u000", "u001", "u002"]
 
 
-def test_auto_is_one_process_on_the_cpu_and_several_on_cuda_where_the_host_has_cores(monkeypatch):
+def test_one_process_by_default_on_every_device(tmp_path):
     config = load_config(AED)
-    assert config.runtime.decoding_processes == 1
-    cuda = config.runtime.model_copy(update={"device": "cuda"})
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert cuda.decoding_processes == defaults.CUDA_PROCESSES
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert cuda.decoding_processes == 1
-    assert config.runtime.model_copy(update={"processes": 3}).decoding_processes == 3
+    assert config.runtime.processes == 1
+    assert load_config(AED, ["runtime.device=cuda"]).runtime.processes == 1
+    timings = tmp_path / "timings.json"
+    result = decode(AED, "--features", corpus(tmp_path), "--output", tmp_path / "o", "--timings", timings)
+    assert result.exit_code == 0, result.output
+    assert json.loads(timings.read_text())["timings"]["processes"] == 1
+    with pytest.raises(ConfigError, match="runtime.processes"):
+        load_config(AED, ["runtime.processes=0"])
 
 
 def test_processes_on_ray_or_with_prompts_are_refused(tmp_path):
@@ -163,15 +164,19 @@ def test_processes_on_ray_or_with_prompts_are_refused(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [AED, CTC])
-def test_on_cuda_auto_and_four_processes_write_the_single_process_lines(tmp_path, config):
-    """On CUDA (``auto``: several processes on a host with the cores) the lines of one process."""
+def test_on_cuda_four_processes_give_the_single_process_nbest(tmp_path, config):
+    """On CUDA the n-best lists of one process: the same labels, scores within float32 noise (the
+    pool cuts smaller batches, and CUDA's sums depend on the batch's padding)."""
     folder = corpus(tmp_path)
     runs = {}
-    for processes in ("1", "auto", "4"):
+    for processes in (1, 4):
         out = tmp_path / f"p{processes}"
         result = decode(config, "--features", folder, "--output", out, "-o", "search.batch_size=2",
                         "-o", "runtime.device=cuda", "-o", f"runtime.processes={processes}")
         assert result.exit_code == 0, result.output
-        runs[processes] = sorted_lines(outputs(out))
-    assert len(runs["1"]["text"]) == NUM_UTTS
-    assert runs["auto"] == runs["1"] and runs["4"] == runs["1"]
+        runs[processes] = {r["id"]: r for r in map(json.loads, (out / "nbest.jsonl").read_text().splitlines())}
+    assert len(runs[1]) == NUM_UTTS and set(runs[4]) == set(runs[1])
+    for utt, record in runs[1].items():
+        other = runs[4][utt]["nbest"]
+        assert [h["labels"] for h in other] == [h["labels"] for h in record["nbest"]], utt
+        assert np.allclose([h["score"] for h in other], [h["score"] for h in record["nbest"]], rtol=0, atol=1e-4)

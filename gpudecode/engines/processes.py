@@ -1,6 +1,6 @@
 """Decoding by several local processes sharing one device (``runtime.processes``).
 
-    gpudecode decode CONFIG -o runtime.processes=4
+    gpudecode decode CONFIG -o runtime.processes=2
 
 Small models leave a GPU idle while one interpreter does the host's share of each batch (reading
 it, the encoder's inputs, the search's n-best lists, formatting the lines). With
@@ -9,10 +9,12 @@ it, the encoder's inputs, the search's n-best lists, formatting the lines). With
 and N decoding processes (``python -m gpudecode.engines.processes``), each with its own
 :class:`~gpudecode.decoder.Decoder` on the same device, read, decode and format the batches handed
 to them, :data:`IN_FLIGHT` each (one read while the other is decoded). While they start, this
-process decodes the first (small) batch itself, so the first result comes as early as in a
-single-process run; then it only hands out batches and writes their lines as they come (:meth:`ResultWriter.write_formatted`): every utterance's lines are those of the
-single-process run, whole, and ``--resume`` works as there (across settings too); across batches
-the order is the order the batches finished.
+process decodes the first batch itself, so the first result comes as early as in a single-process
+run; then it only hands out batches and writes their lines as they come
+(:meth:`ResultWriter.write_formatted`): every utterance's lines are those of the single-process
+run (on CUDA up to float32 noise in the scores: the batches differ), whole, and ``--resume`` works
+as there (across settings too); across batches the order is the order the batches finished.
+Processes take turns on a GPU, so whether this pays depends on the system (the default is one).
 
 A decoding process that fails sends its error (and the lines of the utterances its batch decoded
 before it); one that dies is reported. Either way the run stops, keeping what was written, and says
@@ -21,8 +23,8 @@ decides what is written) and end when their input ends, so a killed run leaves n
 
 Protocol (pickles on each child's stdin and a duplicate of its stdout): ``("start", config)``, then
 ``("batch", ids)`` per batch; the child answers ``("ready", subsampling, time)`` or ``("failed",
-BatchDone, error)`` to the start and a :class:`BatchDone` (``("done", ...)``) or ``("failed", BatchDone,
-error)`` to each batch, in order; it ends at the end of its input.
+BatchDone, error)`` to the start and ``("done", BatchDone)`` or ``("failed", BatchDone, error)`` to
+each batch, in order; it ends at the end of its input.
 """
 
 from __future__ import annotations

@@ -247,6 +247,13 @@ class VocabularyConfig(_Section):
     sentence_end: LabelSpec | None = None
     unknown: LabelSpec | None = None
 
+    def load(self):
+        """The :class:`~gpudecode.io.vocabulary.Vocabulary` this section names."""
+        from gpudecode.io.vocabulary import Vocabulary
+
+        return Vocabulary.load(self.path, blank=self.blank, sentence_begin=self.sentence_begin,
+                               sentence_end=self.sentence_end, unknown=self.unknown)
+
 
 class FrontEndConfig(_Section):
     """The front end for audio input: ``type`` ``log-mel`` (names match ``io.frontend.LogMelOptions``)

@@ -16,7 +16,6 @@ import numpy as np
 
 from gpudecode.backend import array_module, to_host
 from gpudecode.config import Config, ConfigError, ScorerConfig, load_config, validate_config
-from gpudecode.io.vocabulary import Vocabulary
 from gpudecode.io.features import bucket_by_length, pad_features as _pad  # _pad: the one padding rule
 from gpudecode.hypothesis import Hypothesis
 from gpudecode.scorers import UtteranceBatch, create_scorer
@@ -56,11 +55,7 @@ class Decoder:
             arena_limit_bytes=runtime.ort_arena_limit_bytes,
             cudnn_conv_algo_search=runtime.cudnn_conv_algo_search, dump_inputs=runtime.dump_inputs,
         )
-        vocab = config.models.vocabulary
-        self.vocabulary = Vocabulary.load(
-            vocab.path, blank=vocab.blank, sentence_begin=vocab.sentence_begin,
-            sentence_end=vocab.sentence_end, unknown=vocab.unknown,
-        )
+        self.vocabulary = config.models.vocabulary.load()
         search = config.search
         try:
             self.search_type = search_type(search.type)

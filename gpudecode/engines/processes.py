@@ -44,7 +44,7 @@ from typing import BinaryIO
 
 from gpudecode import backend, defaults
 from gpudecode.config import Config
-from gpudecode.io import ResultWriter, UtteranceResult, Vocabulary, bucket_by_length
+from gpudecode.io import ResultWriter, UtteranceResult, bucket_by_length
 from gpudecode.io.features import BatchSizing
 from gpudecode.io.wer import validate_references
 from gpudecode.io.writer_process import child_environment, picklable, serve_stdin
@@ -153,9 +153,7 @@ def run_decode_processes(config: Config, *, done: set[str], resume: bool, summar
     from gpudecode.decoder import Decoder  # only here: the decoding processes import it themselves
 
     io, timings, start = config.io, summary.timings, time.perf_counter()
-    vocab = config.models.vocabulary
-    vocabulary = Vocabulary.load(vocab.path, blank=vocab.blank, sentence_begin=vocab.sentence_begin,
-                                 sentence_end=vocab.sentence_end, unknown=vocab.unknown)
+    vocabulary = config.models.vocabulary.load()
     with open_utterances(config, vocabulary, encoder=config.models.encoder is not None) as source:
         if io.references is not None and "text" in io.formats:  # before decoding: bad references stop here
             validate_references(io.references, source.ids())
@@ -164,8 +162,8 @@ def run_decode_processes(config: Config, *, done: set[str], resume: bool, summar
         Path(io.output).mkdir(parents=True, exist_ok=True)
         on_planned()
         batches = plan_batches(lengths, config.batch_sizing, num_processes)
-        timings.processes = max(1, min(num_processes, len(batches) - 1))
         children = [_Child(k, config) for k in range(min(num_processes, len(batches) - 1))]
+        timings.processes = max(1, len(children))
         todo = iter(batches[1:])
         finished = False
         try:
@@ -295,7 +293,7 @@ def _take(result: BatchDone, child: _Child, writer: ResultWriter | None, summary
 def _mean_timings(children: list[_Child], timings: RunTimings) -> None:
     """Each part's seconds in the run's timings: the mean over the processes (they run side by side)."""
     for name in _PROCESS_TIMINGS:
-        setattr(timings, name, sum(c.timings.get(name, 0.0) for c in children) / max(len(children), 1))
+        setattr(timings, name, sum(c.timings.get(name, 0.0) for c in children) / len(children))
 
 
 # --- the decoding process ----------------------------------------------------------------------
@@ -304,8 +302,6 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
     """A decoding process's loop: the start request, then batches until the end of its input."""
     from gpudecode.decoder import Decoder
     from gpudecode.io import ResultFormatter
-    from gpudecode.io.prefetch import prefetched
-    from gpudecode.job import decode_fitting
 
     def answer(message: tuple) -> None:
         pickle.dump(message, answers, protocol=pickle.HIGHEST_PROTOCOL)
@@ -324,20 +320,32 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
     timings = RunTimings(started_at=time.time())
     decoder = source = None
     try:
-        decoder = Decoder(config, timings=timings)
-        io = config.io
-        source = open_utterances(config, decoder.vocabulary, encoder=decoder.encoder is not None,
-                                 num_features=decoder.encoder_num_features)
-        formatter = ResultFormatter(decoder.vocabulary, formats=io.formats, word_merging=io.word_merging,
-                                    frame_shift_s=config.models.front_end.frame_shift_s * decoder.subsampling)
-    except Exception as error:  # noqa: BLE001 - reported to the parent
-        answer(("failed", BatchDone(), picklable(error)))
+        try:
+            decoder = Decoder(config, timings=timings)
+            io = config.io
+            source = open_utterances(config, decoder.vocabulary, encoder=decoder.encoder is not None,
+                                     num_features=decoder.encoder_num_features)
+            formatter = ResultFormatter(decoder.vocabulary, formats=io.formats, word_merging=io.word_merging,
+                                        frame_shift_s=config.models.front_end.frame_shift_s * decoder.subsampling)
+        except Exception as error:  # noqa: BLE001 - reported to the parent
+            answer(("failed", BatchDone(), picklable(error)))
+            return
+        answer(("ready", decoder.subsampling, time.time()))
+        _serve_batches(requests, answer, config, decoder, source, formatter, timings)
+    finally:
         if source is not None:
             source.close()
         if decoder is not None:
             decoder.close()
-        return
-    answer(("ready", decoder.subsampling, time.time()))
+
+
+def _serve_batches(requests: BinaryIO, answer: Callable[[tuple], None], config: Config, decoder, source,
+                   formatter, timings: RunTimings) -> None:
+    """Read, decode, format and answer each batch requested until the end of ``requests``."""
+    from gpudecode.io.prefetch import prefetched
+    from gpudecode.job import decode_fitting
+
+    io = config.io
 
     def read() -> object:
         """(ids, the batch read or the error reading it, the source's new skips) per request."""
@@ -354,50 +362,43 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
             timings.reading_s += time.perf_counter() - began
             yield ids, batch, [str(e) for e in source.skipped[skipped_before:]]
 
-    try:
-        batches = prefetched(read(), IN_FLIGHT - 1, name="gpudecode-reader")
-        while True:
-            waited = time.perf_counter()
-            item = next(batches, None)
-            timings.input_wait_s += time.perf_counter() - waited
-            if item is None:
-                return
-            ids, batch, skipped = item
-            done, scratch, error = BatchDone(skipped=skipped), RunSummary(), None
-            lines: list[list[str]] = []
-            results, frames = [], {}
-            try:
-                if isinstance(batch, Exception):
-                    raise batch
-                if batch:  # what decode_fitting yields before an error is formatted too
-                    for utterance, nbest in decode_fitting(decoder, batch, scratch, io.on_bad_input):
-                        results.append(UtteranceResult(id=utterance.id, nbest=nbest))
-                        frames[utterance.id] = utterance.num_frames
-            except Exception as exc:  # noqa: BLE001 - reported to the parent with what was done
-                error = picklable(exc)
-            try:
-                formatter.format_into(results, done.ids, lines)
-            except Exception as exc:  # noqa: BLE001 - a label outside the vocabulary
-                error = error or picklable(exc)
-            done.texts = tuple("".join(texts) for texts in zip(*lines)) if lines else ()
-            done.frames = sum(frames[u] for u in done.ids)
-            done.skipped += scratch.skipped
-            for result in results[:len(done.ids)]:
-                if result.nbest and result.nbest[0].truncated:
-                    done.truncated.append(result.id)
-            done.retried_batches = scratch.retried_batches
-            done.timings = {name: getattr(timings, name) for name in _PROCESS_TIMINGS}
-            if config.runtime.device == "cuda":
-                done.gpu_memory_bytes = backend.device_memory_in_use()
-            if error is not None:
-                answer(("failed", done, error))
-                return
-            answer(("done", done))
-    finally:
-        if source is not None:
-            source.close()
-        if decoder is not None:
-            decoder.close()
+    batches = prefetched(read(), IN_FLIGHT - 1, name="gpudecode-reader")
+    while True:
+        waited = time.perf_counter()
+        item = next(batches, None)
+        timings.input_wait_s += time.perf_counter() - waited
+        if item is None:
+            return
+        ids, batch, skipped = item
+        done, scratch, error = BatchDone(skipped=skipped), RunSummary(), None
+        lines: list[list[str]] = []
+        results, frames = [], {}
+        try:
+            if isinstance(batch, Exception):
+                raise batch
+            if batch:  # what decode_fitting yields before an error is formatted too
+                for utterance, nbest in decode_fitting(decoder, batch, scratch, io.on_bad_input):
+                    results.append(UtteranceResult(id=utterance.id, nbest=nbest))
+                    frames[utterance.id] = utterance.num_frames
+        except Exception as exc:  # noqa: BLE001 - reported to the parent with what was done
+            error = picklable(exc)
+        try:
+            formatter.format_into(results, done.ids, lines)
+        except Exception as exc:  # noqa: BLE001 - a label outside the vocabulary
+            error = error or picklable(exc)
+        done.texts = tuple("".join(texts) for texts in zip(*lines)) if lines else ()
+        done.frames = sum(frames[u] for u in done.ids)
+        done.skipped += scratch.skipped
+        formatted = set(done.ids)
+        done.truncated = [u for u in scratch.truncated if u in formatted]  # decode_fitting counted them
+        done.retried_batches = scratch.retried_batches
+        done.timings = {name: getattr(timings, name) for name in _PROCESS_TIMINGS}
+        if config.runtime.device == "cuda":
+            done.gpu_memory_bytes = backend.device_memory_in_use()
+        if error is not None:
+            answer(("failed", done, error))
+            return
+        answer(("done", done))
 
 
 def main() -> None:

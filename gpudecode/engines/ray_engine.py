@@ -47,7 +47,6 @@ from gpudecode.io import (
     InputError,
     ResultWriter,
     UtteranceResult,
-    Vocabulary,
     bucket_by_length,
     score_wer,
 )
@@ -326,12 +325,6 @@ def _raise_worker_error(result: BatchResult) -> None:
     raise EngineError(f"worker {result.worker} failed:\n{trace}")
 
 
-def _load_vocabulary(config: Config) -> Vocabulary:
-    vocab = config.models.vocabulary
-    return Vocabulary.load(vocab.path, blank=vocab.blank, sentence_begin=vocab.sentence_begin,
-                           sentence_end=vocab.sentence_end, unknown=vocab.unknown)
-
-
 def run_decode_ray(config: Config, *, done: set[str], resume: bool,
                    progress: Callable[[int, int], None] | None = None,
                    on_status: Callable[[Mapping[str, WorkerStatus]], None] | None = None) -> RaySummary:
@@ -339,7 +332,7 @@ def run_decode_ray(config: Config, *, done: set[str], resume: bool,
     ray = import_ray()
     io, front_end = config.io, config.models.front_end
     output = Path(io.output)
-    vocabulary = _load_vocabulary(config)
+    vocabulary = config.models.vocabulary.load()
     summary = RaySummary(resumed=len(done), frame_shift_s=front_end.frame_shift_s, output=output)
     with open_utterances(config, vocabulary, encoder=config.models.encoder is not None) as source:
         if io.references is not None and "text" in io.formats:  # before decoding: bad references stop here
